@@ -1,0 +1,113 @@
+/* keel-bench: the benchmark harness's contract with its suites.
+ *
+ *   keel-bench SUITE [--threads LIST] [--size S] [--reps N] [--json] [--case NAME]
+ *   keel-bench --list
+ *
+ * A suite (one file, bench/suite_<name>.c) registers itself with
+ * KB_SUITE(...). It has cases; a case has implementations ("impls": keel and
+ * its peers) and a function that runs one measurement. The harness runs every
+ * (case, threads, impl) in a child process of its own (so peak RSS, user and
+ * sys time belong to that impl alone), interleaving impls within each
+ * repetition, and reports the median of the repetitions.
+ *
+ * An impl that names a `preload` runs its child with LD_PRELOAD set to that
+ * allocator ("jemalloc", "mimalloc", "tcmalloc", "keel" = build/lib/
+ * libkeel-malloc.so; "glibc" = no preload). A peer whose library is missing
+ * is skipped with a printed note. Impls with preload NULL run in a plain
+ * child (the case function picks the implementation by name).
+ *
+ * Output: with --json one JSON object per line:
+ *   {"suite","case","impl","threads","ops_per_s","ns_per_op","user_s","sys_s",
+ *    "peak_rss_kb","extra":{...}}
+ * Without it, a table per case: rows are thread counts, columns impls, each
+ * peer shown with its ratio against the first impl (keel).
+ */
+#ifndef KEEL_BENCH_H
+#define KEEL_BENCH_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+/* What one child measurement is asked to do. */
+typedef struct kb_params {
+  const char *suite;
+  const char *case_name;
+  const char *impl; /* the impl's name, e.g. "keel", "mutex-pool" */
+  int threads;      /* 1 for cases that are not threaded */
+  const char *size; /* the --size argument as given: "default", "small", "large" or a number */
+  double scale;     /* "small" 0.1, "default" 1, "large" 10, or the number given */
+} kb_params_t;
+
+/* What one child measurement reports. ops and seconds are required; the
+ * harness derives ops_per_s and ns_per_op. Extras are numeric key/values. */
+#define KB_EXTRA_MAX 16
+typedef struct kb_result {
+  double ops;     /* operations done in the timed region */
+  double seconds; /* wall seconds of the timed region */
+  int n_extra;
+  struct {
+    char key[32];
+    double value;
+  } extra[KB_EXTRA_MAX];
+} kb_result_t;
+
+/* Adds or replaces an extra value (e.g. "rss_after_trim_kb"). */
+void kb_extra(kb_result_t *r, const char *key, double value);
+
+/* Runs one measurement; returns 0, or non-zero (with a message on stderr)
+ * when the impl cannot run here, which the harness prints and skips. */
+typedef int (*kb_case_fn)(const kb_params_t *p, kb_result_t *r);
+
+typedef struct kb_impl {
+  const char *name;    /* shown in tables and JSON */
+  const char *preload; /* allocator to LD_PRELOAD (see above) or NULL */
+} kb_impl_t;
+
+/* The allocator peers, in table order: keel first. */
+#define KB_MALLOC_IMPLS                                                                            \
+  {"keel", "keel"}, {"glibc", "glibc"}, {"jemalloc", "jemalloc"}, {"mimalloc", "mimalloc"}, {      \
+    "tcmalloc", "tcmalloc"                                                                         \
+  }
+
+typedef struct kb_case {
+  const char *name;
+  const char *help;
+  kb_case_fn run;
+  const kb_impl_t *impls; /* terminated by {NULL, NULL}; impls[0] is the reference */
+  bool threaded;          /* runs at each --threads value; otherwise once, threads = 1 */
+  /* The metric in the table: NULL = ops_per_s (higher is better), or
+   * "peak_rss_kb", "sys_s", "ns_per_op" or an extra's key. */
+  const char *metric;
+  bool lower_is_better;
+} kb_case_t;
+
+typedef struct kb_suite {
+  const char *name;
+  const char *help;
+  const kb_case_t *cases;      /* terminated by {NULL} */
+  const char *default_threads; /* e.g. "1,2,8,64,256" */
+  struct kb_suite *next;       /* harness-owned */
+} kb_suite_t;
+
+void kb_suite_register(kb_suite_t *s);
+
+#define KB_SUITE(id, ...)                                                                          \
+  static kb_suite_t kb_suite_##id = __VA_ARGS__;                                                   \
+  __attribute__((constructor)) static void kb_suite_register_##id(void) {                          \
+    kb_suite_register(&kb_suite_##id);                                                             \
+  }
+
+/* Helpers for case functions. */
+double kb_now(void);           /* monotonic seconds */
+size_t kb_rss_kb(void);        /* current RSS of this process in KiB */
+uint64_t kb_rand(uint64_t *s); /* xorshift64*: deterministic per seed */
+
+/* Runs fn(i, arg) on `threads` threads started together behind a barrier;
+ * returns the wall seconds from the barrier's release to the last join. */
+double kb_run_threads(int threads, void (*fn)(int i, void *arg), void *arg);
+
+/* Keeps the compiler from optimising a value away. */
+#define kb_escape(p) __asm__ __volatile__("" : : "g"(p) : "memory")
+
+#endif /* KEEL_BENCH_H */

@@ -1,0 +1,28 @@
+/* Fatal misuse and diagnostics.
+ *
+ * keel_die() is the one exit for misuse that would otherwise corrupt memory
+ * (invalid or double free, use after destroy): it prints one line,
+ * "keel: CALL: REASON", on stderr and aborts. It formats into a stack buffer
+ * and writes with write(2): no allocation, no stdio lock, so the heap can die
+ * from inside malloc and a forked child can die with locks held elsewhere.
+ */
+#ifndef KEEL_BASE_DIE_H
+#define KEEL_BASE_DIE_H
+
+#include <stdarg.h>
+
+#include "common.h"
+
+/* "keel: CALL: <formatted reason>\n", then abort(). */
+KEEL_NORETURN void keel_die(const char *call, const char *fmt, ...) KEEL_PRINTF(2, 3) KEEL_HIDDEN;
+
+/* "keel: CALL: REASON at ADDRESS\n", then abort(). */
+KEEL_NORETURN void keel_die_at(const char *call, const char *reason, const void *addr) KEEL_HIDDEN;
+
+/* "keel: <formatted message>\n" on stderr; for warnings that do not abort. */
+void _keel_warn(const char *fmt, ...) KEEL_PRINTF(1, 2) KEEL_HIDDEN;
+
+/* The same, for callers that already hold a va_list. */
+void _keel_vwarn(const char *fmt, va_list ap) KEEL_HIDDEN;
+
+#endif /* KEEL_BASE_DIE_H */

@@ -1,0 +1,49 @@
+/* Memory from the operating system: reserve address space, commit it, give it
+ * back. Everything here is a thin, allocation-free layer over mmap, mprotect
+ * and madvise, so the heap can call it from inside malloc.
+ *
+ * States of a range: reserved (PROT_NONE, no memory, no commit charge) ->
+ * committed (read-write; pages appear on first touch) -> purged (still
+ * read-write, contents dropped, RSS falls; MADV_DONTNEED, or MADV_FREE when
+ * `lazy`, which the kernel reclaims only under pressure) -> decommitted
+ * (back to PROT_NONE) -> released (unmapped).
+ */
+#ifndef KEEL_BASE_OS_H
+#define KEEL_BASE_OS_H
+
+#include <stdbool.h>
+#include <stddef.h>
+
+#include "common.h"
+
+/* The base page size and the transparent huge page size (2 MiB default). */
+size_t _keel_os_page_size(void) KEEL_HIDDEN;
+size_t _keel_os_huge_page_size(void) KEEL_HIDDEN;
+
+/* Reserves `size` bytes aligned to `align` (a power of two, at least a page),
+ * inaccessible. NULL with errno ENOMEM on failure. */
+void *_keel_os_reserve(size_t size, size_t align) KEEL_HIDDEN;
+
+/* Maps `size` read-write bytes aligned to `align`; NULL with errno ENOMEM. */
+void *_keel_os_alloc(size_t size, size_t align) KEEL_HIDDEN;
+
+/* Makes a reserved range read-write. 0 or KEEL_ENOMEM. */
+int _keel_os_commit(void *p, size_t size) KEEL_HIDDEN;
+
+/* Returns a range's memory and its commit charge; the range stays reserved. */
+int _keel_os_decommit(void *p, size_t size) KEEL_HIDDEN;
+
+/* Drops a committed range's contents (RSS falls now, or under pressure when
+ * lazy); it stays read-write and reads back as zero after a non-lazy purge. */
+int _keel_os_purge(void *p, size_t size, bool lazy) KEEL_HIDDEN;
+
+/* Unmaps a range. */
+int _keel_os_release(void *p, size_t size) KEEL_HIDDEN;
+
+/* Asks for transparent huge pages on a range (advice only). */
+void _keel_os_advise_huge(void *p, size_t size) KEEL_HIDDEN;
+
+/* The process's resident set size in KiB (from /proc/self/statm), or 0. */
+size_t _keel_os_rss_kb(void) KEEL_HIDDEN;
+
+#endif /* KEEL_BASE_OS_H */

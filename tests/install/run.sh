@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# Install test: installs keel into a temporary prefix as `make install` does,
+# then builds and runs a tiny program against it twice: with pkg-config, and
+# with CMake's find_package(keel). Usage: run.sh SOURCE_DIR BUILD_DIR
+set -euo pipefail
+src=$1 build=$2
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+prefix=$tmp/prefix
+
+cmake --install "$build" --prefix "$prefix" >/dev/null
+for f in include/keel/keel.h; do
+  [ -f "$prefix/$f" ] || { echo "install: missing $f"; exit 1; }
+done
+libdir=$(dirname "$(find "$prefix" -name libkeel.so -print -quit)")
+[ -n "$libdir" ] && [ -f "$libdir/libkeel.a" ] || { echo "install: libkeel.so/.a missing"; exit 1; }
+pc=$(find "$prefix" -name keel.pc -print -quit)
+[ -n "$pc" ] || { echo "install: keel.pc missing"; exit 1; }
+
+mkdir -p "$tmp/app"
+cat >"$tmp/app/main.c" <<'C'
+#include <keel/keel.h>
+#include <stdio.h>
+#include <string.h>
+int main(void) {
+  int64_t v = -1;
+  if (keel_option_get("pool_sweep_s", &v) != 0 || v != 10000) return 1;
+  if (strcmp(keel_strerror(KEEL_EBUSY), "busy (in use)") != 0) return 2;
+  printf("keel %s ok\n", keel_version());
+  return 0;
+}
+C
+
+# 1. pkg-config, shared and static.
+export PKG_CONFIG_PATH=$(dirname "$pc")
+cc -o "$tmp/app/pc_shared" "$tmp/app/main.c" $(pkg-config --cflags --libs keel) -Wl,-rpath,"$libdir"
+"$tmp/app/pc_shared" | grep -q '^keel .* ok$'
+cc -o "$tmp/app/pc_static" "$tmp/app/main.c" $(pkg-config --cflags keel) "$libdir/libkeel.a" \
+  $(pkg-config --libs --static keel | sed 's/-lkeel//')
+"$tmp/app/pc_static" | grep -q '^keel .* ok$'
+echo "install: pkg-config build runs"
+
+# 2. CMake find_package, shared and static targets.
+cat >"$tmp/app/CMakeLists.txt" <<'CM'
+cmake_minimum_required(VERSION 3.18)
+project(keel_install_test C)
+find_package(keel REQUIRED)
+add_executable(app_shared main.c)
+target_link_libraries(app_shared keel::keel)
+add_executable(app_static main.c)
+target_link_libraries(app_static keel::keel_static)
+CM
+cmake -S "$tmp/app" -B "$tmp/app/build" -DCMAKE_PREFIX_PATH="$prefix" -DCMAKE_BUILD_RPATH="$libdir" >/dev/null
+cmake --build "$tmp/app/build" >/dev/null
+"$tmp/app/build/app_shared" | grep -q '^keel .* ok$'
+"$tmp/app/build/app_static" | grep -q '^keel .* ok$'
+echo "install: find_package build runs"
+echo "1 passed, 0 failed"
