@@ -138,16 +138,19 @@ struct keel_pool {
   keel_atomic(uint64_t) sweeps;
 } KEEL_CACHE_ALIGNED;
 
-/* Per-thread state: the slot array maps a pool id to this thread's sub-pool.
- * Slots are written by the owner, and cleared by keel_pool_destroy for other
- * threads; the array pointer changes only under the registry lock. */
+/* Per-thread state: pool id -> this thread's sub-pool. Ids below
+ * POOL_INLINE_SLOTS live in TLS itself (one load from the thread pointer);
+ * larger ones in `slots`, a heap array of n_slots entries indexed by id
+ * (its first POOL_INLINE_SLOTS entries unused). Slots are written by the
+ * owner, and cleared by keel_pool_destroy for other threads; `slots`
+ * changes only under the registry lock. */
 #define POOL_INLINE_SLOTS 32
 typedef struct pool_tls {
+  pool_sub_t *inline_slots[POOL_INLINE_SLOTS];
   pool_sub_t **slots;
   uint32_t n_slots;
   bool hook_armed;
   keel_thread_hook_t hook;
-  pool_sub_t *inline_slots[POOL_INLINE_SLOTS];
 } pool_tls_t;
 
 extern KEEL_TLS pool_tls_t _keel_pool_tls KEEL_HIDDEN;
@@ -172,7 +175,13 @@ extern int _keel_pool_fence_heavy KEEL_HIDDEN;
 KEEL_INLINE pool_sub_t *pool_sub_get(const keel_pool_t *p) {
   pool_tls_t *t = &_keel_pool_tls;
   uint32_t id = p->id;
-  return keel_likely(id < t->n_slots) ? t->slots[id] : NULL;
+  if (keel_likely(id < POOL_INLINE_SLOTS)) return t->inline_slots[id];
+  return id < t->n_slots ? t->slots[id] : NULL;
+}
+
+/* The slot of pool `id` in t; for large ids the caller ensured n_slots. */
+KEEL_INLINE pool_sub_t **pool_slot(pool_tls_t *t, uint32_t id) {
+  return id < POOL_INLINE_SLOTS ? &t->inline_slots[id] : &t->slots[id];
 }
 
 KEEL_INLINE pool_hdr_t *pool_hdr(void *obj) {

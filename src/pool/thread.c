@@ -1,8 +1,8 @@
 /* Threads come and go: sub-pool creation on a thread's first use of a pool,
  * and release at thread exit.
  *
- * A thread's slot array maps pool ids to its sub-pools; the first 32 slots
- * are inline in TLS so most programs never allocate one. At thread exit (a
+ * A thread's slots map pool ids to its sub-pools; the first 32 are inline
+ * in TLS so most programs never allocate an array. At thread exit (a
  * base/tls.h hook, armed on first use, so no pthread key per pool) every
  * sub-pool is unlinked and its cached objects go straight back to the heap:
  * the heap's own cross-thread free path is the orphan list, and an exiting
@@ -39,8 +39,8 @@ void __keel_pool_sub_retire(pool_sub_t *sp, pool_hdr_t **list, size_t *n) {
   p->gone_heap += keel_load_relaxed(&sp->heap_allocs);
   p->gone_frees += keel_load_relaxed(&sp->frees);
   pool_tls_t *t = sp->owner;
-  KEEL_ASSERT(p->id < t->n_slots && t->slots[p->id] == sp);
-  t->slots[p->id] = NULL;
+  KEEL_ASSERT(*pool_slot(t, p->id) == sp);
+  *pool_slot(t, p->id) = NULL;
   *list = pool_sub_take_all(sp, n);
   pthread_mutex_destroy(&sp->lock);
   keel_free(sp);
@@ -50,8 +50,9 @@ void __keel_pool_sub_retire(pool_sub_t *sp, pool_hdr_t **list, size_t *n) {
 static void pool_thread_exit(void *arg) {
   pool_tls_t *t = arg;
   _keel_pool_registry_lock();
-  for (uint32_t id = 0; id < t->n_slots; id++) {
-    pool_sub_t *sp = t->slots[id];
+  uint32_t n = t->n_slots > POOL_INLINE_SLOTS ? t->n_slots : POOL_INLINE_SLOTS;
+  for (uint32_t id = 0; id < n; id++) {
+    pool_sub_t *sp = *pool_slot(t, id);
     if (sp == NULL) continue;
     keel_pool_t *p = sp->pool;
     pool_hdr_t *list;
@@ -63,7 +64,7 @@ static void pool_thread_exit(void *arg) {
      * quick next to the lock's other users (sweeps hold it far longer). */
     if (list != NULL) _keel_pool_release_list(p, list, n, "keel_pool (thread exit)");
   }
-  if (t->slots != t->inline_slots) keel_free(t->slots);
+  keel_free(t->slots);
   t->slots = NULL;
   t->n_slots = 0;
   t->hook_armed = false;
@@ -73,17 +74,13 @@ static void pool_thread_exit(void *arg) {
 /* Makes room for slot `id`. Caller holds the registry lock (destroy reads
  * other threads' slot arrays under it). */
 static int __pool_slots_grow(pool_tls_t *t, uint32_t id) {
-  if (t->slots == NULL) {
-    t->slots = t->inline_slots;
-    t->n_slots = POOL_INLINE_SLOTS;
-  }
-  if (id < t->n_slots) return 0;
-  uint32_t n = t->n_slots;
+  if (id < POOL_INLINE_SLOTS || id < t->n_slots) return 0;
+  uint32_t n = t->n_slots ? t->n_slots : 2 * POOL_INLINE_SLOTS;
   while (n <= id) n *= 2;
   pool_sub_t **s = keel_calloc(n, sizeof(*s));
   if (s == NULL) return KEEL_ENOMEM;
-  memcpy(s, t->slots, t->n_slots * sizeof(*s));
-  if (t->slots != t->inline_slots) keel_free(t->slots);
+  if (t->slots != NULL) memcpy(s, t->slots, t->n_slots * sizeof(*s));
+  keel_free(t->slots);
   t->slots = s;
   t->n_slots = n;
   return 0;
@@ -115,7 +112,7 @@ pool_sub_t *_keel_pool_sub_attach(keel_pool_t *p) {
   pthread_mutex_lock(&p->lock);
   cds_list_add_tail(&sp->link, &p->subs);
   pthread_mutex_unlock(&p->lock);
-  t->slots[p->id] = sp;
+  *pool_slot(t, p->id) = sp;
   _keel_pool_registry_unlock();
   return sp;
 nomem:
