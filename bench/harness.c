@@ -49,6 +49,7 @@ extern char **environ;
 #define KB_WIRE_MAGIC  0x6b62656e63680001ull /* "kbench" v1 */
 #define KB_EXIT_USAGE  2
 #define KB_EXIT_SKIP   3 /* the case said it cannot run here */
+#define KB_EXIT_NOLIB  4 /* malloc is not the preloaded library's */
 #define KB_MAX_THREADS 4096
 #define KB_MAX_REPS    101
 #define KB_MAX_IMPLS   16
@@ -450,7 +451,7 @@ int kb_child_main(int argc, char **argv) {
     fprintf(stderr, "keel-bench: --child: no %s/%s impl %s\n", argv[1], argv[2], argv[3]);
     return KB_EXIT_USAGE;
   }
-  if (!kb_child_check_malloc(m)) return KB_EXIT_SKIP;
+  if (!kb_child_check_malloc(m)) return KB_EXIT_NOLIB;
   kb_wire_t w = {.magic = KB_WIRE_MAGIC};
   if (c->run(&p, &w.r) != 0) return KB_EXIT_SKIP;
   if (write(fd, &w, sizeof(w)) != (ssize_t)sizeof(w)) {
@@ -468,6 +469,7 @@ int kb_child_main(int argc, char **argv) {
 typedef enum kb_status {
   KB_OK,
   KB_SKIP,    /* the case cannot run with this impl here; not an error */
+  KB_NOIMPL,  /* the preload does not provide malloc: skip the impl everywhere */
   KB_FAIL,    /* crashed, exited without a result or non-zero */
   KB_TIMEOUT, /* killed at the deadline */
 } kb_status_t;
@@ -617,6 +619,10 @@ static kb_status_t kb_spawn(char **argv, char **env, double timeout_s, kb_sample
     snprintf(why, wlen, "cannot run here");
     return KB_SKIP;
   }
+  if (code == KB_EXIT_NOLIB) {
+    snprintf(why, wlen, "its library does not provide malloc");
+    return KB_NOIMPL;
+  }
   if (code != 0 || st != KB_OK) {
     snprintf(why, wlen, code == 127 ? "exec failed" : "exited with status %d and no result", code);
     return KB_FAIL;
@@ -757,6 +763,7 @@ static void kb_format(char *buf, size_t len, const char *metric, double v) {
 static const char *kb_status_word(kb_status_t s) {
   switch (s) {
     case KB_SKIP:
+    case KB_NOIMPL:
       return "skipped";
     case KB_TIMEOUT:
       return "timeout";
@@ -843,6 +850,17 @@ static void kb_extras_print(const kb_impl_t *impls, int n_impl, const int *threa
  * Running a suite
  * ------------------------------------------------------------------------- */
 
+/* Impls whose library turned out not to provide malloc (e.g. a
+ * libkeel-malloc.so built before the heap exists): skipped from then on. */
+static char kb_broken[KB_MAX_IMPLS][32];
+static int kb_n_broken;
+
+static bool kb_is_broken(const char *name) {
+  for (int i = 0; i < kb_n_broken; i++)
+    if (strcmp(kb_broken[i], name) == 0) return true;
+  return false;
+}
+
 /* An impl of the case being run, with its library resolved once. */
 typedef struct kb_impl_state {
   const kb_impl_t *impl;
@@ -894,7 +912,9 @@ static int kb_impls_prepare(const kb_case_t *c, const kb_opts_t *o, kb_impl_stat
     s->impl = m;
     s->available = true;
     s->env = NULL;
-    if (m->preload == NULL) {
+    if (kb_is_broken(m->name)) {
+      s->available = false;
+    } else if (m->preload == NULL) {
       s->env = kb_child_env(NULL);
     } else if (kb_preload_resolve(m->preload, path, sizeof(path), why, sizeof(why))) {
       s->env = kb_child_env(path);
@@ -967,6 +987,14 @@ static bool kb_case_run(const kb_suite_t *s, const kb_case_t *c, const kb_opts_t
           continue;
         }
         kb_progress(o, "%s", "");
+        if (r == KB_NOIMPL) {
+          fprintf(stderr, "note: %s: %s; skipped\n", st[j].impl->name, why);
+          if (kb_n_broken < KB_MAX_IMPLS)
+            snprintf(kb_broken[kb_n_broken++], sizeof(kb_broken[0]), "%s", st[j].impl->name);
+          st[j].available = false;
+          worst[j] = KB_SKIP;
+          continue;
+        }
         if (r > worst[j]) worst[j] = r;
         /* A skip or a timeout would repeat: the remaining reps are left out. */
         stop[j] = r == KB_SKIP || r == KB_TIMEOUT;
@@ -993,7 +1021,7 @@ static bool kb_case_run(const kb_suite_t *s, const kb_case_t *c, const kb_opts_t
     if (strcmp(kb_metric_name(c), "peak_rss_kb") != 0)
       kb_table("  peak RSS of the child", "peak_rss_kb", true, shown, n_impl, threads, n_threads,
                cells);
-    kb_extras_print(shown, n_impl, threads, n_threads, cells);
+    if (!c->threaded) kb_extras_print(shown, n_impl, threads, n_threads, cells);
     fflush(stdout);
   }
   for (int j = 0; j < n_impl; j++) {
