@@ -407,11 +407,15 @@ static bool kb_preload_resolve(const char *preload, char *path, size_t len, char
  * The child
  * ------------------------------------------------------------------------- */
 
-/* True when malloc resolves into the library we meant: LD_PRELOAD's for a
- * peer, libc for glibc. A preload the loader refused (wrong ELF class, a
- * missing dependency) only warns, and would otherwise be measured as glibc. */
+/* True when malloc resolves into the library we meant to preload. A preload
+ * the loader refused (wrong ELF class, a missing dependency) only warns, and
+ * would otherwise be measured as glibc under the peer's name. With nothing
+ * preloaded ("glibc") there is nothing to check: malloc is libc's, or a
+ * sanitizer's interceptor in a sanitizer build. */
 static bool kb_child_check_malloc(const kb_impl_t *m) {
-  if (m->preload == NULL) return true;
+  const char *want = getenv("LD_PRELOAD");
+  if (m->preload == NULL || want == NULL || *want == '\0') return true;
+  want = strrchr(want, '/') ? strrchr(want, '/') + 1 : want;
   Dl_info di;
   void *sym = dlsym(RTLD_DEFAULT, "malloc");
   if (sym == NULL || dladdr(sym, &di) == 0 || di.dli_fname == NULL) {
@@ -419,15 +423,8 @@ static bool kb_child_check_malloc(const kb_impl_t *m) {
     return false;
   }
   const char *got = strrchr(di.dli_fname, '/') ? strrchr(di.dli_fname, '/') + 1 : di.dli_fname;
-  const char *want = getenv("LD_PRELOAD");
-  if (want && *want) {
-    want = strrchr(want, '/') ? strrchr(want, '/') + 1 : want;
-    if (strcmp(got, want) == 0) return true;
-  } else if (strncmp(got, "libc.so", 7) == 0) {
-    return true;
-  }
-  fprintf(stderr, "keel-bench: %s: malloc comes from %s, not %s\n", m->name, di.dli_fname,
-          want && *want ? want : "libc");
+  if (strcmp(got, want) == 0) return true;
+  fprintf(stderr, "keel-bench: %s: malloc comes from %s, not %s\n", m->name, di.dli_fname, want);
   return false;
 }
 
@@ -776,9 +773,18 @@ static const char *kb_status_word(kb_status_t s) {
 
 #define KB_CELL_LEN 40
 
-/* Prints one table: rows = thread counts, columns = impls; each peer's value
- * is followed by its ratio against the reference column (impls[0], or the
- * first impl with a value in that row when impls[0] has none). */
+/* The reference column: impls[0] (keel), or when it has no value at all
+ * (skipped, crashed) the first impl that has one. */
+static int kb_ref_column(const kb_cell_t *cells, int n_impl, int n_threads) {
+  for (int j = 0; j < n_impl; j++)
+    for (int t = 0; t < n_threads; t++)
+      if (cells[t * n_impl + j].n) return j;
+  return 0;
+}
+
+/* Prints one table: rows = thread counts, columns = impls; each value but
+ * the reference column's is followed by its ratio against that column in
+ * the same row. */
 static void kb_table(const char *title, const char *metric, bool lower, const kb_impl_t *impls,
                      int n_impl, const int *threads, int n_threads, kb_cell_t *cells) {
   char(*txt)[KB_CELL_LEN] = calloc((size_t)(n_threads + 1) * (size_t)(n_impl + 1), KB_CELL_LEN);
@@ -787,13 +793,11 @@ static void kb_table(const char *title, const char *metric, bool lower, const kb
 #define KB_TXT(r, c) txt[(r) * (n_impl + 1) + (c)]
   snprintf(KB_TXT(0, 0), KB_CELL_LEN, "threads");
   for (int j = 0; j < n_impl; j++) snprintf(KB_TXT(0, j + 1), KB_CELL_LEN, "%s", impls[j].name);
+  int rc = kb_ref_column(cells, n_impl, n_threads);
   for (int t = 0; t < n_threads; t++) {
     snprintf(KB_TXT(t + 1, 0), KB_CELL_LEN, "%d", threads[t]);
-    double ref = NAN;
-    for (int j = 0; j < n_impl && isnan(ref); j++) {
-      kb_cell_t *c = &cells[t * n_impl + j];
-      if (c->n) ref = kb_cell_metric(c, metric);
-    }
+    kb_cell_t *rcell = &cells[t * n_impl + rc];
+    double ref = rcell->n ? kb_cell_metric(rcell, metric) : NAN;
     for (int j = 0; j < n_impl; j++) {
       kb_cell_t *c = &cells[t * n_impl + j];
       char v[KB_CELL_LEN / 2];
@@ -803,7 +807,7 @@ static void kb_table(const char *title, const char *metric, bool lower, const kb
       }
       double x = kb_cell_metric(c, metric);
       kb_format(v, sizeof(v), metric, x);
-      if (j == 0 || !(ref > 0) || !isfinite(x))
+      if (j == rc || !(ref > 0) || !isfinite(x))
         snprintf(KB_TXT(t + 1, j + 1), KB_CELL_LEN, "%s", v);
       else
         snprintf(KB_TXT(t + 1, j + 1), KB_CELL_LEN, "%s (%.2fx)", v, x / ref);
@@ -815,7 +819,7 @@ static void kb_table(const char *title, const char *metric, bool lower, const kb
       if (w > width[j]) width[j] = w;
     }
   printf("%s (%s, %s is better; (x) = value / %s's)\n", title, metric, lower ? "lower" : "higher",
-         impls[0].name);
+         impls[rc].name);
   for (int r = 0; r <= n_threads; r++) {
     printf("  %*s", width[0], KB_TXT(r, 0));
     for (int j = 0; j < n_impl; j++) printf("  %*s", width[j + 1], KB_TXT(r, j + 1));
@@ -941,98 +945,124 @@ static void kb_progress(const kb_opts_t *o, const char *fmt, ...) {
   va_end(ap);
 }
 
-/* Runs one case at every thread count; returns true when nothing failed. */
-static bool kb_case_run(const kb_suite_t *s, const kb_case_t *c, const kb_opts_t *o,
-                        const int *threads, int n_threads) {
+/* One case being measured: its impls and, per impl, the repetitions of the
+ * thread count in progress. */
+typedef struct kb_case_ctx {
+  const kb_suite_t *s;
+  const kb_case_t *c;
+  const kb_opts_t *o;
+  int n_impl;
   kb_impl_state_t st[KB_MAX_IMPLS];
-  kb_impl_t shown[KB_MAX_IMPLS + 1];
-  int n_impl = kb_impls_prepare(c, o, st);
-  if (n_impl == 0) return true;
-  for (int j = 0; j < n_impl; j++) shown[j] = *st[j].impl;
-  int one = 1;
-  if (!c->threaded) threads = &one, n_threads = 1;
-  kb_cell_t *cells = calloc((size_t)n_threads * (size_t)n_impl, sizeof(*cells));
-  kb_sample_t *samples = calloc((size_t)n_impl * (size_t)o->reps, sizeof(*samples));
-  if (cells == NULL || samples == NULL) abort();
-  bool ok = true;
-  for (int t = 0; t < n_threads; t++) {
-    int got[KB_MAX_IMPLS] = {0};
-    bool stop[KB_MAX_IMPLS] = {0};
-    kb_status_t worst[KB_MAX_IMPLS] = {0};
-    char targ[16];
-    snprintf(targ, sizeof(targ), "%d", threads[t]);
-    for (int rep = 0; rep < o->reps; rep++)
-      for (int j = 0; j < n_impl; j++) {
-        if (!st[j].available) {
-          worst[j] = KB_SKIP;
-          continue;
-        }
-        if (stop[j]) continue;
-        kb_progress(o, "  %s/%s threads=%d rep %d/%d %s", s->name, c->name, threads[t], rep + 1,
-                    o->reps, st[j].impl->name);
-        char *argv[] = {(char *)"keel-bench",
-                        (char *)"--child",
-                        NULL,
-                        (char *)s->name,
-                        (char *)c->name,
-                        (char *)st[j].impl->name,
-                        targ,
-                        (char *)o->size,
-                        NULL};
-        char why[256];
-        kb_status_t r = kb_spawn(argv, st[j].env, o->timeout_s, &samples[j * o->reps + got[j]], why,
-                                 sizeof(why));
-        if (r == KB_OK) {
-          got[j]++;
-          continue;
-        }
-        kb_progress(o, "%s", "");
-        if (r == KB_NOIMPL) {
-          fprintf(stderr, "note: %s: %s; skipped\n", st[j].impl->name, why);
-          if (kb_n_broken < KB_MAX_IMPLS)
-            snprintf(kb_broken[kb_n_broken++], sizeof(kb_broken[0]), "%s", st[j].impl->name);
-          st[j].available = false;
-          worst[j] = KB_SKIP;
-          continue;
-        }
-        if (r > worst[j]) worst[j] = r;
-        /* A skip or a timeout would repeat: the remaining reps are left out. */
-        stop[j] = r == KB_SKIP || r == KB_TIMEOUT;
-        ok = ok && r == KB_SKIP;
-        fprintf(stderr, "note: %s/%s %s threads=%d rep %d: %s%s\n", s->name, c->name,
-                st[j].impl->name, threads[t], rep + 1, why,
-                stop[j] && rep + 1 < o->reps ? " (remaining repetitions skipped)" : "");
-      }
-    kb_progress(o, "%s", "");
-    for (int j = 0; j < n_impl; j++) {
-      kb_cell_t *cell = &cells[t * n_impl + j];
-      kb_cell_fill(cell, &samples[j * o->reps], got[j]);
-      cell->worst = worst[j];
-      if (got[j] == 0) continue;
-      if (o->json) kb_json_line(stdout, s->name, c->name, st[j].impl->name, threads[t], cell);
-      if (o->out_fp) kb_json_line(o->out_fp, s->name, c->name, st[j].impl->name, threads[t], cell);
-    }
+  kb_sample_t *samples;            /* [impl][rep] */
+  int got[KB_MAX_IMPLS];           /* finished repetitions per impl */
+  bool stop[KB_MAX_IMPLS];         /* no more repetitions at this thread count */
+  kb_status_t worst[KB_MAX_IMPLS]; /* why an impl has fewer repetitions */
+  bool ok;                         /* nothing crashed or timed out */
+} kb_case_ctx_t;
+
+/* Runs impl j once at `threads`; records the sample or notes why not. */
+static void kb_run_once(kb_case_ctx_t *x, int j, int threads, int rep) {
+  kb_impl_state_t *m = &x->st[j];
+  const kb_opts_t *o = x->o;
+  char targ[16], why[256];
+  snprintf(targ, sizeof(targ), "%d", threads);
+  char *argv[] = {(char *)"keel-bench",
+                  (char *)"--child",
+                  NULL,
+                  (char *)x->s->name,
+                  (char *)x->c->name,
+                  (char *)m->impl->name,
+                  targ,
+                  (char *)o->size,
+                  NULL};
+  kb_progress(o, "  %s/%s threads=%d rep %d/%d %s", x->s->name, x->c->name, threads, rep + 1,
+              o->reps, m->impl->name);
+  kb_status_t r =
+      kb_spawn(argv, m->env, o->timeout_s, &x->samples[j * o->reps + x->got[j]], why, sizeof(why));
+  kb_progress(o, "%s", "");
+  if (r == KB_OK) {
+    x->got[j]++;
+  } else if (r == KB_NOIMPL) {
+    fprintf(stderr, "note: %s: %s; skipped\n", m->impl->name, why);
+    if (kb_n_broken < KB_MAX_IMPLS)
+      snprintf(kb_broken[kb_n_broken++], sizeof(kb_broken[0]), "%s", m->impl->name);
+    m->available = false;
+    x->worst[j] = KB_SKIP;
+  } else {
+    if (r > x->worst[j]) x->worst[j] = r;
+    /* A skip or a timeout would repeat: the remaining reps are left out. */
+    x->stop[j] = r == KB_SKIP || r == KB_TIMEOUT;
+    x->ok = x->ok && r == KB_SKIP;
+    fprintf(stderr, "note: %s/%s %s threads=%d rep %d: %s%s\n", x->s->name, x->c->name,
+            m->impl->name, threads, rep + 1, why,
+            x->stop[j] && rep + 1 < o->reps ? " (remaining repetitions skipped)" : "");
   }
-  if (!o->json) {
-    char title[256];
-    snprintf(title, sizeof(title), "\n%s/%s: %s\n ", s->name, c->name, c->help);
-    kb_table(title, kb_metric_name(c), kb_lower_is_better(c), shown, n_impl, threads, n_threads,
+}
+
+/* All repetitions at one thread count, impls interleaved within each; fills
+ * one row of cells and writes its JSON lines. */
+static void kb_measure(kb_case_ctx_t *x, int threads, kb_cell_t *row) {
+  const kb_opts_t *o = x->o;
+  for (int j = 0; j < x->n_impl; j++) {
+    x->got[j] = 0;
+    x->stop[j] = false;
+    x->worst[j] = x->st[j].available ? KB_OK : KB_SKIP;
+  }
+  for (int rep = 0; rep < o->reps; rep++)
+    for (int j = 0; j < x->n_impl; j++)
+      if (x->st[j].available && !x->stop[j]) kb_run_once(x, j, threads, rep);
+  for (int j = 0; j < x->n_impl; j++) {
+    kb_cell_fill(&row[j], &x->samples[j * o->reps], x->got[j]);
+    row[j].worst = x->worst[j];
+    if (x->got[j] == 0) continue;
+    const char *impl = x->st[j].impl->name;
+    if (o->json) kb_json_line(stdout, x->s->name, x->c->name, impl, threads, &row[j]);
+    if (o->out_fp) kb_json_line(o->out_fp, x->s->name, x->c->name, impl, threads, &row[j]);
+  }
+}
+
+static void kb_report(const kb_case_ctx_t *x, const int *threads, int n_threads, kb_cell_t *cells) {
+  const kb_case_t *c = x->c;
+  kb_impl_t shown[KB_MAX_IMPLS];
+  for (int j = 0; j < x->n_impl; j++) shown[j] = *x->st[j].impl;
+  char title[256];
+  snprintf(title, sizeof(title), "\n%s/%s: %s\n ", x->s->name, c->name, c->help);
+  kb_table(title, kb_metric_name(c), kb_lower_is_better(c), shown, x->n_impl, threads, n_threads,
+           cells);
+  if (strcmp(kb_metric_name(c), "peak_rss_kb") != 0)
+    kb_table("  peak RSS of the child", "peak_rss_kb", true, shown, x->n_impl, threads, n_threads,
              cells);
-    if (strcmp(kb_metric_name(c), "peak_rss_kb") != 0)
-      kb_table("  peak RSS of the child", "peak_rss_kb", true, shown, n_impl, threads, n_threads,
-               cells);
-    if (!c->threaded) kb_extras_print(shown, n_impl, threads, n_threads, cells);
-    fflush(stdout);
-  }
-  for (int j = 0; j < n_impl; j++) {
-    char **e = st[j].env;
+  /* A threaded case's extras would be a line per (threads, impl): JSON only. */
+  if (!c->threaded) kb_extras_print(shown, x->n_impl, threads, n_threads, cells);
+  fflush(stdout);
+}
+
+static void kb_impls_release(kb_case_ctx_t *x) {
+  for (int j = 0; j < x->n_impl; j++) {
+    char **e = x->st[j].env;
     for (size_t k = 0; e && e[k]; k++)
       if (strncmp(e[k], "LD_PRELOAD=", 11) == 0) free(e[k]);
     free(e);
   }
-  free(samples);
+}
+
+/* Runs one case at every thread count; returns true when nothing failed. */
+static bool kb_case_run(const kb_suite_t *s, const kb_case_t *c, const kb_opts_t *o,
+                        const int *threads, int n_threads) {
+  kb_case_ctx_t x = {.s = s, .c = c, .o = o, .ok = true};
+  x.n_impl = kb_impls_prepare(c, o, x.st);
+  if (x.n_impl == 0) return true;
+  int one = 1;
+  if (!c->threaded) threads = &one, n_threads = 1;
+  kb_cell_t *cells = calloc((size_t)n_threads * (size_t)x.n_impl, sizeof(*cells));
+  x.samples = calloc((size_t)x.n_impl * (size_t)o->reps, sizeof(*x.samples));
+  if (cells == NULL || x.samples == NULL) abort();
+  for (int t = 0; t < n_threads; t++) kb_measure(&x, threads[t], &cells[t * x.n_impl]);
+  if (!o->json) kb_report(&x, threads, n_threads, cells);
+  kb_impls_release(&x);
+  free(x.samples);
   free(cells);
-  return ok;
+  return x.ok;
 }
 
 int kb_suite_run(const kb_suite_t *s, const kb_opts_t *o) {
