@@ -21,7 +21,7 @@
 
 #include "heap/internal.h"
 
-KEEL_INLINE void _keel_counter_add(keel_atomic(size_t) *c, size_t n) {
+KEEL_INLINE void _keel_counter_add(keel_atomic(size_t) * c, size_t n) {
   /* Owner-written: a relaxed load and store, not an atomic add. */
   keel_store_relaxed(c, keel_load_relaxed(c) + n);
 }

@@ -61,26 +61,34 @@ static uint64_t heap_seed;
 /* ---- queues (caller holds heap->lock) ---- */
 
 static void queue_remove(keel_page_queue_t *q, keel_page_t *page) {
-  if (page->prev != NULL) page->prev->next = page->next;
-  else q->first = page->next;
-  if (page->next != NULL) page->next->prev = page->prev;
-  else q->last = page->prev;
+  if (page->prev != NULL)
+    page->prev->next = page->next;
+  else
+    q->first = page->next;
+  if (page->next != NULL)
+    page->next->prev = page->prev;
+  else
+    q->last = page->prev;
   page->next = page->prev = NULL;
 }
 
 static void queue_push_back(keel_page_queue_t *q, keel_page_t *page) {
   page->next = NULL;
   page->prev = q->last;
-  if (q->last != NULL) q->last->next = page;
-  else q->first = page;
+  if (q->last != NULL)
+    q->last->next = page;
+  else
+    q->first = page;
   q->last = page;
 }
 
 static void queue_push_front(keel_page_queue_t *q, keel_page_t *page) {
   page->prev = NULL;
   page->next = q->first;
-  if (q->first != NULL) q->first->prev = page;
-  else q->last = page;
+  if (q->first != NULL)
+    q->first->prev = page;
+  else
+    q->last = page;
   q->first = page;
 }
 
@@ -94,8 +102,10 @@ static bool tf_set_state(keel_page_t *page, unsigned state) {
   uintptr_t w = keel_load_relaxed(&page->thread_free);
   for (unsigned spins = 0;; spins++) {
     if (KEEL_TF_STATE(w) == KEEL_TF_DELAYING) {
-      if (spins > 64) sched_yield();
-      else keel_cpu_relax();
+      if (spins > 64)
+        sched_yield();
+      else
+        keel_cpu_relax();
       w = keel_load_relaxed(&page->thread_free);
       continue;
     }
@@ -121,8 +131,7 @@ static void __page_unfull(keel_heap_t *heap, keel_page_t *page) {
   queue_push_back(&heap->queue[page->cls], page);
   uintptr_t w = keel_load_relaxed(&page->thread_free);
   while (KEEL_TF_STATE(w) == KEEL_TF_USE_DELAYED &&
-         !keel_cas_weak_acq_rel(&page->thread_free, &w, (w & ~(uintptr_t)3) | KEEL_TF_NORMAL)) {
-  }
+         !keel_cas_weak_acq_rel(&page->thread_free, &w, (w & ~(uintptr_t)3) | KEEL_TF_NORMAL)) {}
   /* Release: everything done to the page under the lock is visible to an
    * owner whose free fast path sees flags == 0 (acquire there). */
   keel_store_release(&page->flags, 0);
@@ -379,8 +388,7 @@ static void free_remote(keel_heap_t *me, keel_page_t *page, keel_block_t *b) {
       b->next = (uintptr_t)head;
     } while (!keel_cas_weak_acq_rel(&owner->delayed, &head, b));
     w = keel_load_relaxed(&page->thread_free);
-    while (!keel_cas_weak_acq_rel(&page->thread_free, &w, (w & ~(uintptr_t)3) | KEEL_TF_NORMAL)) {
-    }
+    while (!keel_cas_weak_acq_rel(&page->thread_free, &w, (w & ~(uintptr_t)3) | KEEL_TF_NORMAL)) {}
   }
   if (me != &_keel_empty_heap) {
     _keel_counter_add(&me->counters[cls].frees, 1);
@@ -460,8 +468,10 @@ static void heap_collect_other(keel_heap_t *heap, void *argp) {
   if (keel_load_relaxed(&heap->delayed) == NULL) return;
   /* Another thread's heap: only its full pages (see the file comment). A
    * busy owner is left alone unless forced. */
-  if (arg->force) pthread_mutex_lock(&heap->lock);
-  else if (pthread_mutex_trylock(&heap->lock) != 0) return;
+  if (arg->force)
+    pthread_mutex_lock(&heap->lock);
+  else if (pthread_mutex_trylock(&heap->lock) != 0)
+    return;
   __drain_delayed(heap, false);
   pthread_mutex_unlock(&heap->lock);
 }

@@ -49,8 +49,8 @@
 #define KEEL_SLICES        (KEEL_SEGMENT_SIZE / KEEL_SLICE_SIZE)
 
 /* Size classes (classes.c). */
-#define KEEL_SMALL_MAX     1024              /* served by the one-table lookup in the fast path */
-#define KEEL_LARGE_MAX     ((size_t)256 << 10) /* largest class; above: mapped directly */
+#define KEEL_SMALL_MAX       1024 /* served by the one-table lookup in the fast path */
+#define KEEL_LARGE_MAX       ((size_t)256 << 10) /* largest class; above: mapped directly */
 #define KEEL_CLASS_COUNT_MAX 120
 
 /* Blocks are aligned to at least 8; classes that are multiples of 16 to 16. */
@@ -90,23 +90,23 @@ enum {
 struct keel_heap;
 
 typedef struct keel_page {
-  keel_block_t *free;       /* owner: blocks to hand out; empty when (ptr & SEGMENT_MASK) == 0 */
-  keel_block_t *local_free; /* owner: blocks the owner freed since the last collect */
-  uintptr_t key;            /* encodes this page's links; random, bit 63 set */
-  uint32_t used;            /* owner: blocks handed out and not back on free/local_free */
-  uint32_t capacity;        /* blocks carved so far (lazily, a few KiB at a time) */
-  uint32_t reserved;        /* blocks that fit in the page */
-  uint32_t bsize;           /* block size; 0 while the span is not a page */
-  uint64_t div_magic;       /* ceil(2^64 / bsize): off % bsize == 0 iff off * magic < magic */
-  uint8_t *start;           /* first block */
+  keel_block_t *free;         /* owner: blocks to hand out; empty when (ptr & SEGMENT_MASK) == 0 */
+  keel_block_t *local_free;   /* owner: blocks the owner freed since the last collect */
+  uintptr_t key;              /* encodes this page's links; random, bit 63 set */
+  uint32_t used;              /* owner: blocks handed out and not back on free/local_free */
+  uint32_t capacity;          /* blocks carved so far (lazily, a few KiB at a time) */
+  uint32_t reserved;          /* blocks that fit in the page */
+  uint32_t bsize;             /* block size; 0 while the span is not a page */
+  uint64_t div_magic;         /* ceil(2^64 / bsize): off % bsize == 0 iff off * magic < magic */
+  uint8_t *start;             /* first block */
   keel_atomic(uint8_t) flags; /* KEEL_PAGE_IN_FULL: written by the owner under its heap lock */
   uint8_t cls;                /* size class */
   uint8_t slices;             /* span length in slices */
   uint8_t abandoned;          /* on the abandoned list (segment lock) */
   uint32_t pad_;
-  keel_atomic(uintptr_t) thread_free;       /* blocks freed by other threads (see above) */
-  keel_atomic(struct keel_heap *) heap;     /* owner; NULL while abandoned or unused */
-  struct keel_page *next, *prev;            /* in the owner's queue / full list, or abandoned */
+  keel_atomic(uintptr_t) thread_free;   /* blocks freed by other threads (see above) */
+  keel_atomic(struct keel_heap *) heap; /* owner; NULL while abandoned or unused */
+  struct keel_page *next, *prev;        /* in the owner's queue / full list, or abandoned */
   uint64_t pad2_[4];
 } keel_page_t;
 
@@ -122,9 +122,9 @@ typedef struct keel_segment {
   uint32_t kind;
   uint8_t slice_head[KEEL_SLICES]; /* slice -> first slice of its span */
   /* small segments, under the segment lock: */
-  uint64_t used_mask;  /* slices in use (bit 0: this header) */
-  uint64_t dirty_mask; /* free slices whose memory is still resident */
-  uint64_t purge_at;   /* coarse ms after which dirty slices may be purged */
+  uint64_t used_mask;               /* slices in use (bit 0: this header) */
+  uint64_t dirty_mask;              /* free slices whose memory is still resident */
+  uint64_t purge_at;                /* coarse ms after which dirty slices may be purged */
   struct keel_segment *next, *prev; /* all small segments */
   /* large mappings: */
   size_t mapped;   /* bytes mapped from base */
@@ -160,8 +160,8 @@ typedef struct keel_heap {
   pthread_mutex_t lock;
   keel_page_queue_t queue[KEEL_CLASS_COUNT_MAX]; /* pages with free blocks; current first */
   keel_page_queue_t full;                        /* IN_FULL pages */
-  keel_atomic(keel_block_t *) delayed; /* remote frees into full pages (raw next links) */
-  uint64_t rng;                        /* page keys */
+  keel_atomic(keel_block_t *) delayed;           /* remote frees into full pages (raw next links) */
+  uint64_t rng;                                  /* page keys */
   keel_thread_hook_t exit_hook;
   struct keel_heap *next_all; /* every heap ever made (registry) */
   struct keel_heap *next_free;
@@ -213,6 +213,9 @@ void __keel_page_collect_thread_free(keel_page_t *page) KEEL_HIDDEN;
 KEEL_NORETURN void _keel_die_double_free(const char *call, void *p) KEEL_HIDDEN;
 KEEL_NORETURN void _keel_die_invalid(const char *call, const void *p) KEEL_HIDDEN;
 bool _keel_page_has_free_block(keel_page_t *page, keel_block_t *b) KEEL_HIDDEN;
+/* Full check of a page (owner, or lock holder): lists well formed and
+ * free + local_free + used == capacity. For tests and KEEL_ASSERT_FULL. */
+bool _keel_page_validate(const keel_page_t *page) KEEL_HIDDEN;
 
 /* --- heaps (heap.c) --- */
 keel_heap_t *_keel_heap_init_thread(void) KEEL_HIDDEN;

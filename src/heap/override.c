@@ -33,7 +33,6 @@
 
 #define KEEL_EXPORT __attribute__((visibility("default")))
 
-
 KEEL_EXPORT void *malloc(size_t size) {
   return _keel_malloc_fast(size);
 }

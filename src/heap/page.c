@@ -87,8 +87,7 @@ void __keel_page_collect_thread_free(keel_page_t *page) {
     if (KEEL_TF_PTR(w) == NULL) return;
     /* Acquire: the pushers' writes of each block's link (made before their
      * release CAS) are visible before we walk or hand out the blocks. */
-  } while (!keel_cas_weak_acq_rel(&page->thread_free, &w,
-                                  KEEL_TF_MAKE(NULL, 0, KEEL_TF_STATE(w))));
+  } while (!keel_cas_weak_acq_rel(&page->thread_free, &w, KEEL_TF_MAKE(NULL, 0, KEEL_TF_STATE(w))));
   KEEL_ASSERT(page->used >= KEEL_TF_COUNT(w));
   page->used -= KEEL_TF_COUNT(w);
   page_append_free(page, KEEL_TF_PTR(w));
@@ -120,4 +119,36 @@ bool _keel_page_has_free_block(keel_page_t *page, keel_block_t *b) {
   uintptr_t w = keel_load_acquire(&page->thread_free);
   return list_has(page, page->free, b) || list_has(page, page->local_free, b) ||
          (KEEL_TF_PTR(w) != NULL && list_has(page, KEEL_TF_PTR(w), b));
+}
+
+/* Counts a list, checking every block lies on a block boundary inside the
+ * carved part of the page; -1 if not. */
+static long list_count(const keel_page_t *page, keel_block_t *list) {
+  long n = 0;
+  size_t carved = (size_t)page->capacity * page->bsize;
+  while (!_keel_list_empty(list)) {
+    size_t off = (size_t)((uint8_t *)list - page->start);
+    if ((uint8_t *)list < page->start || off >= carved || !_keel_page_is_block_offset(page, off) ||
+        n > (long)page->capacity) {
+      return -1;
+    }
+    n++;
+    list = _keel_decode(page, list->next);
+    if (_keel_list_empty(list) && list != _keel_list_end(page)) return -1; /* bad terminator */
+  }
+  return n;
+}
+
+bool _keel_page_validate(const keel_page_t *page) {
+  if (page->bsize != _keel_class_size[page->cls] || page->capacity > page->reserved) return false;
+  if ((size_t)page->reserved * page->bsize > ((size_t)page->slices << KEEL_SLICE_SHIFT))
+    return false;
+  if ((page->key >> 63) == 0) return false;
+  long nfree = list_count(page, page->free), nlocal = list_count(page, page->local_free);
+  uintptr_t w = keel_load_acquire(&page->thread_free);
+  long nthread = KEEL_TF_PTR(w) == NULL ? 0 : list_count(page, KEEL_TF_PTR(w));
+  if (nfree < 0 || nlocal < 0 || nthread < 0 || nthread != (long)KEEL_TF_COUNT(w)) return false;
+  /* used counts blocks on thread_free until the owner collects them. */
+  return (size_t)nfree + (size_t)nlocal + page->used == page->capacity &&
+         (size_t)nthread <= page->used;
 }

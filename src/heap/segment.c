@@ -105,8 +105,10 @@ static keel_segment_t *segment_new(void) {
 }
 
 static void segment_release(keel_segment_t *seg) {
-  if (seg->prev != NULL) seg->prev->next = seg->next;
-  else segments = seg->next;
+  if (seg->prev != NULL)
+    seg->prev->next = seg->next;
+  else
+    segments = seg->next;
   if (seg->next != NULL) seg->next->prev = seg->prev;
   n_segments--;
   _keel_segmap_set(seg, false);
@@ -177,8 +179,10 @@ void _keel_page_abandon(keel_page_t *page) {
   page->abandoned = 1;
   page->next = NULL;
   page->prev = q->last;
-  if (q->last != NULL) q->last->next = page;
-  else q->first = page;
+  if (q->last != NULL)
+    q->last->next = page;
+  else
+    q->first = page;
   q->last = page;
   n_abandoned++;
   keel_store_relaxed(&abandoned_hint[page->cls], keel_load_relaxed(&abandoned_hint[page->cls]) + 1);
@@ -187,10 +191,14 @@ void _keel_page_abandon(keel_page_t *page) {
 
 static void __abandoned_unlink(keel_page_t *page) {
   keel_page_queue_t *q = &abandoned[page->cls];
-  if (page->prev != NULL) page->prev->next = page->next;
-  else q->first = page->next;
-  if (page->next != NULL) page->next->prev = page->prev;
-  else q->last = page->prev;
+  if (page->prev != NULL)
+    page->prev->next = page->next;
+  else
+    q->first = page->next;
+  if (page->next != NULL)
+    page->next->prev = page->prev;
+  else
+    q->last = page->prev;
   page->next = page->prev = NULL;
   page->abandoned = 0;
   n_abandoned--;
@@ -201,8 +209,7 @@ static void __abandoned_unlink(keel_page_t *page) {
  * owner. The page is off every list, so only remote freers race with us. */
 static void page_tf_set_normal(keel_page_t *page) {
   uintptr_t w = keel_load_relaxed(&page->thread_free);
-  while (!keel_cas_weak_acq_rel(&page->thread_free, &w, (w & ~(uintptr_t)3) | KEEL_TF_NORMAL)) {
-  }
+  while (!keel_cas_weak_acq_rel(&page->thread_free, &w, (w & ~(uintptr_t)3) | KEEL_TF_NORMAL)) {}
 }
 
 keel_page_t *_keel_page_adopt(unsigned cls, keel_heap_t *heap) {

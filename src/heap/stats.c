@@ -53,8 +53,9 @@ KEEL_API void keel_heap_stats(keel_heap_stats_t *st) {
     cs->live = sums.allocs[c] > frees ? sums.allocs[c] - frees : 0;
     cs->usable_bytes = cs->live * cs->size;
     cs->requested_bytes =
-        sums.allocs[c] == 0 ? 0
-                            : (size_t)((double)sums.req[c] / (double)sums.allocs[c] * (double)cs->live);
+        sums.allocs[c] == 0
+            ? 0
+            : (size_t)((double)sums.req[c] / (double)sums.allocs[c] * (double)cs->live);
     cs->pages = seg.pages[c];
     st->live_bytes += cs->usable_bytes;
     st->requested_bytes += cs->requested_bytes;
@@ -87,10 +88,10 @@ static void print_table(line_fn out, void *ctx) {
   for (size_t c = 0; c < st.n_classes; c++) {
     const keel_heap_class_stats_t *cs = &st.classes[c];
     if (cs->allocs == 0 && cs->pages == 0) continue;
-    double waste = cs->usable_bytes == 0
-                       ? 0.0
-                       : 100.0 * (double)(cs->usable_bytes - cs->requested_bytes) /
-                             (double)cs->usable_bytes;
+    double waste =
+        cs->usable_bytes == 0
+            ? 0.0
+            : 100.0 * (double)(cs->usable_bytes - cs->requested_bytes) / (double)cs->usable_bytes;
     snprintf(line, sizeof(line), "%8zu %12zu %14zu %14zu %10zu %8zu %6.1f%%\n", cs->size, cs->live,
              cs->requested_bytes, cs->usable_bytes, cs->allocs, cs->pages, waste);
     out(ctx, line);
