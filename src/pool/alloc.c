@@ -72,6 +72,7 @@ static KEEL_NOINLINE void *pool_alloc_generic(keel_pool_t *p, pool_hdr_t *h, boo
       }
       pool_count(&sp->heap_allocs, 1);
       _keel_pool_sweeper_ensure(); /* cheap when running; restarts it in a forked child */
+      KEEL_ASSERT(((uintptr_t)block & (p->hdr_size - 1)) == 0);
       obj = (char *)block + p->hdr_size;
       h = pool_hdr(obj);
       _keel_pool_obj_fresh(p, obj);

@@ -105,7 +105,9 @@ static void pool_setup(keel_pool_t *p, const char *name, size_t obj_size, size_t
   p->obj_bytes = (uint32_t)obj_size;
   p->align = align;
   p->hdr_size = (uint32_t)(align > POOL_HDR_MIN ? align : POOL_HDR_MIN);
-  p->block_size = KEEL_ALIGN_UP(p->hdr_size + obj_size, align);
+  /* A multiple of 16 even for smaller alignments: keel_malloc gives a block
+   * the alignment of its size class, and classes 8 bytes apart exist. */
+  p->block_size = KEEL_ALIGN_UP(p->hdr_size + obj_size, p->hdr_size);
   p->ops = ops != NULL ? *ops : (keel_pool_ops_t){0};
   p->flags = (p->ops.init ? POOL_F_INIT : 0) | (p->ops.fini ? POOL_F_FINI : 0);
 #if KEEL_DEBUG >= 1

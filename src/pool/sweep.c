@@ -38,6 +38,7 @@ static uint64_t sweeper_gen; /* bumped to stop the current thread */
 static bool sweeper_kicked;
 static keel_atomic(uint64_t) sweeper_passes;
 static bool sweeper_exiting; /* set by the exit destructor: no restart */
+bool _keel_pool_sweeper_manual;
 
 static void sweeper_cv_init(void) {
   pthread_condattr_t a;
@@ -182,7 +183,9 @@ static void *sweeper_main(void *arg) {
 }
 
 void _keel_pool_sweeper_ensure(void) {
-  if (keel_likely(keel_load_relaxed(&sweeper_running)) || sweeper_exiting) return;
+  if (keel_likely(keel_load_relaxed(&sweeper_running)) || sweeper_exiting ||
+      _keel_pool_sweeper_manual)
+    return;
   pthread_once(&sweeper_cv_once, sweeper_cv_init);
   pthread_mutex_lock(&sweeper_mu);
   if (!keel_load_relaxed(&sweeper_running) && !sweeper_exiting) {
