@@ -31,7 +31,7 @@
  *
  * Budget: at --size default, 5 thread counts x 8 impls x 3 repetitions of
  * "gluster" take about 90 s on 2 cores (the spinlock pool is the slowest);
- * with "idle" and "hot", about 2 minutes. Each worker also stops at a 5 s x
+ * with "idle" and "hot", about 2 minutes. Each worker also stops at a 2 s x
  * size deadline so a pathological impl cannot stall the suite; ops counts
  * only what was done. */
 #define _GNU_SOURCE
@@ -241,7 +241,7 @@ static int gl_setup(gl_ctx_t *c, const kb_params_t *p, int threads) {
   c->bricks = threads < GL_BRICKS ? threads : GL_BRICKS;
   c->files = (long)(GL_FILES * p->scale);
   if (c->files < 1) c->files = 1;
-  c->deadline_s = 5 * (p->scale < 1 ? 1 : p->scale);
+  c->deadline_s = 2 * (p->scale < 1 ? 1 : p->scale);
   c->rings = aligned_alloc(64, sizeof(gl_ring_t) * (size_t)threads);
   if (c->rings == NULL) return 1;
   memset(c->rings, 0, sizeof(gl_ring_t) * (size_t)threads);

@@ -26,6 +26,10 @@
 #include "base/options.h"
 #include "pool_impl.h"
 
+/* Bytes a sweeper pass must free before it asks the heap to return free
+ * memory to the OS at once (one purge walk per period at most). */
+#define POOL_COLLECT_MIN ((size_t)256 << 10)
+
 /* Passes over busy sub-pools before leaving the rest to their owners. */
 #define POOL_BUSY_RETRIES 4
 
@@ -172,8 +176,14 @@ static void *sweeper_main(void *arg) {
     pthread_mutex_unlock(&sweeper_mu);
     if (!kicked) { /* a kick restarts the period with its new length */
       _keel_pool_registry_lock();
-      __keel_pool_sweep_pass(NULL, POOL_REQ_SWEEP, SIZE_MAX);
+      size_t freed = __keel_pool_sweep_pass(NULL, POOL_REQ_SWEEP, SIZE_MAX);
       _keel_pool_registry_unlock();
+      /* What a pass frees has already sat unused for a whole period, so it
+       * is handed to the OS now instead of aging again for heap_purge_ms:
+       * that is what makes "idle: back to zero after two periods" hold for
+       * RSS, not only for cached bytes. At most once a period, and only
+       * after a pass that freed something worth a system call. */
+      if (freed >= POOL_COLLECT_MIN) keel_heap_collect(true);
       keel_fetch_add_relaxed(&sweeper_passes, 1);
     }
     pthread_mutex_lock(&sweeper_mu);
