@@ -18,6 +18,12 @@
  * print_stats and reclaim may run concurrently with everything; destroy must
  * not run concurrently with any other use of the same pool.
  *
+ * Memory: what a sweep frees has been unused for a whole period, so the
+ * sweeper then asks the heap to return free memory to the OS at once
+ * (keel_heap_collect) rather than after heap_purge_ms. After fork() the
+ * child restarts the sweeper on its first heap call; sub-pools of threads
+ * that were inside a pool call at the fork are never swept in the child.
+ *
  * Misuse aborts with one line on stderr: freeing into the wrong pool
  * ("keel: keel_pool_free: 0x... does not belong to pool 'dict'"), a double
  * free ("keel: keel_pool_free: double free of 0x... in pool 'dict'"), or any

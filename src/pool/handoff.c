@@ -63,7 +63,25 @@ static size_t pool_list_len(const pool_hdr_t *h) {
   return n;
 }
 
+#if KEEL_DEBUG >= 2
+/* Debug-full validator: every object on a list carries its pool's tag with
+ * the free bit, and the list ends (a cycle would mean a corrupted link). */
+static void pool_list_validate(const keel_pool_t *p, const pool_hdr_t *h) {
+  size_t n = 0;
+  for (; h != NULL; h = h->next, n++) {
+    if (h->tag != ((uintptr_t)p | POOL_TAG_FREE))
+      keel_die("keel_pool_sweep", "corrupt cached object %p in pool '%s' (tag %#lx)",
+               (const void *)(h + 1), p->name, (unsigned long)h->tag);
+    if (n > ((size_t)1 << 40)) keel_die("keel_pool_sweep", "cycle in a list of pool '%s'", p->name);
+  }
+}
+#endif
+
 pool_hdr_t *__keel_pool_sub_service(pool_sub_t *sp, uint32_t req, size_t *n) {
+#if KEEL_DEBUG >= 2
+  pool_list_validate(sp->pool, sp->hot);
+  pool_list_validate(sp->pool, sp->cold);
+#endif
   pool_hdr_t *gone = sp->cold;
   sp->cold = NULL;
   if (req == POOL_REQ_SWEEP) {

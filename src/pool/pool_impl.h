@@ -265,7 +265,7 @@ void _keel_pool_sweeper_ensure(void) KEEL_HIDDEN;
 bool _keel_pool_sweeper_stop_begin(pthread_t *tid) KEEL_HIDDEN;
 /* Tests: when set, no sweeper thread is started (forked children under
  * TSan, which cannot start threads after a multi-threaded fork). */
-extern bool _keel_pool_sweeper_manual KEEL_HIDDEN;
+extern keel_atomic(int) _keel_pool_sweeper_manual KEEL_HIDDEN;
 /* Wakes the sweeper now (tests: after changing pool_sweep_s). */
 void _keel_pool_sweeper_kick(void) KEEL_HIDDEN;
 /* Sweeps passes done by the sweeper thread since start (tests). */

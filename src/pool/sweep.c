@@ -41,8 +41,8 @@ static pthread_t sweeper_tid;
 static uint64_t sweeper_gen; /* bumped to stop the current thread */
 static bool sweeper_kicked;
 static keel_atomic(uint64_t) sweeper_passes;
-static bool sweeper_exiting; /* set by the exit destructor: no restart */
-bool _keel_pool_sweeper_manual;
+static keel_atomic(int) sweeper_exiting; /* set by the exit destructor: no restart */
+keel_atomic(int) _keel_pool_sweeper_manual;
 
 static void sweeper_cv_init(void) {
   pthread_condattr_t a;
@@ -193,12 +193,13 @@ static void *sweeper_main(void *arg) {
 }
 
 void _keel_pool_sweeper_ensure(void) {
-  if (keel_likely(keel_load_relaxed(&sweeper_running)) || sweeper_exiting ||
-      _keel_pool_sweeper_manual)
+  /* Relaxed: the flags are re-read under sweeper_mu before acting. */
+  if (keel_likely(keel_load_relaxed(&sweeper_running)) || keel_load_relaxed(&sweeper_exiting) ||
+      keel_load_relaxed(&_keel_pool_sweeper_manual))
     return;
   pthread_once(&sweeper_cv_once, sweeper_cv_init);
   pthread_mutex_lock(&sweeper_mu);
-  if (!keel_load_relaxed(&sweeper_running) && !sweeper_exiting) {
+  if (!keel_load_relaxed(&sweeper_running) && !keel_load_relaxed(&sweeper_exiting)) {
     pthread_attr_t a;
     pthread_attr_init(&a);
     pthread_attr_setstacksize(&a, 64 << 10); /* a loop and a few frames */
@@ -258,7 +259,7 @@ void _keel_pool_sweeper_atfork_child(void) {
 __attribute__((destructor)) static void pool_sweeper_fini(void) {
   pthread_t tid;
   pthread_mutex_lock(&sweeper_mu);
-  sweeper_exiting = true;
+  keel_store_relaxed(&sweeper_exiting, 1);
   pthread_mutex_unlock(&sweeper_mu);
   if (_keel_pool_sweeper_stop_begin(&tid)) pthread_join(tid, NULL);
 }
