@@ -21,8 +21,8 @@
  * Idle memory: every run sets pool_sweep_s (and keel's heap_purge_ms) to
  * N = 100 ms. Workers first allocate and free one object of each type and
  * touch 16 KiB of stack, then RSS is read with every thread alive and idle
- * ("rss_pre_kb"); after the load they stay alive, idle, for 2N seconds and
- * RSS is read again ("rss_idle_kb", "idle_rss_pct" = growth over pre-load
+ * ("rss_pre_kb"); after the load they stay alive, idle, for 2N seconds
+ * (plus 10% for the length of a sweep pass) and RSS is read again ("rss_idle_kb", "idle_rss_pct" = growth over pre-load
  * in %; "idle_cached_bytes" for keel-pool). Case "idle" reports that figure
  * as its metric at 320 threads.
  *
@@ -200,7 +200,9 @@ static void gl_worker(int i, void *arg) {
   pthread_barrier_wait(&c->bar); /* nobody sends any more */
   gl_drain(c, mine);
   if (pthread_barrier_wait(&c->bar) == PTHREAD_BARRIER_SERIAL_THREAD) {
-    usleep(2 * GL_SWEEP_MS * 1000); /* idle, every thread alive: 2N */
+    /* Idle, every thread alive, 2N (+10%: the sweeper's bound is two
+     * periods plus one pass, and the last frees were the drains above). */
+    usleep(2 * GL_SWEEP_MS * 1100);
     c->rss_idle_kb = kb_rss_kb();
     if (c->kind == GL_POOL) {
       for (int t = 0; t < GL_TYPES; t++) {
@@ -273,7 +275,19 @@ static int gl_measure(const kb_params_t *p, kb_result_t *r, int threads) {
            c->rss_pre_kb
                ? 100.0 * ((double)c->rss_idle_kb - (double)c->rss_pre_kb) / (double)c->rss_pre_kb
                : 0);
-  if (c->kind == GL_POOL) kb_extra(r, "idle_cached_bytes", (double)c->idle_cached);
+  if (c->kind == GL_POOL) {
+    kb_extra(r, "idle_cached_bytes", (double)c->idle_cached);
+    double allocs = 0, heap = 0, hot = 0;
+    for (int t = 0; t < GL_TYPES; t++) {
+      keel_pool_stats_t st;
+      keel_pool_stats(c->pool[t], &st);
+      allocs += (double)st.allocs;
+      heap += (double)st.heap_allocs;
+      hot += (double)st.hot_hits;
+    }
+    kb_extra(r, "hot_hit_pct", allocs > 0 ? 100 * hot / allocs : 0);
+    kb_extra(r, "heap_call_pct", allocs > 0 ? 100 * heap / allocs : 0);
+  }
   if (c->kind == GL_MUTEX || c->kind == GL_SPIN)
     kb_extra(r, "pool_held_kb", (double)(3 * kb_locked_pool_held_bytes(c->lp[0])) / 1024);
   gl_teardown(c);

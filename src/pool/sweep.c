@@ -151,41 +151,53 @@ size_t keel_pool_reclaim(size_t bytes) {
   return freed;
 }
 
+static uint64_t sweeper_now_ms(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (uint64_t)ts.tv_sec * 1000u + (uint64_t)ts.tv_nsec / 1000000u;
+}
+
+/* One pass over every pool, then the OS hand-back. */
+static void sweeper_pass(void) {
+  _keel_pool_registry_lock();
+  size_t freed = __keel_pool_sweep_pass(NULL, POOL_REQ_SWEEP, SIZE_MAX);
+  _keel_pool_registry_unlock();
+  /* What a pass frees has already sat unused for a whole period, so it is
+   * handed to the OS now instead of aging again for heap_purge_ms: that is
+   * what makes "idle: back to zero after two periods" hold for RSS, not
+   * only for cached bytes. At most once a period, and only after a pass
+   * that freed something worth the walk. */
+  if (freed >= POOL_COLLECT_MIN) keel_heap_collect(true);
+  keel_fetch_add_relaxed(&sweeper_passes, 1);
+}
+
+/* Passes run at a fixed rate (deadline += period), not a period after the
+ * previous pass ended, so pass durations do not accumulate: an object
+ * cached at time t is back in the heap by t + 2 periods + one pass. */
 static void *sweeper_main(void *arg) {
   uint64_t my_gen = (uint64_t)(uintptr_t)arg;
   sigset_t all;
   sigfillset(&all);
   pthread_sigmask(SIG_BLOCK, &all, NULL); /* signals are for the application's threads */
   pthread_mutex_lock(&sweeper_mu);
+  uint64_t next = sweeper_now_ms() + (uint64_t)_keel_option(KEEL_OPT_pool_sweep_s);
   while (sweeper_gen == my_gen) {
-    int64_t period_ms = _keel_option(KEEL_OPT_pool_sweep_s);
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    ts.tv_sec += period_ms / 1000;
-    ts.tv_nsec += (period_ms % 1000) * 1000000;
-    if (ts.tv_nsec >= 1000000000) {
-      ts.tv_sec++;
-      ts.tv_nsec -= 1000000000;
-    }
+    struct timespec ts = {(time_t)(next / 1000), (long)(next % 1000) * 1000000L};
     int rc = 0;
     while (sweeper_gen == my_gen && !sweeper_kicked && rc != ETIMEDOUT)
       rc = pthread_cond_timedwait(&sweeper_cv, &sweeper_mu, &ts);
     if (sweeper_gen != my_gen) break;
-    bool kicked = sweeper_kicked;
-    sweeper_kicked = false;
-    pthread_mutex_unlock(&sweeper_mu);
-    if (!kicked) { /* a kick restarts the period with its new length */
-      _keel_pool_registry_lock();
-      size_t freed = __keel_pool_sweep_pass(NULL, POOL_REQ_SWEEP, SIZE_MAX);
-      _keel_pool_registry_unlock();
-      /* What a pass frees has already sat unused for a whole period, so it
-       * is handed to the OS now instead of aging again for heap_purge_ms:
-       * that is what makes "idle: back to zero after two periods" hold for
-       * RSS, not only for cached bytes. At most once a period, and only
-       * after a pass that freed something worth a system call. */
-      if (freed >= POOL_COLLECT_MIN) keel_heap_collect(true);
-      keel_fetch_add_relaxed(&sweeper_passes, 1);
+    uint64_t period = (uint64_t)_keel_option(KEEL_OPT_pool_sweep_s);
+    if (sweeper_kicked) { /* a kick restarts the period with its new length */
+      sweeper_kicked = false;
+      next = sweeper_now_ms() + period;
+      continue;
     }
+    pthread_mutex_unlock(&sweeper_mu);
+    sweeper_pass();
+    uint64_t now = sweeper_now_ms();
+    next += period;
+    if (next <= now) next = now + period; /* a pass longer than a period: skip, do not bunch */
     pthread_mutex_lock(&sweeper_mu);
   }
   pthread_mutex_unlock(&sweeper_mu);
