@@ -121,6 +121,7 @@ static KEEL_NOINLINE void pool_free_generic(keel_pool_t *p, void *obj) {
   pool_sub_t *sp = pool_sub_get(p);
   if (sp == NULL && (sp = _keel_pool_sub_attach(p)) == NULL) {
     /* No memory for a sub-pool: the object goes straight back to the heap. */
+    h->next = NULL;
     _keel_pool_release_list(p, h, 1, "keel_pool_free");
     return;
   }
