@@ -12,11 +12,12 @@
 #include "base/die.h"
 #include "pool_impl.h"
 
-/* Pops from the calling thread's hot list, or NULL for the generic path. */
-KEEL_INLINE pool_hdr_t *pool_pop_fast(keel_pool_t *p) {
+/* Pops from the calling thread's hot list, or NULL for the generic path.
+ * `heavy` is a constant false on the plain fast path. */
+KEEL_INLINE pool_hdr_t *pool_pop_fast(keel_pool_t *p, bool heavy) {
   pool_sub_t *sp = pool_sub_get(p);
   if (keel_unlikely(sp == NULL)) return NULL;
-  pool_enter(sp);
+  pool_enter(sp, heavy);
   pool_hdr_t *h = NULL;
   if (keel_likely(pool_req(sp) == POOL_REQ_NONE)) {
     h = sp->hot;
@@ -50,10 +51,13 @@ static pool_hdr_t *pool_pop_locked(keel_pool_t *p, pool_sub_t *sp) {
   return h;
 }
 
-static KEEL_NOINLINE void *pool_alloc_generic(keel_pool_t *p, pool_hdr_t *h, bool zero) {
+static KEEL_NOINLINE void *pool_alloc_generic(keel_pool_t *p, bool zero) {
   static const char *const call[2] = {"keel_pool_alloc", "keel_pool_zalloc"};
+  /* Pools with hooks, debug checks or the fallback fence still pop without
+   * a lock; only the per-object extras below are added. */
+  pool_hdr_t *h = p->flags != 0 ? pool_pop_fast(p, p->flags & POOL_F_FENCE) : NULL;
   void *obj;
-  if (h != NULL) { /* from the fast path; only the flags sent us here */
+  if (h != NULL) {
     obj = h + 1;
     _keel_pool_obj_reused(p, obj, call[zero]);
   } else {
@@ -85,21 +89,40 @@ static KEEL_NOINLINE void *pool_alloc_generic(keel_pool_t *p, pool_hdr_t *h, boo
 }
 
 void *keel_pool_alloc(keel_pool_t *p) {
-  pool_hdr_t *h = pool_pop_fast(p);
-  if (keel_likely(h != NULL && p->flags == 0)) {
-    h->tag = (uintptr_t)p;
-    return h + 1;
+  if (keel_likely(p->flags == 0)) {
+    pool_hdr_t *h = pool_pop_fast(p, false);
+    if (keel_likely(h != NULL)) {
+      h->tag = (uintptr_t)p;
+      return h + 1;
+    }
   }
-  return pool_alloc_generic(p, h, false);
+  return pool_alloc_generic(p, false);
 }
 
 void *keel_pool_zalloc(keel_pool_t *p) {
-  pool_hdr_t *h = pool_pop_fast(p);
-  if (keel_likely(h != NULL && p->flags == 0)) {
-    h->tag = (uintptr_t)p;
-    return memset(h + 1, 0, p->obj_size);
+  if (keel_likely(p->flags == 0)) {
+    pool_hdr_t *h = pool_pop_fast(p, false);
+    if (keel_likely(h != NULL)) {
+      h->tag = (uintptr_t)p;
+      return memset(h + 1, 0, p->obj_size);
+    }
   }
-  return pool_alloc_generic(p, h, true);
+  return pool_alloc_generic(p, true);
+}
+
+/* Pushes h on sp's hot list without a lock; false if a sweep request is
+ * pending (the caller then takes the locked path). */
+KEEL_INLINE bool pool_push_fast(pool_sub_t *sp, pool_hdr_t *h, bool heavy) {
+  pool_enter(sp, heavy);
+  if (keel_unlikely(pool_req(sp) != POOL_REQ_NONE)) {
+    pool_leave(sp);
+    return false;
+  }
+  h->next = sp->hot;
+  sp->hot = h;
+  pool_count(&sp->frees, 1);
+  pool_leave(sp);
+  return true;
 }
 
 /* The misuse checks, in the order that gives the most precise message. */
@@ -125,6 +148,7 @@ static KEEL_NOINLINE void pool_free_generic(keel_pool_t *p, void *obj) {
     _keel_pool_release_list(p, h, 1, "keel_pool_free");
     return;
   }
+  if (pool_push_fast(sp, h, p->flags & POOL_F_FENCE)) return;
   size_t n = 0;
   pthread_mutex_lock(&sp->lock);
   uint32_t req = keel_load_relaxed(&sp->req);
@@ -143,15 +167,7 @@ void keel_pool_free(keel_pool_t *p, void *obj) {
   pool_sub_t *sp = pool_sub_get(p);
   if (keel_likely(sp != NULL && h->tag == (uintptr_t)p && p->flags == 0)) {
     h->tag = (uintptr_t)p | POOL_TAG_FREE;
-    pool_enter(sp);
-    if (keel_likely(pool_req(sp) == POOL_REQ_NONE)) {
-      h->next = sp->hot;
-      sp->hot = h;
-      pool_count(&sp->frees, 1);
-      pool_leave(sp);
-      return;
-    }
-    pool_leave(sp);
+    if (keel_likely(pool_push_fast(sp, h, false))) return;
     h->tag = (uintptr_t)p; /* let the generic path see it as live again */
   }
   pool_free_generic(p, obj);

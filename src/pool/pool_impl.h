@@ -30,8 +30,9 @@
  * never both miss. The owner pays two plain stores and one plain load (on
  * x86 the release store and acquire load are ordinary MOVs); the sweeper
  * pays one system call per pass. Where membarrier is unavailable (old
- * kernel, seccomp), _keel_pool_fence_heavy makes the owner set busy with a
- * seq_cst exchange instead (the classic symmetric Dekker, every access
+ * kernel, seccomp), _keel_pool_fence_heavy is set and pools created from
+ * then on carry POOL_F_FENCE: their owners set busy with a seq_cst exchange
+ * instead (the classic symmetric Dekker, every access
  * seq_cst), about 20 cycles more per call. The same reasoning in happens-before terms, which is
  * what TSan checks: the sweeper touches lists only after an acquire load of
  * busy == 0 (which reads the owner's release store) or under sp->lock; the
@@ -86,6 +87,7 @@ enum {
   POOL_F_FINI = 1u << 1,   /* ops.fini set */
   POOL_F_DEBUG = 1u << 2,  /* KEEL_DEBUG >= 1: pattern-fill freed objects, check on reuse */
   POOL_F_POISON = 1u << 3, /* ASan: cached objects are poisoned */
+  POOL_F_FENCE = 1u << 4,  /* no membarrier: owners enter with a seq_cst exchange */
 };
 
 /* Debug patterns: freed (checked on reuse) and fresh from the heap. */
@@ -155,7 +157,7 @@ typedef struct pool_tls {
 
 extern KEEL_TLS pool_tls_t _keel_pool_tls KEEL_HIDDEN;
 
-/* True when membarrier is unavailable: owners fence after busy = 1. */
+/* True when membarrier is unavailable: new pools get POOL_F_FENCE. */
 extern int _keel_pool_fence_heavy KEEL_HIDDEN;
 
 /* List walks. urcu's cds_list_for_each_entry forms &pos->member from the
@@ -196,8 +198,8 @@ KEEL_INLINE void pool_count(keel_atomic(uint64_t) * c, uint64_t n) {
 /* Enters the owner's side of the hand-off (see the top of this file). The
  * signal fence keeps the compiler from sinking the busy store below the req
  * load; membarrier on the other side supplies the CPU's half. */
-KEEL_INLINE void pool_enter(pool_sub_t *sp) {
-  if (keel_unlikely(_keel_pool_fence_heavy))
+KEEL_INLINE void pool_enter(pool_sub_t *sp, bool heavy) {
+  if (heavy)
     atomic_exchange_explicit(&sp->busy, 1, memory_order_seq_cst); /* a full barrier */
   else
     keel_store_relaxed(&sp->busy, 1);

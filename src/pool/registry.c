@@ -110,6 +110,7 @@ static void pool_setup(keel_pool_t *p, const char *name, size_t obj_size, size_t
   p->block_size = KEEL_ALIGN_UP(p->hdr_size + obj_size, p->hdr_size);
   p->ops = ops != NULL ? *ops : (keel_pool_ops_t){0};
   p->flags = (p->ops.init ? POOL_F_INIT : 0) | (p->ops.fini ? POOL_F_FINI : 0);
+  if (_keel_pool_fence_heavy) p->flags |= POOL_F_FENCE;
 #if KEEL_DEBUG >= 1
   p->flags |= POOL_F_DEBUG;
 #endif
