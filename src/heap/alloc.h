@@ -27,12 +27,13 @@ KEEL_INLINE void _keel_counter_add(keel_atomic(size_t) * c, size_t n) {
 }
 
 /* Pops a block from the page's free list: the caller checked it non-empty. */
-KEEL_INLINE void *_keel_page_pop(keel_heap_t *heap, keel_page_t *page, unsigned cls, size_t size) {
+KEEL_INLINE void *_keel_page_pop(keel_page_t *page, size_t size) {
   keel_block_t *b = page->free;
   page->free = _keel_decode(page, b->next);
+  b->next = 0; /* a stale link would look like a free block to the double-free check */
   page->used++;
-  _keel_counter_add(&heap->counters[cls].allocs, 1);
-  _keel_counter_add(&heap->counters[cls].requested, size);
+  _keel_counter_add(&page->allocs, 1);
+  _keel_counter_add(&page->requested, size);
   return b;
 }
 
@@ -41,7 +42,7 @@ KEEL_INLINE void *_keel_malloc_fast(size_t size) {
   if (keel_likely(size <= KEEL_SMALL_MAX)) {
     unsigned cls = _keel_class_small[(size + 7) >> 3];
     keel_page_t *page = heap->direct[cls];
-    if (keel_likely(!_keel_list_empty(page->free))) return _keel_page_pop(heap, page, cls, size);
+    if (keel_likely(!_keel_list_empty(page->free))) return _keel_page_pop(page, size);
   }
   return _keel_malloc_generic(heap, size);
 }
@@ -65,8 +66,12 @@ KEEL_INLINE void _keel_free_fast(void *p, const char *call) {
                     !_keel_block_maybe_free(page, b))) {
       b->next = _keel_encode(page, page->local_free);
       page->local_free = b;
-      _keel_counter_add(&heap->counters[page->cls].frees, 1);
-      if (keel_unlikely(--page->used == 0)) _keel_heap_page_emptied(heap, page);
+      _keel_counter_add(&page->frees, 1);
+      /* The current page stays when it empties (an alloc/free loop would
+       * otherwise return and retake it every time); others are retired. */
+      if (keel_unlikely(--page->used == 0) && page != heap->direct[page->cls]) {
+        _keel_heap_page_emptied(heap, page);
+      }
       return;
     }
   }

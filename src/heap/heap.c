@@ -315,7 +315,7 @@ found:
 
 static void *malloc_class(keel_heap_t *heap, unsigned cls, size_t size) {
   keel_page_t *page = heap->direct[cls];
-  if (keel_likely(!_keel_list_empty(page->free))) return _keel_page_pop(heap, page, cls, size);
+  if (keel_likely(!_keel_list_empty(page->free))) return _keel_page_pop(page, size);
   pthread_mutex_lock(&heap->lock);
   page = __find_page(heap, cls);
   pthread_mutex_unlock(&heap->lock);
@@ -323,7 +323,7 @@ static void *malloc_class(keel_heap_t *heap, unsigned cls, size_t size) {
     errno = ENOMEM;
     return NULL;
   }
-  return _keel_page_pop(heap, page, cls, size);
+  return _keel_page_pop(page, size);
 }
 
 static keel_heap_t *heap_or_init(keel_heap_t *heap) {
@@ -391,7 +391,7 @@ static void free_remote(keel_heap_t *me, keel_page_t *page, keel_block_t *b) {
     while (!keel_cas_weak_acq_rel(&page->thread_free, &w, (w & ~(uintptr_t)3) | KEEL_TF_NORMAL)) {}
   }
   if (me != &_keel_empty_heap) {
-    _keel_counter_add(&me->counters[cls].frees, 1);
+    _keel_counter_add(&me->remote_frees[cls], 1);
   } else {
     keel_fetch_add_relaxed(&_keel_orphan_frees[cls], 1);
   }
@@ -428,11 +428,11 @@ void _keel_free_generic(void *p, const char *call) {
     /* A false double-free hint: the ordinary local free. */
     b->next = _keel_encode(page, page->local_free);
     page->local_free = b;
-    _keel_counter_add(&heap->counters[page->cls].frees, 1);
-    if (--page->used == 0) _keel_heap_page_emptied(heap, page);
+    _keel_counter_add(&page->frees, 1);
+    if (--page->used == 0 && page != heap->direct[page->cls]) _keel_heap_page_emptied(heap, page);
     return;
   }
-  _keel_counter_add(&heap->counters[page->cls].frees, 1);
+  _keel_counter_add(&page->frees, 1);
   pthread_mutex_lock(&heap->lock);
   __free_local(heap, page, b, true);
   pthread_mutex_unlock(&heap->lock);

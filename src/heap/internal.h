@@ -107,7 +107,14 @@ typedef struct keel_page {
   keel_atomic(uintptr_t) thread_free;   /* blocks freed by other threads (see above) */
   keel_atomic(struct keel_heap *) heap; /* owner; NULL while abandoned or unused */
   struct keel_page *next, *prev;        /* in the owner's queue / full list, or abandoned */
-  uint64_t pad2_[4];
+  /* Statistics, written by the owner with relaxed load+store (no atomic
+   * add), read by keel_heap_stats under the segment lock; folded into the
+   * class totals when the page is freed. Kept in the page, not the heap, so
+   * the fast paths reach them without indexing by class. */
+  keel_atomic(size_t) allocs;    /* blocks handed out */
+  keel_atomic(size_t) requested; /* bytes asked for by them */
+  keel_atomic(size_t) frees;     /* blocks freed by the owner (remote frees: heap counters) */
+  uint64_t pad2_;
 } keel_page_t;
 
 _Static_assert(sizeof(keel_page_t) == 128, "page descriptor is indexed by shift");
@@ -138,25 +145,19 @@ typedef struct keel_segment {
 _Static_assert(__builtin_offsetof(keel_segment_t, pages) + sizeof(keel_page_t) <= KEEL_LARGE_HDR,
                "large header covers pages[0]");
 
-/* Per-class counters of one heap. Written only by the owning thread, read by
- * keel_heap_stats from any thread: relaxed atomics, summed without a lock. */
-typedef struct keel_class_counters {
-  keel_atomic(size_t) allocs;    /* blocks allocated */
-  keel_atomic(size_t) frees;     /* blocks freed by this thread (any owner) */
-  keel_atomic(size_t) requested; /* sum of the sizes asked for */
-} keel_class_counters_t;
-
 typedef struct keel_page_queue {
   keel_page_t *first, *last;
 } keel_page_queue_t;
 
-/* A thread heap. `direct` and `counters` are the fast path's; the rest is
+/* A thread heap. `direct` is the fast path's; the rest is
  * changed only under `lock`, by the owner (slow paths) or by a collector
  * working on the owner's full pages. Heaps are never unmapped (recycled
  * through a free list), so a stale pointer to one is always readable. */
 typedef struct keel_heap {
   keel_page_t *direct[KEEL_CLASS_COUNT_MAX]; /* current page per class, or &_keel_empty_page */
-  keel_class_counters_t counters[KEEL_CLASS_COUNT_MAX];
+  /* Blocks of other threads' pages this thread freed, per class: written by
+   * this thread only (relaxed load+store), summed by keel_heap_stats. */
+  keel_atomic(size_t) remote_frees[KEEL_CLASS_COUNT_MAX];
   pthread_mutex_t lock;
   keel_page_queue_t queue[KEEL_CLASS_COUNT_MAX]; /* pages with free blocks; current first */
   keel_page_queue_t full;                        /* IN_FULL pages */
@@ -201,6 +202,7 @@ void _keel_segments_child_reset(void) KEEL_HIDDEN;
 typedef struct keel_seg_totals {
   size_t mapped, committed, purged, abandoned_pages;
   size_t pages[KEEL_CLASS_COUNT_MAX];
+  size_t allocs[KEEL_CLASS_COUNT_MAX], requested[KEEL_CLASS_COUNT_MAX], frees[KEEL_CLASS_COUNT_MAX];
 } keel_seg_totals_t;
 void _keel_segments_totals(keel_seg_totals_t *t) KEEL_HIDDEN;
 
@@ -268,7 +270,7 @@ KEEL_INLINE keel_segment_t *_keel_segment_of(const void *p) {
 
 KEEL_INLINE bool _keel_segmap_has(const void *seg) {
   uintptr_t u = (uintptr_t)seg >> KEEL_SEGMENT_SHIFT;
-  if (keel_unlikely((u >> 6) >= KEEL_SEGMAP_WORDS)) return false;
+  if (keel_unlikely(u >> (47 - KEEL_SEGMENT_SHIFT) != 0)) return false; /* not user space */
   /* Relaxed: a block reaches its freer through the program's own
    * synchronisation, which orders the bit's setting before it. */
   return (keel_load_relaxed(&_keel_segmap[u >> 6]) >> (u & 63)) & 1;
@@ -276,7 +278,9 @@ KEEL_INLINE bool _keel_segmap_has(const void *seg) {
 
 KEEL_INLINE keel_page_t *_keel_page_of(keel_segment_t *seg, const void *p) {
   size_t slice = ((uintptr_t)p - (uintptr_t)seg) >> KEEL_SLICE_SHIFT;
-  return &seg->pages[seg->slice_head[slice]];
+  /* One address computation (gcc otherwise recomputes it per field). */
+  uintptr_t head = seg->slice_head[slice];
+  return (keel_page_t *)((uintptr_t)seg + __builtin_offsetof(keel_segment_t, pages) + (head << 7));
 }
 
 KEEL_INLINE uintptr_t _keel_encode(const keel_page_t *page, const void *next) {

@@ -35,8 +35,7 @@ void _keel_page_init(keel_page_t *page, unsigned cls, keel_heap_t *heap) {
   size_t idx = (size_t)(page - seg->pages);
   uint32_t bsize = _keel_class_size[cls];
   page->start = (uint8_t *)seg + (idx << KEEL_SLICE_SHIFT);
-  page->bsize = bsize;
-  page->cls = (uint8_t)cls;
+  KEEL_ASSERT(page->bsize == bsize && page->cls == cls); /* set under the segment lock */
   page->reserved = (uint32_t)(((size_t)page->slices << KEEL_SLICE_SHIFT) / bsize);
   page->capacity = 0;
   page->used = 0;

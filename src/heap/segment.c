@@ -43,6 +43,9 @@ static size_t n_abandoned;
 /* Abandoned pages per class, read without the lock as a hint by adopters. */
 static keel_atomic(size_t) abandoned_hint[KEEL_CLASS_COUNT_MAX];
 static size_t class_pages[KEEL_CLASS_COUNT_MAX]; /* pages per class, under the lock */
+/* Counters of freed pages, per class, under the lock (see keel_page_t). */
+static size_t retired_allocs[KEEL_CLASS_COUNT_MAX], retired_requested[KEEL_CLASS_COUNT_MAX],
+    retired_frees[KEEL_CLASS_COUNT_MAX];
 static size_t dirty_slices, used_slices;
 keel_atomic(size_t) _keel_purged_bytes;
 
@@ -141,6 +144,8 @@ keel_page_t *_keel_page_alloc(unsigned cls, keel_heap_t *heap) {
   class_pages[cls]++;
   keel_page_t *page = &seg->pages[first];
   page->slices = (uint8_t)n;
+  page->cls = (uint8_t)cls;
+  page->bsize = _keel_class_size[cls];
   pthread_mutex_unlock(&seg_lock);
   _keel_page_init(page, cls, heap);
   return page;
@@ -156,6 +161,12 @@ static void __page_free(keel_page_t *page) {
   unsigned first = (unsigned)(page - seg->pages), n = page->slices;
   uint64_t m = span_mask(first, n);
   class_pages[page->cls]--;
+  retired_allocs[page->cls] += keel_load_relaxed(&page->allocs);
+  retired_requested[page->cls] += keel_load_relaxed(&page->requested);
+  retired_frees[page->cls] += keel_load_relaxed(&page->frees);
+  keel_store_relaxed(&page->allocs, 0);
+  keel_store_relaxed(&page->requested, 0);
+  keel_store_relaxed(&page->frees, 0);
   page->bsize = 0;
   page->div_magic = 0;
   keel_store_relaxed(&page->heap, NULL);
@@ -297,6 +308,19 @@ void _keel_segments_totals(keel_seg_totals_t *t) {
   t->committed = (used_slices + dirty_slices) << KEEL_SLICE_SHIFT;
   t->abandoned_pages = n_abandoned;
   memcpy(t->pages, class_pages, sizeof(t->pages));
+  memcpy(t->allocs, retired_allocs, sizeof(t->allocs));
+  memcpy(t->requested, retired_requested, sizeof(t->requested));
+  memcpy(t->frees, retired_frees, sizeof(t->frees));
+  for (keel_segment_t *seg = segments; seg != NULL; seg = seg->next) {
+    for (unsigned i = 1; i < KEEL_SLICES; i++) {
+      const keel_page_t *p = &seg->pages[i];
+      /* Span heads of pages in use (bsize and cls are set under the lock). */
+      if (!((seg->used_mask >> i) & 1) || seg->slice_head[i] != i || p->bsize == 0) continue;
+      t->allocs[p->cls] += keel_load_relaxed(&p->allocs);
+      t->requested[p->cls] += keel_load_relaxed(&p->requested);
+      t->frees[p->cls] += keel_load_relaxed(&p->frees);
+    }
+  }
   pthread_mutex_unlock(&seg_lock);
   t->purged = keel_load_relaxed(&_keel_purged_bytes);
 }
