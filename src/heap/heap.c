@@ -58,6 +58,32 @@ static keel_heap_t *heaps_free; /* heaps of exited threads, for reuse */
 static keel_atomic(size_t) heaps_active;
 static uint64_t heap_seed;
 
+/* ---- the heap lock ----
+ * A test-and-set lock: it is taken once per page switch by the owner and
+ * contended only by a collector working on the owner's full pages, so the
+ * uncontended cost (one exchange and one store, about a third of a
+ * pthread mutex pair here) is what counts. A waiter spins briefly, then
+ * yields: the holder may be preempted with hundreds of threads on few
+ * cores. */
+
+static bool heap_trylock(keel_heap_t *heap) {
+  /* Acquire: the previous holder's changes to the heap are visible. */
+  return keel_load_relaxed(&heap->lock) == 0 && keel_xchg_acquire(&heap->lock, 1) == 0;
+}
+
+static void heap_lock(keel_heap_t *heap) {
+  for (unsigned spins = 0; !heap_trylock(heap); spins++) {
+    if (spins < 64)
+      keel_cpu_relax();
+    else
+      sched_yield();
+  }
+}
+
+static void heap_unlock(keel_heap_t *heap) {
+  keel_store_release(&heap->lock, 0); /* publishes our changes to the next holder */
+}
+
 /* ---- queues (caller holds heap->lock) ---- */
 
 static void queue_remove(keel_page_queue_t *q, keel_page_t *page) {
@@ -153,6 +179,7 @@ static void __page_retire(keel_heap_t *heap, keel_page_queue_t *q, keel_page_t *
  * thread owns the heap (it may put pages back in its queues); a collector
  * working for an idle owner keeps pages full and re-arms them instead. */
 static void __free_local(keel_heap_t *heap, keel_page_t *page, keel_block_t *b, bool owner) {
+  if (owner) _keel_page_mark_freed(page, b);
   b->next = _keel_encode(page, page->local_free);
   page->local_free = b;
   page->used--;
@@ -205,7 +232,7 @@ static keel_heap_t *heap_get(void) {
   } else {
     heap = _keel_os_alloc(KEEL_ALIGN_UP(sizeof(keel_heap_t), 4096), 4096);
     if (heap != NULL) {
-      pthread_mutex_init(&heap->lock, NULL);
+      keel_store_relaxed(&heap->lock, 0);
       heap->next_all = heaps_all;
       heaps_all = heap;
       heap->rng = (heap_seed += 0x9e3779b97f4a7c15ull) ^ keel_clock_ns() ^ (uintptr_t)heap;
@@ -263,9 +290,9 @@ static void heap_thread_exit(void *arg) {
   keel_heap_t *heap = arg;
   /* From here this thread frees like a stranger (remote path). */
   _keel_heap_tls = &_keel_empty_heap;
-  pthread_mutex_lock(&heap->lock);
+  heap_lock(heap);
   __heap_abandon_pages(heap);
-  pthread_mutex_unlock(&heap->lock);
+  heap_unlock(heap);
   keel_fetch_sub_relaxed(&heaps_active, 1);
   pthread_mutex_lock(&registry_lock);
   heap->active = false;
@@ -316,9 +343,9 @@ found:
 static void *malloc_class(keel_heap_t *heap, unsigned cls, size_t size) {
   keel_page_t *page = heap->direct[cls];
   if (keel_likely(!_keel_list_empty(page->free))) return _keel_page_pop(page, size);
-  pthread_mutex_lock(&heap->lock);
+  heap_lock(heap);
   page = __find_page(heap, cls);
-  pthread_mutex_unlock(&heap->lock);
+  heap_unlock(heap);
   if (page == NULL || _keel_list_empty(page->free)) {
     errno = ENOMEM;
     return NULL;
@@ -354,12 +381,12 @@ void *_keel_malloc_in_class(unsigned cls, size_t size) {
 /* ---- free slow path ---- */
 
 void _keel_heap_page_emptied(keel_heap_t *heap, keel_page_t *page) {
-  pthread_mutex_lock(&heap->lock);
+  heap_lock(heap);
   keel_page_queue_t *q = &heap->queue[page->cls];
   /* Keep the only page of a class: a loop that allocates and frees one
    * block would otherwise take and return a page every time. */
   if (page->used == 0 && !(q->first == page && q->last == page)) __page_retire(heap, q, page);
-  pthread_mutex_unlock(&heap->lock);
+  heap_unlock(heap);
   _keel_purge_schedule();
 }
 
@@ -421,21 +448,23 @@ void _keel_free_generic(void *p, const char *call) {
     return;
   }
   if (off >= (size_t)page->capacity * page->bsize) _keel_die_invalid(call, p);
-  if (_keel_block_maybe_free(page, b) && _keel_page_has_free_block(page, b)) {
+  /* On local_free (its bit is set), or on another list of the page (its
+   * first word decodes to a link into this segment: confirmed by a walk). */
+  if (_keel_page_is_marked_freed(page, b) ||
+      (_keel_block_maybe_free(page, b) && _keel_page_has_free_block(page, b))) {
     _keel_die_double_free(call, p);
   }
   if (keel_load_relaxed(&page->flags) == 0) {
-    /* A false double-free hint: the ordinary local free. */
-    b->next = _keel_encode(page, page->local_free);
-    page->local_free = b;
-    _keel_counter_add(&page->frees, 1);
+    /* The fast path's case, reached by a false link hint. */
+    _keel_page_mark_freed(page, b);
+    _keel_push_local(page, b);
     if (--page->used == 0 && page != heap->direct[page->cls]) _keel_heap_page_emptied(heap, page);
     return;
   }
   _keel_counter_add(&page->frees, 1);
-  pthread_mutex_lock(&heap->lock);
+  heap_lock(heap);
   __free_local(heap, page, b, true);
-  pthread_mutex_unlock(&heap->lock);
+  heap_unlock(heap);
   _keel_purge_schedule();
 }
 
@@ -443,7 +472,7 @@ void _keel_free_generic(void *p, const char *call) {
 
 /* The calling thread's own heap: everything free goes back. */
 static void heap_collect_own(keel_heap_t *heap, bool force) {
-  pthread_mutex_lock(&heap->lock);
+  heap_lock(heap);
   __drain_delayed(heap, true);
   for (unsigned c = 0; c < _keel_class_count; c++) {
     keel_page_queue_t *q = &heap->queue[c];
@@ -454,7 +483,7 @@ static void heap_collect_own(keel_heap_t *heap, bool force) {
       if (p->used == 0 && (force || p != heap->direct[c])) __page_retire(heap, q, p);
     }
   }
-  pthread_mutex_unlock(&heap->lock);
+  heap_unlock(heap);
 }
 
 typedef struct {
@@ -469,11 +498,11 @@ static void heap_collect_other(keel_heap_t *heap, void *argp) {
   /* Another thread's heap: only its full pages (see the file comment). A
    * busy owner is left alone unless forced. */
   if (arg->force)
-    pthread_mutex_lock(&heap->lock);
-  else if (pthread_mutex_trylock(&heap->lock) != 0)
+    heap_lock(heap);
+  else if (!heap_trylock(heap))
     return;
   __drain_delayed(heap, false);
-  pthread_mutex_unlock(&heap->lock);
+  heap_unlock(heap);
 }
 
 void _keel_heaps_visit(keel_heap_visit_fn fn, void *arg) {
@@ -497,12 +526,12 @@ size_t _keel_heaps_active(void) {
 
 static void lock_heap(keel_heap_t *h, void *arg) {
   (void)arg;
-  pthread_mutex_lock(&h->lock);
+  heap_lock(h);
 }
 
 static void unlock_heap(keel_heap_t *h, void *arg) {
   (void)arg;
-  pthread_mutex_unlock(&h->lock);
+  heap_unlock(h);
 }
 
 /* Every heap lock, the segment and large locks are held across fork, so

@@ -3,7 +3,7 @@
  * Layout (why each choice is made is in the file that owns it):
  *   segment  4 MiB, 4 MiB-aligned, from mmap (segment.c). Slice 0 (the first
  *            64 KiB) holds the segment header and the descriptors of every
- *            page: metadata lives out of line, so an overflow out of a user
+ *            page (with slice 1: their double-free bitmaps): metadata lives out of line, so an overflow out of a user
  *            block can reach other blocks' free-list links but never a page
  *            descriptor, a list head or a counter. Slices 1..63 hold pages.
  *   page     a span of 1, 4 or 16 slices (64 KiB, 256 KiB, 1 MiB) carved
@@ -47,6 +47,7 @@
 #define KEEL_SLICE_SHIFT   16 /* 64 KiB: the small page */
 #define KEEL_SLICE_SIZE    ((size_t)1 << KEEL_SLICE_SHIFT)
 #define KEEL_SLICES        (KEEL_SEGMENT_SIZE / KEEL_SLICE_SIZE)
+#define KEEL_HEADER_SLICES 2 /* the segment header with its bitmaps: 72 KiB */
 
 /* Size classes (classes.c). */
 #define KEEL_SMALL_MAX       1024 /* served by the one-table lookup in the fast path */
@@ -114,7 +115,7 @@ typedef struct keel_page {
   keel_atomic(size_t) allocs;    /* blocks handed out */
   keel_atomic(size_t) requested; /* bytes asked for by them */
   keel_atomic(size_t) frees;     /* blocks freed by the owner (remote frees: heap counters) */
-  uint64_t pad2_;
+  uint64_t *freed_bits;          /* owner: bit i set iff block i is on local_free (see alloc.h) */
 } keel_page_t;
 
 _Static_assert(sizeof(keel_page_t) == 128, "page descriptor is indexed by shift");
@@ -138,6 +139,10 @@ typedef struct keel_segment {
   size_t user_off; /* user pointer - base */
   size_t req;      /* bytes asked for */
   keel_page_t pages[KEEL_SLICES];
+  /* Per slice, a bitmap of the page's blocks that are on its local_free
+   * list: 1 KiB, enough for 8-byte blocks of a 64 KiB page. Only the words a
+   * page uses are ever touched. */
+  uint64_t freed_bits[KEEL_SLICES][KEEL_SLICE_SIZE / 8 / 64];
 } keel_segment_t;
 
 /* Bytes before a large block's user data: the header and pages[0]. */
@@ -158,7 +163,7 @@ typedef struct keel_heap {
   /* Blocks of other threads' pages this thread freed, per class: written by
    * this thread only (relaxed load+store), summed by keel_heap_stats. */
   keel_atomic(size_t) remote_frees[KEEL_CLASS_COUNT_MAX];
-  pthread_mutex_t lock;
+  keel_atomic(int) lock;                         /* heap_lock in heap.c */
   keel_page_queue_t queue[KEEL_CLASS_COUNT_MAX]; /* pages with free blocks; current first */
   keel_page_queue_t full;                        /* IN_FULL pages */
   keel_atomic(keel_block_t *) delayed;           /* remote frees into full pages (raw next links) */
@@ -295,6 +300,36 @@ KEEL_INLINE bool _keel_list_empty(const keel_block_t *b) {
 /* The terminator of every list of this page: its segment base. */
 KEEL_INLINE keel_block_t *_keel_list_end(const keel_page_t *page) {
   return (keel_block_t *)_keel_segment_of(page);
+}
+
+/* Block index of byte offset off in the page; false if off is not on a
+ * block boundary. One 64x64->128 multiply gives both: the high half is the
+ * quotient, the low half below the magic means no remainder (Lemire, Kaser
+ * and Kurz 2019, valid for off and bsize below 2^32). */
+KEEL_INLINE bool _keel_page_block_index(const keel_page_t *page, size_t off, size_t *idx) {
+  unsigned __int128 m = (unsigned __int128)off * page->div_magic;
+  *idx = (size_t)(m >> 64);
+  return (uint64_t)m < page->div_magic;
+}
+
+/* The double-free bitmap (owner only): bit set iff the block is on local_free. */
+KEEL_INLINE void _keel_page_mark_freed(keel_page_t *page, const void *b) {
+  size_t idx;
+  _keel_page_block_index(page, (size_t)((const uint8_t *)b - page->start), &idx);
+  page->freed_bits[idx >> 6] |= (uint64_t)1 << (idx & 63);
+}
+KEEL_INLINE bool _keel_page_is_marked_freed(const keel_page_t *page, const void *b) {
+  size_t idx;
+  _keel_page_block_index(page, (size_t)((const uint8_t *)b - page->start), &idx);
+  return (page->freed_bits[idx >> 6] >> (idx & 63)) & 1;
+}
+
+/* A freed block's first word decodes to a link into its own segment; a live
+ * block's first word does that with probability about 2^-42 (key bit 63 is
+ * set, so user pointers and small values decode outside user space; malloc
+ * clears the word of the block it hands out). */
+KEEL_INLINE bool _keel_block_maybe_free(const keel_page_t *page, const keel_block_t *b) {
+  return (((uintptr_t)_keel_decode(page, b->next) ^ (uintptr_t)b) >> KEEL_SEGMENT_SHIFT) == 0;
 }
 
 /* True when off is a multiple of the page's block size (Lemire's test,

@@ -35,6 +35,9 @@
 
 keel_atomic(uint64_t) _keel_segmap[KEEL_SEGMAP_WORDS];
 
+#define HEADER_MASK (((uint64_t)1 << KEEL_HEADER_SLICES) - 1)
+_Static_assert(sizeof(keel_segment_t) <= KEEL_HEADER_SLICES * KEEL_SLICE_SIZE, "header fits");
+
 static pthread_mutex_t seg_lock = PTHREAD_MUTEX_INITIALIZER;
 static keel_segment_t *segments; /* every small segment, most recently created first */
 static size_t n_segments;
@@ -77,7 +80,7 @@ static uint64_t span_mask(unsigned first, unsigned n) {
  * memory is still resident (no fault to reuse it); -1 if none. */
 static int span_find(const keel_segment_t *seg, unsigned n) {
   int any = -1;
-  for (unsigned i = n; i + n <= KEEL_SLICES; i += n) {
+  for (unsigned i = n < KEEL_HEADER_SLICES ? KEEL_HEADER_SLICES : n; i + n <= KEEL_SLICES; i += n) {
     uint64_t m = span_mask(i, n);
     if ((seg->used_mask & m) != 0) continue;
     if ((seg->dirty_mask & m) == m) return (int)i;
@@ -97,7 +100,7 @@ static keel_segment_t *segment_new(void) {
     return NULL;
   }
   seg->kind = KEEL_SEG_SMALL;
-  seg->used_mask = 1;
+  seg->used_mask = HEADER_MASK;
   seg->next = segments;
   seg->prev = NULL;
   if (segments != NULL) segments->prev = seg;
@@ -133,7 +136,7 @@ keel_page_t *_keel_page_alloc(unsigned cls, keel_heap_t *heap) {
       pthread_mutex_unlock(&seg_lock);
       return NULL;
     }
-    first = (int)n;
+    first = span_find(seg, n);
   }
   uint64_t m = span_mask((unsigned)first, n);
   dirty_slices -= (size_t)__builtin_popcountll(seg->dirty_mask & m);
@@ -285,7 +288,7 @@ size_t _keel_segments_collect(bool force) {
   for (keel_segment_t *seg = segments; seg != NULL; seg = next) {
     next = seg->next;
     if (!force && now < seg->purge_at) continue;
-    if (seg->used_mask == 1) {
+    if (seg->used_mask == HEADER_MASK) {
       bytes += (size_t)__builtin_popcountll(seg->dirty_mask) << KEEL_SLICE_SHIFT;
       dirty_slices -= (size_t)__builtin_popcountll(seg->dirty_mask);
       segment_release(seg);
@@ -312,7 +315,7 @@ void _keel_segments_totals(keel_seg_totals_t *t) {
   memcpy(t->requested, retired_requested, sizeof(t->requested));
   memcpy(t->frees, retired_frees, sizeof(t->frees));
   for (keel_segment_t *seg = segments; seg != NULL; seg = seg->next) {
-    for (unsigned i = 1; i < KEEL_SLICES; i++) {
+    for (unsigned i = KEEL_HEADER_SLICES; i < KEEL_SLICES; i++) {
       const keel_page_t *p = &seg->pages[i];
       /* Span heads of pages in use (bsize and cls are set under the lock). */
       if (!((seg->used_mask >> i) & 1) || seg->slice_head[i] != i || p->bsize == 0) continue;
