@@ -53,8 +53,15 @@ KEEL_TLS keel_heap_t *_keel_heap_tls = &_keel_empty_heap;
 keel_atomic(size_t) _keel_orphan_frees[KEEL_CLASS_COUNT_MAX];
 
 static pthread_mutex_t registry_lock = PTHREAD_MUTEX_INITIALIZER;
-static keel_heap_t *heaps_all;  /* every heap, never unmapped */
+static keel_heap_t *heaps_all;  /* every mapped heap */
 static keel_heap_t *heaps_free; /* heaps of exited threads, for reuse */
+static unsigned heaps_free_n;
+/* Exited heaps kept for the next threads; the rest are unmapped, so a burst
+ * of threads leaves no heap memory behind (8 KiB each). Unmapping is safe:
+ * after abandonment no page points to the heap, no remote freer holds it
+ * (abandonment waits out DELAYING), and collectors and statistics only
+ * reach heaps through the registry, under registry_lock. */
+#define HEAPS_FREE_MAX 8
 static keel_atomic(size_t) heaps_active;
 static uint64_t heap_seed;
 
@@ -229,11 +236,14 @@ static keel_heap_t *heap_get(void) {
   keel_heap_t *heap = heaps_free;
   if (heap != NULL) {
     heaps_free = heap->next_free;
+    heaps_free_n--;
   } else {
     heap = _keel_os_alloc(KEEL_ALIGN_UP(sizeof(keel_heap_t), 4096), 4096);
     if (heap != NULL) {
       keel_store_relaxed(&heap->lock, 0);
       heap->next_all = heaps_all;
+      heap->prev_all = NULL;
+      if (heaps_all != NULL) heaps_all->prev_all = heap;
       heaps_all = heap;
       heap->rng = (heap_seed += 0x9e3779b97f4a7c15ull) ^ keel_clock_ns() ^ (uintptr_t)heap;
     }
@@ -296,9 +306,26 @@ static void heap_thread_exit(void *arg) {
   keel_fetch_sub_relaxed(&heaps_active, 1);
   pthread_mutex_lock(&registry_lock);
   heap->active = false;
-  heap->next_free = heaps_free;
-  heaps_free = heap;
+  /* Its frees of other threads' blocks count on in the global counters. */
+  for (unsigned c = 0; c < KEEL_CLASS_COUNT_MAX; c++) {
+    size_t n = keel_load_relaxed(&heap->remote_frees[c]);
+    if (n != 0) keel_fetch_add_relaxed(&_keel_orphan_frees[c], n);
+    keel_store_relaxed(&heap->remote_frees[c], 0);
+  }
+  if (heaps_free_n < HEAPS_FREE_MAX) {
+    heap->next_free = heaps_free;
+    heaps_free = heap;
+    heaps_free_n++;
+    heap = NULL;
+  } else {
+    if (heap->prev_all != NULL)
+      heap->prev_all->next_all = heap->next_all;
+    else
+      heaps_all = heap->next_all;
+    if (heap->next_all != NULL) heap->next_all->prev_all = heap->prev_all;
+  }
   pthread_mutex_unlock(&registry_lock);
+  if (heap != NULL) _keel_os_release(heap, KEEL_ALIGN_UP(sizeof(keel_heap_t), 4096));
   _keel_purge_schedule();
 }
 

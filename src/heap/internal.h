@@ -169,7 +169,7 @@ typedef struct keel_heap {
   keel_atomic(keel_block_t *) delayed;           /* remote frees into full pages (raw next links) */
   uint64_t rng;                                  /* page keys */
   keel_thread_hook_t exit_hook;
-  struct keel_heap *next_all; /* every heap ever made (registry) */
+  struct keel_heap *next_all, *prev_all; /* every mapped heap (registry) */
   struct keel_heap *next_free;
   bool active;
 } keel_heap_t;
@@ -238,7 +238,8 @@ void _keel_heaps_visit(keel_heap_visit_fn fn, void *arg) KEEL_HIDDEN;
 void _keel_heap_fork_prepare(void) KEEL_HIDDEN;
 void _keel_heap_fork_parent(void) KEEL_HIDDEN;
 void _keel_heap_fork_child(void) KEEL_HIDDEN;
-/* Counters of frees by threads that have no heap (never allocated). */
+/* Frees of other threads' blocks by threads without a heap (never allocated,
+ * or exited). */
 extern keel_atomic(size_t) _keel_orphan_frees[KEEL_CLASS_COUNT_MAX] KEEL_HIDDEN;
 
 /* --- large blocks (large.c) --- */
