@@ -392,7 +392,7 @@ void *_keel_malloc_generic(keel_heap_t *heap, size_t size) {
     return NULL;
   }
   void *p = malloc_class(heap, _keel_class_of(size), size);
-  _keel_purge_schedule();
+  _keel_purge_schedule(); /* pages may have been freed draining the delayed list */
   return p;
 }
 
@@ -443,6 +443,9 @@ static void free_remote(keel_heap_t *me, keel_page_t *page, keel_block_t *b) {
     } while (!keel_cas_weak_acq_rel(&owner->delayed, &head, b));
     w = keel_load_relaxed(&page->thread_free);
     while (!keel_cas_weak_acq_rel(&page->thread_free, &w, (w & ~(uintptr_t)3) | KEEL_TF_NORMAL)) {}
+    /* The owner may be idle: the purge thread drains its list if so. */
+    _keel_purge_note_work();
+    _keel_purge_schedule();
   }
   if (me != &_keel_empty_heap) {
     _keel_counter_add(&me->remote_frees[cls], 1);

@@ -180,11 +180,21 @@ static void __page_free(keel_page_t *page) {
   seg->purge_at = keel_clock_coarse_ms() + purge_delay_ms();
 }
 
+static size_t __segment_purge(keel_segment_t *seg);
+
 void _keel_page_free(keel_page_t *page) {
+  keel_segment_t *seg = _keel_segment_of(page);
   pthread_mutex_lock(&seg_lock);
   __page_free(page);
+  size_t bytes = 0;
+  if (purge_delay_ms() == 0) { /* heap_purge_ms=0: this span at once */
+    uint64_t purging = seg->dirty_mask;
+    bytes = __segment_purge(seg);
+    seg->used_mask &= ~purging;
+  }
   pthread_mutex_unlock(&seg_lock);
-  if (purge_delay_ms() == 0) _keel_segments_collect(true);
+  if (bytes != 0) keel_fetch_add_relaxed(&_keel_purged_bytes, bytes);
+  _keel_purge_note_work();
 }
 
 void _keel_page_abandon(keel_page_t *page) {
@@ -199,6 +209,7 @@ void _keel_page_abandon(keel_page_t *page) {
     q->first = page;
   q->last = page;
   n_abandoned++;
+  _keel_purge_note_work();
   keel_store_relaxed(&abandoned_hint[page->cls], keel_load_relaxed(&abandoned_hint[page->cls]) + 1);
   pthread_mutex_unlock(&seg_lock);
 }
