@@ -163,7 +163,9 @@ typedef struct keel_heap {
   /* Blocks of other threads' pages this thread freed, per class: written by
    * this thread only (relaxed load+store), summed by keel_heap_stats. */
   keel_atomic(size_t) remote_frees[KEEL_CLASS_COUNT_MAX];
-  keel_atomic(int) lock;                         /* heap_lock in heap.c */
+  keel_atomic(int) lock;       /* collectors, and owners without membarrier (heap.c) */
+  keel_atomic(int) owner_busy; /* owner is in a slow path (asymmetric handshake) */
+  keel_atomic(int) collector;  /* a collector holds the heap (asymmetric handshake) */
   keel_page_queue_t queue[KEEL_CLASS_COUNT_MAX]; /* pages with free blocks; current first */
   keel_page_queue_t full;                        /* IN_FULL pages */
   keel_atomic(keel_block_t *) delayed;           /* remote frees into full pages (raw next links) */
