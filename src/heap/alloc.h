@@ -25,6 +25,7 @@
 #define KEEL_HEAP_ALLOC_H
 
 #include "heap/internal.h"
+#include "heap/track.h"
 
 KEEL_INLINE void _keel_counter_add(keel_atomic(size_t) * c, size_t n) {
   /* Owner-written: a relaxed load and store, not an atomic add. */
@@ -36,6 +37,7 @@ KEEL_INLINE void *_keel_page_pop(keel_page_t *page, size_t size) {
   keel_block_t *b = page->free;
   page->free = _keel_decode(page, b->next);
   b->next = 0; /* a stale link would look like a free block to the double-free check */
+  KEEL_TRACK_ALLOC(b, page->bsize);
   page->used++;
   _keel_counter_add(&page->allocs, 1);
   _keel_counter_add(&page->requested, size);
@@ -53,6 +55,7 @@ KEEL_INLINE void *_keel_malloc_fast(size_t size) {
 }
 
 KEEL_INLINE void _keel_push_local(keel_page_t *page, keel_block_t *b) {
+  KEEL_TRACK_FREE(b, page->bsize);
   b->next = _keel_encode(page, page->local_free);
   page->local_free = b;
   _keel_counter_add(&page->frees, 1);

@@ -51,6 +51,7 @@
 #include "base/os.h"
 #include "heap/alloc.h"
 #include "heap/internal.h"
+#include "heap/track.h"
 
 keel_page_t _keel_empty_page; /* free == NULL: always empty */
 keel_heap_t _keel_empty_heap = {.direct = {[0 ... KEEL_CLASS_COUNT_MAX - 1] = &_keel_empty_page}};
@@ -310,6 +311,7 @@ static void __page_retire(keel_heap_t *heap, keel_page_queue_t *q, keel_page_t *
  * working for an idle owner keeps pages full and re-arms them instead. */
 static void __free_local(keel_heap_t *heap, keel_page_t *page, keel_block_t *b, bool owner) {
   if (owner) _keel_page_mark_freed(page, b);
+  KEEL_TRACK_FREE(b, page->bsize);
   b->next = _keel_encode(page, page->local_free);
   page->local_free = b;
   page->used--;
@@ -542,6 +544,7 @@ void _keel_heap_page_emptied(keel_heap_t *heap, keel_page_t *page) {
 }
 
 static void free_remote(keel_heap_t *me, keel_page_t *page, keel_block_t *b) {
+  KEEL_TRACK_FREE(b, page->bsize);
   uintptr_t w = keel_load_relaxed(&page->thread_free), nw;
   unsigned state;
   do {

@@ -16,6 +16,7 @@
 #include "base/clock.h"
 #include "base/die.h"
 #include "heap/internal.h"
+#include "heap/track.h"
 
 void _keel_die_double_free(const char *call, void *p) {
   keel_die(call, "double free of %p", p);
@@ -37,6 +38,7 @@ void _keel_page_init(keel_page_t *page, unsigned cls, keel_heap_t *heap) {
   size_t idx = (size_t)(page - seg->pages);
   uint32_t bsize = _keel_class_size[cls];
   page->start = (uint8_t *)seg + (idx << KEEL_SLICE_SHIFT);
+  KEEL_TRACK_RESET(page->start, (size_t)page->slices << KEEL_SLICE_SHIFT);
   KEEL_ASSERT(page->bsize == bsize && page->cls == cls); /* set under the segment lock */
   page->reserved = (uint32_t)(((size_t)page->slices << KEEL_SLICE_SHIFT) / bsize);
   page->capacity = 0;

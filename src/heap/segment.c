@@ -32,6 +32,7 @@
 #include "base/options.h"
 #include "base/os.h"
 #include "heap/internal.h"
+#include "heap/track.h"
 
 keel_atomic(uint64_t) _keel_segmap[KEEL_SEGMAP_WORDS];
 
@@ -118,6 +119,7 @@ static void segment_release(keel_segment_t *seg) {
   if (seg->next != NULL) seg->next->prev = seg->prev;
   n_segments--;
   _keel_segmap_set(seg, false);
+  KEEL_TRACK_RESET(seg, KEEL_SEGMENT_SIZE);
   _keel_os_release(seg, KEEL_SEGMENT_SIZE);
 }
 

@@ -423,6 +423,14 @@ static void do_realloc_interior(void *arg) {
   keel_realloc(p + 16, 200);
 }
 
+KEEL_UNUSED static void do_use_after_free(void *arg) {
+  (void)arg;
+  volatile char *p = keel_malloc(64);
+  p[20] = 1;
+  keel_free((void *)p);
+  p[20] = 2;
+}
+
 static void test_bad_input(void) {
   KT_EXPECT_ABORT(do_double_free, NULL, "keel: free: double free of 0x");
   KT_EXPECT_ABORT(do_double_free_last, NULL, "keel: free: double free of 0x");
@@ -431,6 +439,10 @@ static void test_bad_input(void) {
   KT_EXPECT_ABORT(do_free_mmap, NULL, "keel: free: invalid pointer 0x");
   KT_EXPECT_ABORT(do_free_large_interior, NULL, "keel: free: invalid pointer 0x");
   KT_EXPECT_ABORT(do_realloc_interior, NULL, "invalid pointer 0x");
+#if defined(KEEL_ASAN)
+  /* Freed blocks are poisoned (track.h); ASAN_OPTIONS=abort_on_error=1. */
+  KT_EXPECT_ABORT(do_use_after_free, NULL, "use-after-poison");
+#endif
 }
 
 static void *churn(void *arg) {
