@@ -485,6 +485,7 @@ static keel_page_t *__find_page(keel_heap_t *heap, unsigned cls) {
   __keel_page_collect(page);
   queue_push_front(q, page);
 found:
+  KEEL_ASSERT_FULL(_keel_page_validate(page)); /* debug-full builds: walk the page */
   if (q->first != page) {
     queue_remove(q, page);
     queue_push_front(q, page);
