@@ -7,7 +7,11 @@
  * is always the last 16 bytes of it, so `(pool_hdr_t *)obj - 1` finds it.
  * Cost: 16 bytes per object, one load and compare per free (the double-free
  * and wrong-pool check) and one store per alloc and per free (the state
- * bit), all on the line the list link already touches.
+ * bit), all on the line the list link already touches. The bytes cost more
+ * than the instructions: the header moves 128/256/512-byte objects off
+ * power-of-two strides, and in `keel-bench pool --case gluster` the same
+ * pools with objects 16 bytes smaller did 5-8% more operations per CPU
+ * second (3-5% ahead of tcmalloc instead of 3-6% behind it).
  *
  * Sub-pools and the hand-off. A sub-pool (pool_sub_t) belongs to one pool and
  * one thread, its owner; only the owner pushes and pops its lists in the fast
