@@ -1,6 +1,6 @@
 /* The sweeper's side of the owner/sweeper hand-off (see pool_impl.h), and
  * what happens to an object as it enters or leaves a list: debug patterns,
- * ASan poisoning, the return to the heap.
+ * the tools' view (track.h), the return to the heap.
  */
 #include <linux/membarrier.h>
 #include <pthread.h>
@@ -10,15 +10,7 @@
 
 #include "base/die.h"
 #include "pool_impl.h"
-
-#if defined(KEEL_ASAN)
-#include <sanitizer/asan_interface.h>
-#define pool_poison(p, n)   __asan_poison_memory_region((p), (n))
-#define pool_unpoison(p, n) __asan_unpoison_memory_region((p), (n))
-#else
-#define pool_poison(p, n)   ((void)(p), (void)(n))
-#define pool_unpoison(p, n) ((void)(p), (void)(n))
-#endif
+#include "track.h"
 
 int _keel_pool_fence_heavy;
 
@@ -109,23 +101,42 @@ static void pool_check_pattern(keel_pool_t *p, const unsigned char *o, const cha
 
 void _keel_pool_obj_cached(keel_pool_t *p, void *obj) {
   if (p->flags & POOL_F_DEBUG) memset(obj, POOL_FREE_BYTE, p->obj_size);
-  pool_poison(obj, p->obj_size);
+  POOL_ASAN_POISON(obj, p->obj_size);
+  if (p->flags & POOL_F_TRACK) POOL_VG_FREE(obj);
+}
+
+/* The pattern check, with the object readable to the tools for its span. */
+static void pool_obj_check(keel_pool_t *p, void *obj, const char *call) {
+  if (!(p->flags & POOL_F_DEBUG)) return;
+  if (p->flags & POOL_F_TRACK) POOL_VG_DEFINED(obj, p->obj_size);
+  pool_check_pattern(p, obj, call);
 }
 
 void _keel_pool_obj_reused(keel_pool_t *p, void *obj, const char *call) {
-  pool_unpoison(obj, p->obj_size);
-  if (p->flags & POOL_F_DEBUG) pool_check_pattern(p, obj, call);
+  POOL_ASAN_UNPOISON(obj, p->obj_size);
+  if (p->flags & POOL_F_TRACK) POOL_VG_ALLOC(obj, p->obj_size);
+  pool_obj_check(p, obj, call);
+  if (p->flags & POOL_F_TRACK) POOL_VG_UNDEFINED(obj, p->obj_size); /* as malloc's contents */
 }
 
 void _keel_pool_obj_fresh(keel_pool_t *p, void *obj) {
+  if (p->flags & POOL_F_TRACK) POOL_VG_ALLOC(obj, p->obj_size);
   if (p->flags & POOL_F_DEBUG) memset(obj, POOL_NEW_BYTE, p->obj_size);
+}
+
+/* A cached object going back to the heap: checked, then plain memory again
+ * (the heap reuses it for anything). */
+static void pool_obj_released(keel_pool_t *p, void *obj, const char *call) {
+  POOL_ASAN_UNPOISON(obj, p->obj_size);
+  pool_obj_check(p, obj, call);
+  if (p->flags & POOL_F_TRACK) POOL_VG_UNDEFINED(obj, p->obj_size);
 }
 
 void _keel_pool_release_list(keel_pool_t *p, pool_hdr_t *list, size_t n, const char *call) {
   while (list != NULL) {
     pool_hdr_t *next = list->next;
     void *obj = list + 1;
-    _keel_pool_obj_reused(p, obj, call);
+    pool_obj_released(p, obj, call);
     keel_free((char *)obj - p->hdr_size);
     list = next;
   }

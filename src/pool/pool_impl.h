@@ -92,6 +92,7 @@ enum {
   POOL_F_DEBUG = 1u << 2,  /* KEEL_DEBUG >= 1: pattern-fill freed objects, check on reuse */
   POOL_F_POISON = 1u << 3, /* ASan: cached objects are poisoned */
   POOL_F_FENCE = 1u << 4,  /* no membarrier: owners enter with a seq_cst exchange */
+  POOL_F_TRACK = 1u << 5,  /* created under Valgrind: objects reported to memcheck */
 };
 
 /* Debug patterns: freed (checked on reuse) and fresh from the heap. */
@@ -239,7 +240,8 @@ pool_hdr_t *__keel_pool_sub_service(pool_sub_t *sp, uint32_t req, size_t *n) KEE
  * way) and counts it in pool->heap_frees. Takes no lock. */
 void _keel_pool_release_list(keel_pool_t *p, pool_hdr_t *list, size_t n,
                              const char *call) KEEL_HIDDEN;
-/* Debug and ASan bookkeeping of an object entering or leaving a list. */
+/* Debug and tool bookkeeping (track.h) of an object entering a list, leaving
+ * it for a caller, or arriving fresh from the heap. */
 void _keel_pool_obj_cached(keel_pool_t *p, void *obj) KEEL_HIDDEN;
 void _keel_pool_obj_reused(keel_pool_t *p, void *obj, const char *call) KEEL_HIDDEN;
 void _keel_pool_obj_fresh(keel_pool_t *p, void *obj) KEEL_HIDDEN;

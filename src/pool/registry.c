@@ -13,6 +13,7 @@
 
 #include "base/die.h"
 #include "pool_impl.h"
+#include "track.h"
 
 static pthread_mutex_t registry_lock = PTHREAD_MUTEX_INITIALIZER;
 static pthread_once_t registry_once = PTHREAD_ONCE_INIT;
@@ -111,6 +112,7 @@ static void pool_setup(keel_pool_t *p, const char *name, size_t obj_size, size_t
   p->ops = ops != NULL ? *ops : (keel_pool_ops_t){0};
   p->flags = (p->ops.init ? POOL_F_INIT : 0) | (p->ops.fini ? POOL_F_FINI : 0);
   if (_keel_pool_fence_heavy) p->flags |= POOL_F_FENCE;
+  if (POOL_ON_VALGRIND()) p->flags |= POOL_F_TRACK;
 #if KEEL_DEBUG >= 1
   p->flags |= POOL_F_DEBUG;
 #endif
