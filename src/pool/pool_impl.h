@@ -117,6 +117,7 @@ typedef struct pool_sub {
   pthread_mutex_t lock KEEL_CACHE_ALIGNED;
   struct keel_pool *pool;
   struct pool_tls *owner;    /* the owner's slot array lives there */
+  uint32_t req_before;       /* req before the current pass posted; under lock */
   struct cds_list_head link; /* on pool->subs, under pool->lock */
 } KEEL_CACHE_ALIGNED pool_sub_t;
 

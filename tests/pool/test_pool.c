@@ -125,6 +125,28 @@ static void owner_services_pending_sweep(void) {
   KT_EQ(keel_pool_destroy(p), 0);
 }
 
+/* keel_pool_reclaim stops once it has freed enough, withdrawing its own
+ * requests but not a sweep an earlier pass left for a busy owner. */
+static void reclaim_keeps_pending_sweep(void) {
+  sweeper_quiet();
+  keel_pool_t *a = keel_pool_create("reclaim-first", 64, 0, NULL);
+  keel_pool_t *b = keel_pool_create("reclaim-busy", 64, 0, NULL);
+  keel_pool_free(a, keel_pool_alloc(a));
+  keel_pool_free(b, keel_pool_alloc(b));
+  pool_sub_t *sb = pool_sub_get(b);
+  keel_store_relaxed(&sb->busy, 1);
+  keel_pool_sweep(b); /* left pending: the owner is "mid-call" */
+  KT_EQ(keel_load_relaxed(&sb->req), POOL_REQ_SWEEP);
+  KT_EQ(keel_pool_reclaim(1), stats(a).block_bytes); /* a's object satisfies the goal */
+  KT_EQ(keel_load_relaxed(&sb->req), POOL_REQ_SWEEP);
+  keel_store_relaxed(&sb->busy, 0);
+  keel_pool_free(b, keel_pool_alloc(b)); /* the owner does the sweep: hot turns cold */
+  KT_EQ(keel_load_relaxed(&sb->req), POOL_REQ_NONE);
+  KT_EQ(stats(b).cold_hits, 1);
+  KT_EQ(keel_pool_destroy(a), 0);
+  KT_EQ(keel_pool_destroy(b), 0);
+}
+
 static int init_calls, fini_calls;
 static void obj_init(void *o, void *arg) {
   KT_CHECK(arg == &init_calls);
@@ -479,7 +501,8 @@ static void idle_returns_to_zero(void) {
   KT_EQ(keel_pool_destroy(p), 0);
 }
 
-KT_MAIN(KT_CASE(state_machine), KT_CASE(owner_services_pending_sweep), KT_CASE(hooks_and_zalloc),
-        KT_CASE(alignment), KT_CASE(bad_create), KT_CASE(bad_input_aborts), KT_CASE(destroy_busy),
+KT_MAIN(KT_CASE(state_machine), KT_CASE(owner_services_pending_sweep),
+        KT_CASE(reclaim_keeps_pending_sweep), KT_CASE(hooks_and_zalloc), KT_CASE(alignment),
+        KT_CASE(bad_create), KT_CASE(bad_input_aborts), KT_CASE(destroy_busy),
         KT_CASE(thread_exit_releases), KT_CASE(reclaim), KT_CASE(print_stats),
         KT_CASE(create_destroy_churn), KT_CASE(idle_returns_to_zero))
