@@ -356,6 +356,12 @@ static void __drain_delayed(keel_heap_t *heap, bool owner) {
 
 static void heap_thread_exit(void *arg);
 
+/* Set once this thread's exit hook ran. A thread that only frees (a consumer) gets a heap for its counters on its
+ * first free (free_remote): one shared atomic counter per class would bounce between
+ * every consumer's cache. Not after its exit hook ran (the heap would never
+ * be handed back). */
+static KEEL_TLS bool tls_exited;
+
 static keel_heap_t *heap_get(void) {
   pthread_mutex_lock(&registry_lock);
   if (heaps_all == NULL) asym_init(); /* before the first heap exists */
@@ -426,6 +432,7 @@ static void heap_thread_exit(void *arg) {
   keel_heap_t *heap = arg;
   /* From here this thread frees like a stranger (remote path). */
   _keel_heap_tls = &_keel_empty_heap;
+  tls_exited = true;
   owner_enter(heap);
   __heap_abandon_pages(heap);
   owner_exit(heap);
@@ -580,6 +587,23 @@ static void free_remote(keel_heap_t *me, keel_page_t *page, keel_block_t *b) {
   } else {
     keel_fetch_add_relaxed(&_keel_orphan_frees[cls], 1);
   }
+}
+
+static keel_heap_t *counting_heap(keel_heap_t *me) {
+  if (keel_likely(me != &_keel_empty_heap) || tls_exited) return me;
+  keel_heap_t *h = _keel_heap_init_thread();
+  return h != NULL ? h : me;
+}
+
+void _keel_free_other(keel_page_t *page, void *p, const char *call) {
+  size_t off = (size_t)((uint8_t *)p - page->start);
+  /* bsize 0: a large block, a header, a free span: the generic path sorts
+   * them out (and dies for the invalid ones). */
+  if (page->bsize == 0 || (uint8_t *)p < page->start || !_keel_page_is_block_offset(page, off)) {
+    _keel_free_generic(p, call);
+    return;
+  }
+  free_remote(counting_heap(_keel_heap_tls), page, p);
 }
 
 void _keel_free_generic(void *p, const char *call) {

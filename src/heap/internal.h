@@ -232,6 +232,9 @@ void *_keel_malloc_generic(keel_heap_t *heap, size_t size) KEEL_HIDDEN;
 void *_keel_malloc_in_class(unsigned cls, size_t size) KEEL_HIDDEN;
 size_t _keel_heaps_active(void) KEEL_HIDDEN;
 void _keel_free_generic(void *p, const char *call) KEEL_HIDDEN;
+/* free of a block whose page another heap owns (or nobody): the segment map
+ * was checked; validates the offset and pushes on the page's thread_free. */
+void _keel_free_other(keel_page_t *page, void *p, const char *call) KEEL_HIDDEN;
 void __keel_heap_free_local_slow(keel_heap_t *heap, keel_page_t *page, keel_block_t *b) KEEL_HIDDEN;
 void _keel_heap_page_emptied(keel_heap_t *heap, keel_page_t *page) KEEL_HIDDEN;
 void _keel_heaps_collect(bool force) KEEL_HIDDEN;
