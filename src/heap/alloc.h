@@ -74,7 +74,7 @@ KEEL_INLINE void _keel_free_fast(void *p, const char *call) {
       /* Double free: the block's bit says it is on local_free already. The
        * bitmap is metadata, usually cached; reading the block itself would
        * stall on a cache miss for every cold block freed. */
-      uint64_t *w = &page->freed_bits[idx >> 6], bit = (uint64_t)1 << (idx & 63);
+      uint64_t *w = _keel_page_bits_word(page, idx), bit = (uint64_t)1 << (idx & 63);
       if (keel_likely((*w & bit) == 0)) {
         *w |= bit;
         _keel_push_local(page, p);

@@ -14,10 +14,11 @@
  * (mimalloc's delayed free, which this follows.)
  *
  * Owners that stop allocating: full pages of a heap whose thread is idle are
- * still returned. The purge thread takes the heap's lock and drains its
- * `delayed` list itself: this is safe because an owner's fast paths never
- * touch a full page (its flags send them to the slow path, which takes the
- * same lock). When all of a full page's blocks are back it is freed to its
+ * still returned. The purge thread holds the heap as a collector (see the
+ * owner/collector exclusion below) and drains its `delayed` list itself:
+ * this is safe because an owner's fast paths never touch a full page (its
+ * flags send them to the slow path, which excludes the collector). When all
+ * of a full page's blocks are back it is freed to its
  * segment and purged after the delay. This is what keeps producer/consumer
  * servers from holding memory their consumers freed (mimalloc #333, #1364).
  * Pages still in an idle owner's queue (not full) keep their remote frees
@@ -28,16 +29,24 @@
  * all back, and abandons the rest to a global per-class list that other
  * threads adopt from before taking new pages; the purge thread frees
  * abandoned pages once their last block comes back. The heap struct goes on
- * a free list for the next thread, so 10,000 short-lived threads use a
- * handful of heaps and no more pages than the live ones need.
+ * a small free list for the next thread (beyond 8 it is unmapped), so
+ * 10,000 short-lived threads use a handful of heaps and no more pages than
+ * the live ones need.
  *
- * Locks: heap->lock is taken only in slow paths (once per page switch, not
- * per block); order: registry_lock > heap->lock > segment lock > large lock.
+ * Double free: a block on its page's local_free has its bit set in the
+ * page's bitmap, which the free fast path tests (alloc.h). A block that has
+ * moved on to the page's `free` list (the owner collected local_free) is
+ * caught when its free takes the slow path, by its first word decoding to a
+ * link into its own segment, confirmed by walking the page's lists.
+ *
+ * Locks: owner slow paths take no lock (the handshake below); collectors
+ * and the fork handler take heap->lock; order: registry_lock > heap (lock
+ * or handshake) > segment lock > large lock.
  */
 #define _GNU_SOURCE
 #include <errno.h>
-#include <pthread.h>
 #include <limits.h>
+#include <pthread.h>
 #include <linux/futex.h>
 #include <linux/membarrier.h>
 #include <sched.h>
