@@ -18,6 +18,9 @@ size_t _keel_usable_size(const void *p, const char *call) {
   if (seg->kind == KEEL_SEG_LARGE && (const uint8_t *)p == (uint8_t *)seg + seg->user_off) {
     return seg->mapped - seg->user_off;
   }
+  if (seg->kind == KEEL_SEG_LARGE_CACHED && (const uint8_t *)p == (uint8_t *)seg + seg->user_off) {
+    _keel_die_double_free(call, (void *)p); /* a large block freed and not reused yet */
+  }
   if (seg->kind != KEEL_SEG_SMALL) _keel_die_invalid(call, p);
   keel_page_t *page = _keel_page_of(seg, p);
   if (page->bsize == 0 || (const uint8_t *)p < page->start ||
@@ -48,6 +51,9 @@ void *_keel_realloc(void *p, size_t size) {
   /* An invalid pointer is reported as free's, which realloc is doing. */
   size_t usable = _keel_usable_size(p, "free");
   keel_segment_t *seg = _keel_segment_of(p);
+  /* A freed block must not come back to life in place, nor be copied from
+   * before its free finds the double free. */
+  if (seg->kind == KEEL_SEG_SMALL) _keel_check_not_free(_keel_page_of(seg, p), p, "realloc");
   if (seg->kind == KEEL_SEG_LARGE) {
     if (size > KEEL_LARGE_MAX) return _keel_large_realloc(seg, size);
   } else if (size <= usable && size >= usable / 2) {

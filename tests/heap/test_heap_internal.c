@@ -425,6 +425,16 @@ static void do_double_free_last(void *arg) {
   keel_free(p);
 }
 
+/* Bug pin (found by the heaptest suite): realloc of a freed block that
+ * would stay in place returned it, live and on a free list at once. */
+static void do_realloc_freed(void *arg) {
+  (void)arg;
+  void *keep = keel_malloc(200), *p = keel_malloc(200);
+  keel_free(p);
+  keel_realloc(p, 180);
+  keel_free(keep);
+}
+
 static void do_free_stack(void *arg) {
   (void)arg;
   int x;
@@ -466,6 +476,7 @@ KEEL_UNUSED static void do_use_after_free(void *arg) {
 static void test_bad_input(void) {
   KT_EXPECT_ABORT(do_double_free, NULL, "keel: free: double free of 0x");
   KT_EXPECT_ABORT(do_double_free_last, NULL, "keel: free: double free of 0x");
+  KT_EXPECT_ABORT(do_realloc_freed, NULL, "keel: realloc: double free of 0x");
   KT_EXPECT_ABORT(do_free_stack, NULL, "keel: free: invalid pointer 0x");
   KT_EXPECT_ABORT(do_free_interior, NULL, "keel: free: invalid pointer 0x");
   KT_EXPECT_ABORT(do_free_mmap, NULL, "keel: free: invalid pointer 0x");
