@@ -547,7 +547,7 @@ static keel_heap_t *heap_or_init(keel_heap_t *heap) {
 
 typedef struct shared_shard {
   pthread_mutex_t lock;
-  keel_heap_t *heap;
+  keel_atomic(keel_heap_t *) heap; /* set once, under lock; compared without it */
 } KEEL_CACHE_ALIGNED shared_shard_t;
 
 static shared_shard_t shared[SHARED_SHARDS] = {
@@ -558,15 +558,16 @@ static void *malloc_shared(unsigned cls, size_t size) {
   shared_shard_t *sh = &shared[((uintptr_t)&tls_exited >> 16) % SHARED_SHARDS];
   void *p = NULL;
   pthread_mutex_lock(&sh->lock);
-  if (sh->heap == NULL) {
+  keel_heap_t *heap = keel_load_relaxed(&sh->heap);
+  if (heap == NULL) {
     _keel_classes_init();
-    keel_heap_t *h = heap_get();
-    if (h != NULL) {
-      for (unsigned c = 0; c < KEEL_CLASS_COUNT_MAX; c++) h->direct[c] = &_keel_empty_page;
-      sh->heap = h;
+    heap = heap_get();
+    if (heap != NULL) {
+      for (unsigned c = 0; c < KEEL_CLASS_COUNT_MAX; c++) heap->direct[c] = &_keel_empty_page;
+      keel_store_relaxed(&sh->heap, heap);
     }
   }
-  if (sh->heap != NULL) p = malloc_class(sh->heap, cls, size);
+  if (heap != NULL) p = malloc_class(heap, cls, size);
   pthread_mutex_unlock(&sh->lock);
   if (p == NULL) errno = ENOMEM;
   return p;
@@ -579,7 +580,8 @@ static void shared_collect(bool force) {
     pthread_mutex_lock(&shared[i].lock);
     /* Empty current pages go too: no thread keeps allocating here for
      * certain, and an idle shared heap must not hold a page per class. */
-    if (shared[i].heap != NULL) heap_collect_own(shared[i].heap, force, true);
+    keel_heap_t *heap = keel_load_relaxed(&shared[i].heap);
+    if (heap != NULL) heap_collect_own(heap, force, true);
     pthread_mutex_unlock(&shared[i].lock);
   }
 }
@@ -663,6 +665,45 @@ static keel_heap_t *counting_heap(keel_heap_t *me) {
   return h != NULL ? h : me;
 }
 
+/* The shard whose heap owns page, or NULL: a pointer comparison, never a
+ * dereference of page->heap (a thread heap may be unmapped meanwhile). */
+static shared_shard_t *shard_of(const keel_page_t *page) {
+  keel_heap_t *owner = keel_load_relaxed(&page->heap);
+  for (int i = 0; i < SHARED_SHARDS; i++) {
+    if (owner != NULL && owner == keel_load_relaxed(&shared[i].heap)) return &shared[i];
+  }
+  return NULL;
+}
+
+/* A free of a block this thread's heap does not own. A shared heap's block
+ * is freed as its owner, under the shard's mutex: onto local_free, with the
+ * double-free checks an owner makes (the mutex is what allocation takes
+ * anyway for these sizes). Any other goes on the page's thread_free. */
+static void free_foreign(keel_page_t *page, keel_block_t *b, const char *call) {
+  shared_shard_t *sh = shard_of(page);
+  if (sh == NULL) {
+    free_remote(counting_heap(_keel_heap_tls), page, b);
+    return;
+  }
+  pthread_mutex_lock(&sh->lock);
+  keel_heap_t *heap = keel_load_relaxed(&sh->heap);
+  if ((size_t)((uint8_t *)b - page->start) >= (size_t)page->capacity * page->bsize) {
+    pthread_mutex_unlock(&sh->lock);
+    _keel_die_invalid(call, b);
+  }
+  if (_keel_page_is_marked_freed(page, b) ||
+      (_keel_block_maybe_free(page, b) && _keel_page_has_free_block(page, b))) {
+    pthread_mutex_unlock(&sh->lock);
+    _keel_die_double_free(call, b);
+  }
+  _keel_counter_add(&page->frees, 1);
+  owner_enter(heap);
+  __free_local(heap, page, b, true); /* retires the page if it was its last block */
+  owner_exit(heap);
+  pthread_mutex_unlock(&sh->lock);
+  _keel_purge_schedule(); /* with no lock held: it may create the purge thread */
+}
+
 void _keel_free_other(keel_page_t *page, void *p, const char *call) {
   size_t off = (size_t)((uint8_t *)p - page->start);
   /* bsize 0: a large block, a header, a free span: the generic path sorts
@@ -671,7 +712,7 @@ void _keel_free_other(keel_page_t *page, void *p, const char *call) {
     _keel_free_generic(p, call);
     return;
   }
-  free_remote(counting_heap(_keel_heap_tls), page, p);
+  free_foreign(page, p, call);
 }
 
 void _keel_check_not_free(keel_page_t *page, void *p, const char *call) {
@@ -688,7 +729,10 @@ void _keel_check_not_free(keel_page_t *page, void *p, const char *call) {
 void _keel_free_generic(void *p, const char *call) {
   if (p == NULL) return;
   keel_segment_t *seg = _keel_segment_of(p);
-  if (!_keel_segmap_has(seg)) _keel_die_invalid(call, p);
+  if (!_keel_segmap_has(seg)) {
+    if (_keel_huge_free(p)) return; /* aligned to more than 2 MiB */
+    _keel_die_invalid(call, p);
+  }
   if (seg->kind != KEEL_SEG_SMALL) {
     if (seg->kind == KEEL_SEG_LARGE && (uint8_t *)p == (uint8_t *)seg + seg->user_off) {
       _keel_large_free(seg);
@@ -705,7 +749,7 @@ void _keel_free_generic(void *p, const char *call) {
   keel_block_t *b = p;
   keel_heap_t *heap = _keel_heap_tls;
   if (keel_load_relaxed(&page->heap) != heap) {
-    free_remote(heap, page, b);
+    free_foreign(page, b, call);
     return;
   }
   if (off >= (size_t)page->capacity * page->bsize) _keel_die_invalid(call, p);

@@ -265,6 +265,10 @@ void _keel_large_free(keel_segment_t *seg) KEEL_HIDDEN;
 void *_keel_large_realloc(keel_segment_t *seg, size_t size) KEEL_HIDDEN;
 size_t _keel_large_collect(bool force) KEEL_HIDDEN;
 bool _keel_large_pending(void) KEEL_HIDDEN;
+/* Blocks aligned to more than 2 MiB (not in the segment map): frees p and
+ * returns true if it is one; its usable size, or 0 if it is not one. */
+bool _keel_huge_free(void *p) KEEL_HIDDEN;
+size_t _keel_huge_usable(const void *p) KEEL_HIDDEN;
 void _keel_large_totals(size_t *live, size_t *bytes, size_t *cached, size_t *requested) KEEL_HIDDEN;
 void _keel_large_lock(void) KEEL_HIDDEN;
 void _keel_large_unlock(void) KEEL_HIDDEN;

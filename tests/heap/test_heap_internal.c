@@ -314,6 +314,17 @@ static void test_aligned(void) {
       keel_free(p);
     }
   }
+  /* Above 2 MiB: blocks outside the segment map, found by their list. */
+  for (size_t align = (size_t)4 << 20; align <= ((size_t)64 << 20); align <<= 2) {
+    char *p = keel_aligned_alloc(align, 5000);
+    KT_REQUIRE(p != NULL);
+    KT_CHECK(((uintptr_t)p & (align - 1)) == 0 && keel_usable_size(p) >= 5000);
+    memset(p, 3, 5000);
+    p = keel_realloc(p, 10000);
+    KT_CHECK(p != NULL && p[4999] == 3);
+    keel_free(p);
+    keel_free(keel_aligned_alloc(align, 1));
+  }
   errno = 0;
   KT_CHECK(keel_aligned_alloc(24, 10) == NULL && errno == EINVAL);
 }
