@@ -1,0 +1,190 @@
+/* sched internals: the one pool, its workers, clients and job states.
+ *
+ * Where a job is, by its _state:
+ *   IDLE    owned by the caller (never submitted, or fn/on_cancel called);
+ *   QUEUED  in the incoming wfcqueue or the staging queue (producers' side);
+ *   LOCAL   on its client's FIFO for its level (dispatch mutex);
+ *   TIMER   in a worker's timer heap (that worker's timer mutex);
+ *   TAKEN   in a worker's batch, about to run.
+ * Transitions: IDLE->QUEUED (submit, CAS), IDLE->TIMER (after, CAS),
+ * TIMER->QUEUED (fire) and TIMER->IDLE (cancel) under the timer mutex,
+ * QUEUED->LOCAL, LOCAL->TAKEN and LOCAL->IDLE (cancel) under the dispatch
+ * mutex, TAKEN->IDLE by the worker right before it calls fn.
+ *
+ * Locks, outer to inner: life_lock (init/shutdown), lock (dispatch: staging,
+ * levels, clients, worker list), a worker's tlock (its timer heap),
+ * idle_lock (the parked-worker stack). Producers take none of them unless
+ * they must wake a parked worker.
+ */
+#ifndef KEEL_SCHED_INT_H
+#define KEEL_SCHED_INT_H
+
+#define _LGPL_SOURCE /* wfcqueue's inline fast paths, not the library calls */
+#include <pthread.h>
+#include <urcu/list.h>
+#include <urcu/wfcqueue.h>
+
+#include <keel/sched.h>
+
+#include "base/atomic.h"
+#include "base/common.h"
+
+enum { JOB_IDLE, JOB_QUEUED, JOB_LOCAL, JOB_TIMER, JOB_TAKEN };
+enum { PRIO_HIGH, PRIO_NORMAL, PRIO_LOW, PRIO_COUNT };
+enum { SCHED_UNINIT, SCHED_RUNNING, SCHED_STOPPING, SCHED_SHUTDOWN };
+
+/* A fairness domain. Invariant (dispatch mutex): on level p's ring iff
+ * q[p] is non-empty; n[p] == length of q[p]; used[p] < KEEL_SCHED_QUANTUM. */
+struct keel_sched_client {
+  struct cds_list_head q[PRIO_COUNT];    /* its LOCAL jobs, FIFO */
+  struct cds_list_head ring[PRIO_COUNT]; /* link in levels[p].ring */
+  uint32_t n[PRIO_COUNT];
+  uint32_t used[PRIO_COUNT]; /* dispatches in the current turn */
+};
+
+/* One priority level: the clients with queued jobs, served round-robin. */
+typedef struct sched_level {
+  struct cds_list_head ring;
+  uint64_t n; /* LOCAL jobs of this level, all clients */
+} sched_level_t;
+
+/* A worker thread. Fields marked (own) are written only by the worker;
+ * (lock), (tlock), (idle) name the mutex that guards them. */
+typedef struct sched_worker {
+  struct cds_list_head link;      /* sched.workers or sched.zombies (lock) */
+  struct cds_list_head idle_link; /* sched.idle while parked (idle) */
+  bool parked;                    /* on sched.idle (idle) */
+  pthread_t thread;
+  keel_atomic(uint32_t) word;             /* futex: 0 parked, 1 woken, 2 kicked */
+  keel_atomic(uint64_t) seq;              /* (own) odd while inside fn; +2 per job */
+  uint64_t mon_seq, mon_since;            /* monitor's last sight of seq, and when */
+  keel_atomic(int) blocking;              /* (own) running a KEEL_JOB_BLOCKING job */
+  keel_atomic(keel_job_t *) current;      /* (own) the job inside fn, for cancel */
+  keel_atomic(uint64_t) nrun[PRIO_COUNT]; /* (own) fn calls returned */
+  uint64_t busy_ns;                       /* (own) when it last ran a job */
+  /* Timers: a binary min-heap on job->_t; job->_l[1] is the slot. */
+  pthread_mutex_t tlock;
+  keel_job_t **heap; /* (tlock) */
+  uint32_t nheap, capheap;
+  keel_atomic(uint64_t) next_deadline; /* heap[0]->_t, UINT64_MAX if empty */
+  keel_job_t *batch[KEEL_SCHED_BATCH]; /* (own) taken jobs */
+} sched_worker_t;
+
+/* A counter stripe: producers count submits on their own cache line. */
+typedef struct KEEL_CACHE_ALIGNED sched_stripe {
+  keel_atomic(int64_t) submitted;
+} sched_stripe_t;
+
+#define SCHED_STRIPES 64
+
+typedef struct sched {
+  /* Read by every producer; written rarely. */
+  keel_atomic(int) state KEEL_CACHE_ALIGNED;
+  keel_atomic(int) nidle;         /* parked workers */
+  keel_atomic(uint32_t) mon_mode; /* futex word, MON_* */
+  keel_atomic(int) how;           /* shutdown mode while STOPPING */
+  /* The incoming queue: producers xchg the tail, the dispatcher splices. */
+  struct __cds_wfcq_head in_head KEEL_CACHE_ALIGNED;
+  struct cds_wfcq_tail in_tail KEEL_CACHE_ALIGNED;
+  /* Dispatch state, under `lock`. */
+  pthread_mutex_t lock KEEL_CACHE_ALIGNED;
+  struct __cds_wfcq_head stage_head; /* spliced, not yet sorted */
+  struct cds_wfcq_tail stage_tail;
+  sched_level_t levels[PRIO_COUNT];
+  uint32_t since_low, since_normal; /* dispatches since that level last ran */
+  keel_atomic(uint64_t) nlocal;     /* sum of levels[].n (read without lock) */
+  struct cds_list_head workers;     /* live workers; head = next timer owner */
+  struct cds_list_head zombies;     /* retired, not yet joined */
+  keel_atomic(int) nthreads;        /* workers counted, started or starting */
+  uint64_t spawned, retired;
+  uint64_t run_retired[PRIO_COUNT]; /* nrun of joined workers */
+  keel_atomic(int64_t) cancelled;
+  keel_sched_config_t cfg;
+  int ncpu;
+  /* Parked workers, LIFO so the coldest ones time out and retire. */
+  pthread_mutex_t idle_lock KEEL_CACHE_ALIGNED;
+  struct cds_list_head idle;
+  /* The monitor thread (scale.c). */
+  pthread_t monitor;
+  bool monitor_started;
+  uint64_t last_spawn_ns;
+  pthread_mutex_t life_lock;
+  sched_stripe_t stripes[SCHED_STRIPES];
+} sched_t;
+
+extern sched_t _keel_sched KEEL_HIDDEN;
+extern __thread sched_worker_t *_keel_sched_self KEEL_HIDDEN;
+extern struct keel_sched_client _keel_sched_default_client KEEL_HIDDEN;
+
+/* Monitor modes: sleeping with no deadline, poked awake, ticking. */
+enum { MON_INF, MON_POKED, MON_TICK, MON_EXIT };
+
+KEEL_INLINE unsigned _keel_job_prio(const keel_job_t *job) {
+  return (job->flags & KEEL_JOB_HIGH) ? PRIO_HIGH
+                                      : ((job->flags & KEEL_JOB_LOW) ? PRIO_LOW : PRIO_NORMAL);
+}
+
+KEEL_INLINE unsigned _keel_job_state(keel_job_t *job) {
+  return __atomic_load_n(&job->_state, __ATOMIC_ACQUIRE);
+}
+KEEL_INLINE void _keel_job_set_state(keel_job_t *job, unsigned s) {
+  __atomic_store_n(&job->_state, s, __ATOMIC_RELEASE);
+}
+KEEL_INLINE struct cds_wfcq_node *_keel_job_node(keel_job_t *job) {
+  return (struct cds_wfcq_node *)(void *)&job->_q;
+}
+KEEL_INLINE keel_job_t *_keel_node_job(struct cds_wfcq_node *n) {
+  return (keel_job_t *)(void *)((char *)n - offsetof(keel_job_t, _q));
+}
+KEEL_INLINE struct cds_list_head *_keel_job_link(keel_job_t *job) {
+  return (struct cds_list_head *)(void *)job->_l;
+}
+KEEL_INLINE keel_job_t *_keel_link_job(struct cds_list_head *l) {
+  return (keel_job_t *)(void *)((char *)l - offsetof(keel_job_t, _l));
+}
+
+/* <urcu/list.h> 0.13 has cds_list_move (to the head) but no move to the tail. */
+KEEL_INLINE void _keel_list_move_tail(struct cds_list_head *elem, struct cds_list_head *head) {
+  cds_list_del(elem);
+  cds_list_add_tail(elem, head);
+}
+
+/* Lifecycle (lifecycle.c). */
+int _keel_sched_lazy_init(void) KEEL_HIDDEN;
+int64_t _keel_sched_pending(void) KEEL_HIDDEN;
+void _keel_sched_count_cancel(keel_job_t *job) KEEL_HIDDEN;
+
+/* Producer side (submit.c). */
+void _keel_sched_enqueue(keel_job_t *job) KEEL_HIDDEN;
+void _keel_sched_kick(void) KEEL_HIDDEN;
+sched_stripe_t *_keel_sched_stripe(void) KEEL_HIDDEN;
+
+/* Dispatch (dispatch.c); `__` means the caller holds sched.lock. */
+bool __keel_sched_sort(void) KEEL_HIDDEN;
+unsigned __keel_sched_take(keel_job_t **out, unsigned max) KEEL_HIDDEN;
+void __keel_sched_unlink(keel_job_t *job) KEEL_HIDDEN;
+
+/* Parking (park.c). */
+void _keel_sched_wake_one(void) KEEL_HIDDEN;
+void _keel_sched_wake_all(void) KEEL_HIDDEN;
+void _keel_sched_kick_worker(sched_worker_t *w) KEEL_HIDDEN;
+bool _keel_sched_park(sched_worker_t *w) KEEL_HIDDEN;
+int _keel_futex_wait(keel_atomic(uint32_t) * word, uint32_t val, uint64_t deadline_ns) KEEL_HIDDEN;
+void _keel_futex_wake(keel_atomic(uint32_t) * word, int n) KEEL_HIDDEN;
+
+/* Workers (worker.c). */
+int _keel_sched_spawn(void) KEEL_HIDDEN;
+void _keel_sched_join_zombies(void) KEEL_HIDDEN;
+void _keel_sched_join_workers(void) KEEL_HIDDEN;
+
+/* Timers (timer.c). */
+void _keel_sched_timers_fire(sched_worker_t *w, uint64_t now) KEEL_HIDDEN;
+unsigned _keel_sched_timers_cancel_all(sched_worker_t *w, struct cds_list_head *out) KEEL_HIDDEN;
+int _keel_sched_timer_cancel(keel_job_t *job) KEEL_HIDDEN;
+
+/* Monitor (scale.c). */
+int _keel_sched_monitor_start(void) KEEL_HIDDEN;
+void _keel_sched_monitor_stop(void) KEEL_HIDDEN;
+void _keel_sched_poke(void) KEEL_HIDDEN;
+
+#endif /* KEEL_SCHED_INT_H */
