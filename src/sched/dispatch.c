@@ -23,7 +23,9 @@ static void place(keel_job_t *job) {
   sched_t *s = &_keel_sched;
   /* The acquire load pairs with the producer's release CAS to QUEUED: the
    * job's fields written before submit are visible below. */
-  KEEL_ASSERT(_keel_job_state(job) == JOB_QUEUED);
+  unsigned st = _keel_job_state(job);
+  KEEL_ASSERT(st == JOB_QUEUED);
+  (void)st;
   unsigned p = _keel_job_prio(job);
   struct keel_sched_client *c = job->client ? job->client : &_keel_sched_default_client;
   cds_list_add_tail(_keel_job_link(job), &c->q[p]);

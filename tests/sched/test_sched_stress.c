@@ -111,7 +111,7 @@ static void check_jobs(producer_t *ps, int n) {
 
 static void stress(int how) {
   int nprod = (int)kt_env_int("KEEL_TEST_THREADS", 64);
-  long iters = kt_scale(kt_env_int("KEEL_TEST_ITERS", 4000));
+  long iters = kt_scale(kt_env_int("KEEL_TEST_ITERS", 30000));
   keel_sched_shutdown(KEEL_SCHED_DRAIN);
   keel_sched_config_t cfg = {1, 8, 20, 5};
   KT_REQUIRE(keel_sched_init(&cfg) == 0);
