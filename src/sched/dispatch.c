@@ -103,6 +103,62 @@ unsigned __keel_sched_take(keel_job_t **out, unsigned max) {
   return n;
 }
 
+static bool levels_empty(void) {
+  sched_level_t *L = _keel_sched.levels;
+  return (L[PRIO_HIGH].n | L[PRIO_NORMAL].n | L[PRIO_LOW].n) == 0;
+}
+
+/* The common case: nothing sorted is waiting and the staged jobs are normal
+ * jobs of the default client. The policy would take those in FIFO order
+ * anyway, so take them straight from staging and skip the client lists
+ * (about 10 ns a job less under the mutex). Stops at the first other job,
+ * which is sorted, and leaves the rest to the policy. */
+static unsigned take_fast(keel_job_t **out, unsigned max, bool *stuck) {
+  sched_t *s = &_keel_sched;
+  unsigned n = 0;
+  while (n < max) {
+    struct cds_wfcq_node *node = __cds_wfcq_dequeue_nonblocking(&s->stage_head, &s->stage_tail);
+    if (node == NULL) break;
+    if (node == CDS_WFCQ_WOULDBLOCK) {
+      *stuck = true;
+      break;
+    }
+    keel_job_t *job = _keel_node_job(node);
+    /* Acquire: pairs with the producer's release CAS, as in place(). */
+    unsigned st = _keel_job_state(job);
+    KEEL_ASSERT(st == JOB_QUEUED);
+    (void)st;
+    if (job->client != NULL || _keel_job_prio(job) != PRIO_NORMAL) {
+      place(job);
+      atomic_fetch_add(&s->nlocal, 1);
+      break;
+    }
+    __atomic_store_n(&job->_state, JOB_TAKEN, __ATOMIC_RELAXED); /* lock orders it */
+    out[n++] = job;
+  }
+  return n;
+}
+
+/* One worker's dispatch: up to `max` jobs, and of the sorted ones at most
+ * its share (sorted jobs / workers). Sets *stuck as __keel_sched_sort does. */
+unsigned __keel_sched_dispatch(keel_job_t **out, unsigned max, int workers, bool *stuck) {
+  sched_t *s = &_keel_sched;
+  enum cds_wfcq_ret r =
+      __cds_wfcq_splice_nonblocking(&s->stage_head, &s->stage_tail, &s->in_head, &s->in_tail);
+  *stuck = r == CDS_WFCQ_RET_WOULDBLOCK;
+  unsigned n = 0;
+  if (levels_empty()) n = take_fast(out, max, stuck);
+  if (n < max && !levels_empty()) {
+    *stuck |= __keel_sched_sort();
+    uint64_t share = keel_load_relaxed(&s->nlocal) / (uint64_t)(workers > 0 ? workers : 1);
+    unsigned want = share < 1 ? 1 : (share > max - n ? max - n : (unsigned)share);
+    n += __keel_sched_take(out + n, want);
+  }
+  /* seq_cst: the chain-wake argument of park.c covers staged as nlocal. */
+  atomic_store(&s->staged, !cds_wfcq_empty(&s->stage_head, &s->stage_tail));
+  return n;
+}
+
 /* Removes a LOCAL job (cancel). */
 void __keel_sched_unlink(keel_job_t *job) {
   sched_t *s = &_keel_sched;

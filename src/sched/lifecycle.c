@@ -52,6 +52,7 @@ static void reset(const keel_sched_config_t *cfg) {
   client_init(&_keel_sched_default_client);
   s->since_low = s->since_normal = 0;
   atomic_store(&s->nlocal, 0);
+  atomic_store(&s->staged, 0);
   CDS_INIT_LIST_HEAD(&s->workers);
   CDS_INIT_LIST_HEAD(&s->zombies);
   CDS_INIT_LIST_HEAD(&s->idle);

@@ -6,7 +6,7 @@
  * 1 and wakes that futex: one syscall wakes one thread, never a herd.
  *
  * No lost wake-up: the parking worker increments nidle (seq_cst) and then
- * re-reads the incoming queue and nlocal; a producer appends (wfcqueue's
+ * re-reads the incoming queue, nlocal and staged; a producer appends (wfcqueue's
  * xchg, a full barrier) and then reads nidle. One of the two must see the
  * other's write, so either the producer wakes someone or the worker does not
  * sleep. The same argument covers dispatch's chain wake (nlocal, then nidle).
@@ -104,11 +104,6 @@ static bool park_pop(sched_worker_t *w) {
   return was;
 }
 
-static bool work_visible(void) {
-  sched_t *s = &_keel_sched;
-  return !cds_wfcq_empty(&s->in_head, &s->in_tail) || atomic_load(&s->nlocal) > 0;
-}
-
 /* Leaves the pool if it is above min, idle long enough and owns no timer.
  * Under sched.lock, which keel_sched_after holds while it picks a worker. */
 static bool try_retire(sched_worker_t *w, uint64_t now) {
@@ -150,11 +145,14 @@ bool _keel_sched_park(sched_worker_t *w) {
     pthread_mutex_lock(&s->lock);
     int64_t pending = _keel_sched_pending();
     pthread_mutex_unlock(&s->lock);
-    if (pending == 0) return false;
+    if (pending == 0) {
+      _keel_sched_wake_all(); /* the others need not wait out their 1 ms */
+      return false;
+    }
   }
   park_push(w);
   uint64_t deadline = park_deadline(w, stopping);
-  if (work_visible() || deadline <= keel_clock_ns()) {
+  if (_keel_sched_work_visible() || deadline <= keel_clock_ns()) {
     park_pop(w);
     return true;
   }

@@ -29,8 +29,7 @@ void _keel_sched_poke(void) {
 
 static bool backlog(void) {
   sched_t *s = &_keel_sched;
-  return atomic_load(&s->nlocal) > 0 || !cds_wfcq_empty(&s->in_head, &s->in_tail) ||
-         !cds_wfcq_empty(&s->stage_head, &s->stage_tail);
+  return _keel_sched_work_visible() || !cds_wfcq_empty(&s->stage_head, &s->stage_tail);
 }
 
 /* Looks at one worker; true if it counts as blocked. Fires its due timers if

@@ -62,6 +62,7 @@ typedef struct sched_worker {
   keel_atomic(keel_job_t *) current;      /* (own) the job inside fn, for cancel */
   keel_atomic(uint64_t) nrun[PRIO_COUNT]; /* (own) fn calls returned */
   uint64_t busy_ns;                       /* (own) when it last ran a job */
+  unsigned fast_max;                      /* (own) next batch size, 1..KEEL_SCHED_BATCH */
   /* Timers: a binary min-heap on job->_t; job->_l[1] is the slot. */
   pthread_mutex_t tlock;
   keel_job_t **heap; /* (tlock) */
@@ -93,6 +94,7 @@ typedef struct sched {
   sched_level_t levels[PRIO_COUNT];
   uint32_t since_low, since_normal; /* dispatches since that level last ran */
   keel_atomic(uint64_t) nlocal;     /* sum of levels[].n (read without lock) */
+  keel_atomic(int) staged;          /* staging left non-empty by the last dispatch */
   struct cds_list_head workers;     /* live workers; head = next timer owner */
   struct cds_list_head zombies;     /* retired, not yet joined */
   keel_atomic(int) nthreads;        /* workers counted, started or starting */
@@ -162,6 +164,16 @@ sched_stripe_t *_keel_sched_stripe(void) KEEL_HIDDEN;
 /* Dispatch (dispatch.c); `__` means the caller holds sched.lock. */
 bool __keel_sched_sort(void) KEEL_HIDDEN;
 unsigned __keel_sched_take(keel_job_t **out, unsigned max) KEEL_HIDDEN;
+unsigned __keel_sched_dispatch(keel_job_t **out, unsigned max, int workers,
+                               bool *stuck) KEEL_HIDDEN;
+
+/* Work a worker could take: incoming, staged or sorted. Lock-free hint; the
+ * seq_cst loads pair with nidle's increment in park.c. */
+KEEL_INLINE bool _keel_sched_work_visible(void) {
+  sched_t *s = &_keel_sched;
+  return !cds_wfcq_empty(&s->in_head, &s->in_tail) || atomic_load(&s->nlocal) > 0 ||
+         atomic_load(&s->staged);
+}
 void __keel_sched_unlink(keel_job_t *job) KEEL_HIDDEN;
 
 /* Parking (park.c). */

@@ -32,7 +32,7 @@ static void run_one(sched_worker_t *w, keel_job_t *job) {
   if (keel_unlikely(job->flags & KEEL_JOB_BLOCKING)) {
     keel_store_relaxed(&w->blocking, 1);
     /* It may sleep with work waiting: let the monitor see it now. */
-    if (atomic_load(&_keel_sched.nlocal) > 0) _keel_sched_poke();
+    if (_keel_sched_work_visible()) _keel_sched_poke();
   }
   keel_store_relaxed(&w->current, job);
   keel_store_release(&w->seq, keel_load_relaxed(&w->seq) + 1); /* odd: inside fn */
@@ -67,14 +67,17 @@ static void run_batch(sched_worker_t *w, unsigned n) {
 static unsigned take(sched_worker_t *w, bool *stuck) {
   sched_t *s = &_keel_sched;
   pthread_mutex_lock(&s->lock);
-  *stuck = __keel_sched_sort();
-  uint64_t local = keel_load_relaxed(&s->nlocal);
-  int nt = keel_load_relaxed(&s->nthreads);
-  uint64_t share = local / (uint64_t)(nt > 0 ? nt : 1);
-  unsigned max = share < 1 ? 1 : (share > KEEL_SCHED_BATCH ? KEEL_SCHED_BATCH : (unsigned)share);
-  unsigned n = __keel_sched_take(w->batch, max);
-  bool more = keel_load_relaxed(&s->nlocal) > 0;
+  unsigned n = __keel_sched_dispatch(w->batch, w->fast_max, keel_load_relaxed(&s->nthreads), stuck);
+  bool more = keel_load_relaxed(&s->nlocal) > 0 || keel_load_relaxed(&s->staged);
   pthread_mutex_unlock(&s->lock);
+  /* Batch size: doubles while work is left behind, halves when the worker
+   * emptied the queue. A flood reaches KEEL_SCHED_BATCH in 5 dispatches; a
+   * trickle of long jobs is taken one at a time, so no job waits in one
+   * worker's batch behind a sleeping one while a sibling could run it. */
+  if (more)
+    w->fast_max = w->fast_max * 2 > KEEL_SCHED_BATCH ? KEEL_SCHED_BATCH : w->fast_max * 2;
+  else if (w->fast_max > 1)
+    w->fast_max /= 2;
   if (more) {
     if (atomic_load(&s->nidle) > 0)
       _keel_sched_wake_one();
@@ -93,8 +96,7 @@ static bool spin(void) {
   uint64_t end = keel_clock_ns() + (uint64_t)us * 1000u;
   do {
     for (int i = 0; i < 64; i++) {
-      if (!cds_wfcq_empty(&s->in_head, &s->in_tail) || keel_load_relaxed(&s->nlocal) > 0)
-        return true;
+      if (_keel_sched_work_visible()) return true;
       keel_cpu_relax();
     }
   } while (keel_clock_ns() < end);
@@ -130,6 +132,7 @@ static sched_worker_t *worker_new(void) {
   if (w == NULL) return NULL;
   pthread_mutex_init(&w->tlock, NULL);
   atomic_init(&w->next_deadline, UINT64_MAX);
+  w->fast_max = 1;
   return w;
 }
 
