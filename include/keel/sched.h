@@ -138,7 +138,7 @@ typedef struct keel_sched_stats {
   uint64_t submitted;      /* accepted submits, timers included, since process start */
   uint64_t run;            /* fn calls returned */
   uint64_t cancelled;      /* on_cancel notices (cancel, shutdown) */
-  uint64_t queued;         /* submitted - run - cancelled - running (timers included) */
+  uint64_t queued;         /* submitted - run - cancelled - running - timers */
   uint64_t running;        /* jobs inside fn now */
   uint64_t timers;         /* timers not yet fired */
   uint64_t spawned;        /* worker threads started */
@@ -146,7 +146,8 @@ typedef struct keel_sched_stats {
   unsigned threads;        /* workers alive */
   unsigned idle;           /* workers parked */
   uint64_t run_prio[3];    /* run, by priority: high, normal, low */
-  uint64_t queued_prio[3]; /* waiting in the dispatch lists, by priority */
+  uint64_t queued_prio[3]; /* on client lists by priority (the default client's normal
+                            * jobs in its fast FIFO are not counted) */
 } keel_sched_stats_t;
 
 /* A snapshot of the counters (each exact, the set not atomic). Takes the

@@ -37,6 +37,7 @@ static void client_init(struct keel_sched_client *c) {
     CDS_INIT_LIST_HEAD(&c->q[p]);
     CDS_INIT_LIST_HEAD(&c->ring[p]);
     c->n[p] = c->used[p] = 0;
+    c->in_ring[p] = false;
   }
 }
 
@@ -45,6 +46,8 @@ static void reset(const keel_sched_config_t *cfg) {
   sched_t *s = &_keel_sched;
   __cds_wfcq_init(&s->in_head, &s->in_tail);
   __cds_wfcq_init(&s->stage_head, &s->stage_tail);
+  __cds_wfcq_init(&s->in2_head, &s->in2_tail);
+  __cds_wfcq_init(&s->stage2_head, &s->stage2_tail);
   for (int p = 0; p < PRIO_COUNT; p++) {
     CDS_INIT_LIST_HEAD(&s->levels[p].ring);
     s->levels[p].n = 0;
@@ -142,9 +145,11 @@ static void collect(struct cds_list_head *out, bool queued) {
   cds_list_for_each_entry(w, &s->workers, link) _keel_sched_timers_cancel_all(w, out);
   if (!queued) return;
   keel_job_t *batch[KEEL_SCHED_BATCH];
-  __keel_sched_sort();
+  bool stuck;
   unsigned n;
-  while ((n = __keel_sched_take(batch, KEEL_SCHED_BATCH)) > 0)
+  /* What a preempted producer still holds back, the workers cancel when
+   * they take it (run_batch in CANCEL mode). */
+  while ((n = __keel_sched_dispatch(batch, KEEL_SCHED_BATCH, &stuck)) > 0)
     for (unsigned i = 0; i < n; i++) cds_list_add_tail(_keel_job_link(batch[i]), out);
 }
 
@@ -192,7 +197,7 @@ static bool is_running(keel_job_t *job) {
 static int cancel_locked(keel_job_t *job) {
   unsigned st = _keel_job_state(job);
   if (st == JOB_QUEUED) {
-    __keel_sched_sort(); /* it may still be behind a half-linked enqueue */
+    __keel_sched_flatten(); /* it may still be behind a half-linked enqueue */
     st = _keel_job_state(job);
     if (st == JOB_QUEUED) return 1;
   }
@@ -239,7 +244,7 @@ int keel_sched_client_destroy(keel_sched_client_t *c) {
   int busy = 0;
   pthread_mutex_lock(&s->lock);
   if (atomic_load(&s->state) != SCHED_UNINIT) {
-    while (__keel_sched_sort()) { /* its jobs may sit in staging */
+    while (__keel_sched_flatten()) { /* its jobs may sit in staging */
       pthread_mutex_unlock(&s->lock);
       sched_yield();
       pthread_mutex_lock(&s->lock);
@@ -288,7 +293,7 @@ int keel_sched_stats(keel_sched_stats_t *st) {
   st->idle = (unsigned)atomic_load(&s->nidle);
   st->submitted = (uint64_t)sub;
   st->run = st->run_prio[0] + st->run_prio[1] + st->run_prio[2];
-  int64_t q = sub - (int64_t)(st->run + st->cancelled + st->running);
+  int64_t q = sub - (int64_t)(st->run + st->cancelled + st->running + st->timers);
   st->queued = q > 0 ? (uint64_t)q : 0;
   return 0;
 }

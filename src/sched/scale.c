@@ -29,7 +29,8 @@ void _keel_sched_poke(void) {
 
 static bool backlog(void) {
   sched_t *s = &_keel_sched;
-  return _keel_sched_work_visible() || !cds_wfcq_empty(&s->stage_head, &s->stage_tail);
+  return _keel_sched_work_visible() || !cds_wfcq_empty(&s->stage_head, &s->stage_tail) ||
+         !cds_wfcq_empty(&s->stage2_head, &s->stage2_tail);
 }
 
 /* Looks at one worker; true if it counts as blocked. Fires its due timers if

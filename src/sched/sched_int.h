@@ -33,13 +33,16 @@ enum { JOB_IDLE, JOB_QUEUED, JOB_LOCAL, JOB_TIMER, JOB_TAKEN };
 enum { PRIO_HIGH, PRIO_NORMAL, PRIO_LOW, PRIO_COUNT };
 enum { SCHED_UNINIT, SCHED_RUNNING, SCHED_STOPPING, SCHED_SHUTDOWN };
 
-/* A fairness domain. Invariant (dispatch mutex): on level p's ring iff
- * q[p] is non-empty; n[p] == length of q[p]; used[p] < KEEL_SCHED_QUANTUM. */
+/* A fairness domain. Invariant (dispatch mutex): in_ring[p] iff on level
+ * p's ring iff it has jobs of level p waiting (q[p] non-empty, or for the
+ * default client at normal level, q[p] or the staging queue non-empty);
+ * n[p] == length of q[p]; used[p] < KEEL_SCHED_QUANTUM. */
 struct keel_sched_client {
   struct cds_list_head q[PRIO_COUNT];    /* its LOCAL jobs, FIFO */
   struct cds_list_head ring[PRIO_COUNT]; /* link in levels[p].ring */
   uint32_t n[PRIO_COUNT];
   uint32_t used[PRIO_COUNT]; /* dispatches in the current turn */
+  bool in_ring[PRIO_COUNT];
 };
 
 /* One priority level: the clients with queued jobs, served round-robin. */
@@ -84,14 +87,23 @@ typedef struct sched {
   keel_atomic(int) nidle;         /* parked workers */
   keel_atomic(uint32_t) mon_mode; /* futex word, MON_* */
   keel_atomic(int) how;           /* shutdown mode while STOPPING */
-  /* The incoming queue: producers xchg the tail, the dispatcher splices. */
+  /* Incoming queues: producers xchg a tail, the dispatcher splices. `in`
+   * takes normal jobs of the default client (the common case, which then
+   * never touches a list); `in2` takes every other job. */
   struct __cds_wfcq_head in_head KEEL_CACHE_ALIGNED;
   struct cds_wfcq_tail in_tail KEEL_CACHE_ALIGNED;
+  struct __cds_wfcq_head in2_head KEEL_CACHE_ALIGNED;
+  struct cds_wfcq_tail in2_tail KEEL_CACHE_ALIGNED;
   /* Dispatch state, under `lock`. */
   pthread_mutex_t lock KEEL_CACHE_ALIGNED;
-  struct __cds_wfcq_head stage_head; /* spliced, not yet sorted */
+  /* Spliced from `in`: the newer part of the default client's normal FIFO
+   * (its list q[PRIO_NORMAL] holds the older part, filled only by cancel
+   * and shutdown, which need O(1) removal). */
+  struct __cds_wfcq_head stage_head;
   struct cds_wfcq_tail stage_tail;
-  sched_level_t levels[PRIO_COUNT];
+  struct __cds_wfcq_head stage2_head; /* spliced from in2, being sorted */
+  struct cds_wfcq_tail stage2_tail;
+  sched_level_t levels[PRIO_COUNT]; /* a level waits iff its ring is non-empty */
   uint32_t since_low, since_normal; /* dispatches since that level last ran */
   keel_atomic(uint64_t) nlocal;     /* sum of levels[].n (read without lock) */
   keel_atomic(int) staged;          /* staging left non-empty by the last dispatch */
@@ -162,17 +174,15 @@ void _keel_sched_kick(void) KEEL_HIDDEN;
 sched_stripe_t *_keel_sched_stripe(void) KEEL_HIDDEN;
 
 /* Dispatch (dispatch.c); `__` means the caller holds sched.lock. */
-bool __keel_sched_sort(void) KEEL_HIDDEN;
-unsigned __keel_sched_take(keel_job_t **out, unsigned max) KEEL_HIDDEN;
-unsigned __keel_sched_dispatch(keel_job_t **out, unsigned max, int workers,
-                               bool *stuck) KEEL_HIDDEN;
+bool __keel_sched_flatten(void) KEEL_HIDDEN;
+unsigned __keel_sched_dispatch(keel_job_t **out, unsigned max, bool *stuck) KEEL_HIDDEN;
 
 /* Work a worker could take: incoming, staged or sorted. Lock-free hint; the
  * seq_cst loads pair with nidle's increment in park.c. */
 KEEL_INLINE bool _keel_sched_work_visible(void) {
   sched_t *s = &_keel_sched;
-  return !cds_wfcq_empty(&s->in_head, &s->in_tail) || atomic_load(&s->nlocal) > 0 ||
-         atomic_load(&s->staged);
+  return !cds_wfcq_empty(&s->in_head, &s->in_tail) || !cds_wfcq_empty(&s->in2_head, &s->in2_tail) ||
+         atomic_load(&s->nlocal) > 0 || atomic_load(&s->staged);
 }
 void __keel_sched_unlink(keel_job_t *job) KEEL_HIDDEN;
 

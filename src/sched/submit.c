@@ -34,10 +34,15 @@ sched_stripe_t *_keel_sched_stripe(void) {
  * becomes reachable; wfcqueue's xchg is a full barrier (uatomic_xchg), which
  * the nidle load below relies on (see park.c for the other half). */
 void _keel_sched_enqueue(keel_job_t *job) {
+  sched_t *s = &_keel_sched;
   struct cds_wfcq_node *node = _keel_job_node(job);
   cds_wfcq_node_init(node);
-  if (keel_unlikely(!cds_wfcq_enqueue(&_keel_sched.in_head, &_keel_sched.in_tail, node)))
-    _keel_sched_kick();
+  bool was_empty;
+  if (keel_likely(job->client == NULL && !(job->flags & (KEEL_JOB_HIGH | KEEL_JOB_LOW))))
+    was_empty = !cds_wfcq_enqueue(&s->in_head, &s->in_tail, node);
+  else
+    was_empty = !cds_wfcq_enqueue(&s->in2_head, &s->in2_tail, node);
+  if (keel_unlikely(was_empty)) _keel_sched_kick();
 }
 
 /* The queue went from empty to non-empty: make sure someone will look. */

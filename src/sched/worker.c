@@ -67,7 +67,7 @@ static void run_batch(sched_worker_t *w, unsigned n) {
 static unsigned take(sched_worker_t *w, bool *stuck) {
   sched_t *s = &_keel_sched;
   pthread_mutex_lock(&s->lock);
-  unsigned n = __keel_sched_dispatch(w->batch, w->fast_max, keel_load_relaxed(&s->nthreads), stuck);
+  unsigned n = __keel_sched_dispatch(w->batch, w->fast_max, stuck);
   bool more = keel_load_relaxed(&s->nlocal) > 0 || keel_load_relaxed(&s->staged);
   pthread_mutex_unlock(&s->lock);
   /* Batch size: doubles while work is left behind, halves when the worker
