@@ -56,6 +56,7 @@ static void reset(const keel_sched_config_t *cfg) {
   s->since_low = s->since_normal = 0;
   atomic_store(&s->nlocal, 0);
   atomic_store(&s->staged, 0);
+  atomic_store(&s->gate_closed, 0);
   CDS_INIT_LIST_HEAD(&s->workers);
   CDS_INIT_LIST_HEAD(&s->zombies);
   CDS_INIT_LIST_HEAD(&s->idle);
@@ -81,6 +82,7 @@ static int init_locked(const keel_sched_config_t *user) {
       cfg.idle_ms == 0 || cfg.block_ms == 0)
     return KEEL_EINVAL;
   reset(&cfg);
+  _keel_sched_gate_init();
   atomic_store(&s->state, SCHED_RUNNING);
   int rc = 0;
   for (unsigned i = 0; i < cfg.min_threads && rc == 0; i++) rc = _keel_sched_spawn();
@@ -105,9 +107,8 @@ int _keel_sched_lazy_init(void) {
   return rc;
 }
 
-/* submitted - run - cancelled. Reads `done` before `submitted`, so it can
- * over-count (a racing rejected submit) but never under-count. Caller holds
- * sched.lock (it walks the workers). */
+/* submitted - run - cancelled. Exact once the gate is closed (submitted is
+ * then final and `done` can only lag); the caller holds sched.lock. */
 int64_t _keel_sched_pending(void) {
   sched_t *s = &_keel_sched;
   int64_t done = atomic_load(&s->cancelled);
@@ -117,9 +118,7 @@ int64_t _keel_sched_pending(void) {
       (int64_t)atomic_load(&w->nrun[p]);
   cds_list_for_each_entry(w, &s->zombies, link) for (int p = 0; p < PRIO_COUNT; p++) done +=
       (int64_t)atomic_load(&w->nrun[p]);
-  int64_t sub = 0;
-  for (int i = 0; i < SCHED_STRIPES; i++) sub += atomic_load(&s->stripes[i].submitted);
-  return sub - done;
+  return _keel_sched_submitted() - done;
 }
 
 /* The job is IDLE again: count it, then hand it back through on_cancel. */
@@ -158,10 +157,12 @@ static void stop(int how) {
   CDS_LIST_HEAD(notices);
   keel_store_relaxed(&s->how, how);
   pthread_mutex_lock(&s->lock);
-  atomic_store(&s->state, SCHED_STOPPING); /* seq_cst: the submit gate */
+  atomic_store(&s->state, SCHED_STOPPING);
   collect(&notices, how == KEEL_SCHED_CANCEL);
   pthread_mutex_unlock(&s->lock);
-  notify_all(&notices); /* outside the lock: callbacks may call keel */
+  _keel_sched_gate_close();         /* no submit is half done after this */
+  atomic_store(&s->gate_closed, 1); /* release: the counts are final */
+  notify_all(&notices);             /* outside the lock: callbacks may call keel */
   _keel_sched_monitor_stop();
   _keel_sched_wake_all();
   _keel_sched_join_workers(); /* each exits once nothing is pending */
@@ -284,8 +285,7 @@ int keel_sched_stats(keel_sched_stats_t *st) {
   stats_workers(st, &s->workers);
   stats_workers(st, &s->zombies);
   st->cancelled = (uint64_t)atomic_load(&s->cancelled);
-  int64_t sub = 0;
-  for (int i = 0; i < SCHED_STRIPES; i++) sub += atomic_load(&s->stripes[i].submitted);
+  int64_t sub = _keel_sched_submitted();
   st->threads = (unsigned)keel_load_relaxed(&s->nthreads);
   st->spawned = s->spawned;
   st->retired = s->retired;

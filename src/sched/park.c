@@ -141,7 +141,7 @@ static uint64_t park_deadline(sched_worker_t *w, bool stopping) {
 bool _keel_sched_park(sched_worker_t *w) {
   sched_t *s = &_keel_sched;
   bool stopping = atomic_load(&s->state) == SCHED_STOPPING;
-  if (stopping) {
+  if (stopping && atomic_load(&s->gate_closed)) {
     pthread_mutex_lock(&s->lock);
     int64_t pending = _keel_sched_pending();
     pthread_mutex_unlock(&s->lock);

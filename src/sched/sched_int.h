@@ -28,6 +28,7 @@
 
 #include "base/atomic.h"
 #include "base/common.h"
+#include "base/tls.h"
 
 enum { JOB_IDLE, JOB_QUEUED, JOB_LOCAL, JOB_TIMER, JOB_TAKEN };
 enum { PRIO_HIGH, PRIO_NORMAL, PRIO_LOW, PRIO_COUNT };
@@ -74,12 +75,14 @@ typedef struct sched_worker {
   keel_job_t *batch[KEEL_SCHED_BATCH]; /* (own) taken jobs */
 } sched_worker_t;
 
-/* A counter stripe: producers count submits on their own cache line. */
-typedef struct KEEL_CACHE_ALIGNED sched_stripe {
-  keel_atomic(int64_t) submitted;
-} sched_stripe_t;
-
-#define SCHED_STRIPES 64
+/* A submitting thread's record (gate.c), in its TLS. */
+typedef struct sched_producer {
+  keel_atomic(uint32_t) active;   /* (own) 1 between the gate check and the count */
+  bool registered;                /* (own) on the registry */
+  keel_atomic(int64_t) submitted; /* (own) accepted submits and timers */
+  struct cds_list_head link;      /* registry (prod_lock) */
+  keel_thread_hook_t hook;        /* unregisters at thread exit */
+} sched_producer_t;
 
 typedef struct sched {
   /* Read by every producer; written rarely. */
@@ -123,7 +126,7 @@ typedef struct sched {
   bool monitor_started;
   uint64_t last_spawn_ns;
   pthread_mutex_t life_lock;
-  sched_stripe_t stripes[SCHED_STRIPES];
+  keel_atomic(int) gate_closed; /* shutdown saw every producer leave the gate */
 } sched_t;
 
 extern sched_t _keel_sched KEEL_HIDDEN;
@@ -171,7 +174,40 @@ void _keel_sched_count_cancel(keel_job_t *job) KEEL_HIDDEN;
 /* Producer side (submit.c). */
 void _keel_sched_enqueue(keel_job_t *job) KEEL_HIDDEN;
 void _keel_sched_kick(void) KEEL_HIDDEN;
-sched_stripe_t *_keel_sched_stripe(void) KEEL_HIDDEN;
+
+/* The producer gate (gate.c). */
+extern __thread sched_producer_t _keel_sched_me KEEL_HIDDEN;
+extern int _keel_sched_fence_needed KEEL_HIDDEN;
+int _keel_sched_register(void) KEEL_HIDDEN;
+void _keel_sched_gate_init(void) KEEL_HIDDEN;
+void _keel_sched_gate_close(void) KEEL_HIDDEN;
+int64_t _keel_sched_submitted(void) KEEL_HIDDEN;
+
+/* Opens the gate for one submit: 0, or KEEL_EAGAIN (no exit hook). */
+KEEL_INLINE int _keel_sched_gate_enter(sched_producer_t *me) {
+  if (keel_unlikely(!me->registered)) {
+    int rc = _keel_sched_register();
+    if (rc != 0) return rc;
+  }
+  keel_store_relaxed(&me->active, 1);
+  /* Orders the store above before the caller's load of state: a compiler
+   * barrier when shutdown uses membarrier, else a full fence. */
+  if (keel_unlikely(__atomic_load_n(&_keel_sched_fence_needed, __ATOMIC_RELAXED)))
+    atomic_thread_fence(memory_order_seq_cst);
+  else
+    atomic_signal_fence(memory_order_seq_cst);
+  return 0;
+}
+
+/* Counts one accepted submit (owner-only: no lock prefix). */
+KEEL_INLINE void _keel_sched_count_submit(sched_producer_t *me) {
+  keel_store_relaxed(&me->submitted, keel_load_relaxed(&me->submitted) + 1);
+}
+
+/* Release: the count and the enqueue are visible to whoever sees 0. */
+KEEL_INLINE void _keel_sched_gate_leave(sched_producer_t *me) {
+  keel_store_release(&me->active, 0);
+}
 
 /* Dispatch (dispatch.c); `__` means the caller holds sched.lock. */
 bool __keel_sched_flatten(void) KEEL_HIDDEN;

@@ -137,9 +137,6 @@ static int arm(keel_job_t *job, uint64_t deadline, sched_worker_t **owner, bool 
                                    __ATOMIC_ACQUIRE))
     return KEEL_EBUSY;
   sched_worker_t *w = timer_owner();
-  /* Counted before it can fire, so pending never dips below zero. */
-  sched_stripe_t *st = _keel_sched_stripe();
-  atomic_fetch_add(&st->submitted, 1);
   pthread_mutex_lock(&w->tlock);
   job->_t = deadline;
   job->_l[0] = w;
@@ -147,9 +144,10 @@ static int arm(keel_job_t *job, uint64_t deadline, sched_worker_t **owner, bool 
   if (rc == 0) {
     *earliest = w->heap[0] == job;
     publish_min(w);
+    /* Counted under sched.lock, which orders it before shutdown's look. */
+    _keel_sched_count_submit(&_keel_sched_me);
   } else {
     _keel_job_set_state(job, JOB_IDLE);
-    keel_fetch_sub_relaxed(&st->submitted, 1);
   }
   pthread_mutex_unlock(&w->tlock);
   *owner = w;
@@ -162,6 +160,10 @@ int keel_sched_after(keel_job_t *job, uint64_t ms) {
   if (atomic_load(&_keel_sched.state) == SCHED_UNINIT) {
     int rc = _keel_sched_lazy_init();
     if (rc != 0 && rc != KEEL_EBUSY) return rc;
+  }
+  if (!_keel_sched_me.registered) {
+    int rc = _keel_sched_register();
+    if (rc != 0) return rc;
   }
   if (ms > UINT64_MAX / 2000000u) ms = UINT64_MAX / 2000000u; /* "never", without overflow */
   uint64_t deadline = keel_clock_ns() + ms * 1000000u;
