@@ -13,7 +13,8 @@
  * to finish) or reads STOPPING and gives up. This is the argument of
  * liburcu's memb flavour; keel does not use liburcu's registry itself because
  * the application (or keel's other modules) may register the same threads.
- * Where membarrier is missing, producers issue a seq_cst fence instead.
+ * Where membarrier is missing (and under TSan, which cannot see it),
+ * producers raise `active` with a seq_cst exchange instead.
  *
  * `submitted` is written only by its owner (load+store, no lock prefix);
  * readers sum the registry under prod_lock; a record folds its count into
@@ -64,6 +65,9 @@ void _keel_sched_gate_init(void) {
   long q = syscall(SYS_membarrier, MEMBARRIER_CMD_QUERY, 0, 0);
   bool ok = q > 0 && (q & MEMBARRIER_CMD_PRIVATE_EXPEDITED) &&
             syscall(SYS_membarrier, MEMBARRIER_CMD_REGISTER_PRIVATE_EXPEDITED, 0, 0) == 0;
+#if defined(KEEL_TSAN)
+  ok = false; /* TSan models the seq_cst exchange, not an IPI barrier */
+#endif
   __atomic_store_n(&_keel_sched_fence_needed, ok ? 0 : 1, __ATOMIC_RELAXED);
 }
 
@@ -73,12 +77,10 @@ void _keel_sched_gate_init(void) {
 void _keel_sched_gate_close(void) {
   if (!__atomic_load_n(&_keel_sched_fence_needed, __ATOMIC_RELAXED))
     syscall(SYS_membarrier, MEMBARRIER_CMD_PRIVATE_EXPEDITED, 0, 0);
-  else
-    atomic_thread_fence(memory_order_seq_cst);
   pthread_mutex_lock(&prod_lock);
   sched_producer_t *p;
   cds_list_for_each_entry(p, &producers, link) {
-    while (keel_load_acquire(&p->active)) sched_yield();
+    while (atomic_load(&p->active)) sched_yield(); /* seq_cst: see gate_enter */
   }
   pthread_mutex_unlock(&prod_lock);
 }

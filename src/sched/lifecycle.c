@@ -121,10 +121,13 @@ int64_t _keel_sched_pending(void) {
   return _keel_sched_submitted() - done;
 }
 
-/* The job is IDLE again: count it, then hand it back through on_cancel. */
-void _keel_sched_count_cancel(keel_job_t *job) {
+/* Hands a CANCELLING or TAKEN job back: counted, then IDLE (release: the
+ * last keel access to it), then on_cancel. */
+void _keel_sched_notify_cancel(keel_job_t *job) {
+  keel_job_fn cb = job->on_cancel;
   atomic_fetch_add(&_keel_sched.cancelled, 1);
-  if (job->on_cancel != NULL) job->on_cancel(job);
+  _keel_job_set_state(job, JOB_IDLE);
+  if (cb != NULL) cb(job);
 }
 
 static void notify_all(struct cds_list_head *list) {
@@ -132,8 +135,7 @@ static void notify_all(struct cds_list_head *list) {
     struct cds_list_head *l = list->next;
     cds_list_del(l);
     keel_job_t *job = _keel_link_job(l);
-    _keel_job_set_state(job, JOB_IDLE);
-    _keel_sched_count_cancel(job);
+    _keel_sched_notify_cancel(job);
   }
 }
 
@@ -205,7 +207,7 @@ static int cancel_locked(keel_job_t *job) {
   switch (st) {
     case JOB_LOCAL:
       __keel_sched_unlink(job);
-      _keel_job_set_state(job, JOB_IDLE);
+      _keel_job_set_state(job, JOB_CANCELLING);
       return 0;
     case JOB_TIMER:
       return _keel_sched_timer_cancel(job) == 0 ? 0 : 1;
@@ -223,7 +225,7 @@ int keel_sched_cancel(keel_job_t *job) {
     pthread_mutex_lock(&s->lock);
     int rc = atomic_load(&s->state) == SCHED_UNINIT ? KEEL_ENOENT : cancel_locked(job);
     pthread_mutex_unlock(&s->lock);
-    if (rc == 0) _keel_sched_count_cancel(job);
+    if (rc == 0) _keel_sched_notify_cancel(job);
     if (rc != 1) return rc;
     sched_yield();
   }

@@ -5,11 +5,15 @@
  *   QUEUED  in the incoming wfcqueue or the staging queue (producers' side);
  *   LOCAL   on its client's FIFO for its level (dispatch mutex);
  *   TIMER   in a worker's timer heap (that worker's timer mutex);
- *   TAKEN   in a worker's batch, about to run.
+ *   TAKEN   in a worker's batch, about to run;
+ *   CANCELLING  off every queue, its notice about to be delivered.
  * Transitions: IDLE->QUEUED (submit, CAS), IDLE->TIMER (after, CAS),
  * TIMER->QUEUED (fire) and TIMER->IDLE (cancel) under the timer mutex,
  * QUEUED->LOCAL, LOCAL->TAKEN and LOCAL->IDLE (cancel) under the dispatch
- * mutex, TAKEN->IDLE by the worker right before it calls fn.
+ * mutex, TAKEN->IDLE by the worker right before it calls fn; LOCAL, TIMER
+ * or TAKEN -> CANCELLING (under the lock that held it) -> IDLE right before
+ * on_cancel, in _keel_sched_notify_cancel. keel reads nothing of a job after
+ * its release store of IDLE.
  *
  * Locks, outer to inner: life_lock (init/shutdown), lock (dispatch: staging,
  * levels, clients, worker list), a worker's tlock (its timer heap),
@@ -30,7 +34,7 @@
 #include "base/common.h"
 #include "base/tls.h"
 
-enum { JOB_IDLE, JOB_QUEUED, JOB_LOCAL, JOB_TIMER, JOB_TAKEN };
+enum { JOB_IDLE, JOB_QUEUED, JOB_LOCAL, JOB_TIMER, JOB_TAKEN, JOB_CANCELLING };
 enum { PRIO_HIGH, PRIO_NORMAL, PRIO_LOW, PRIO_COUNT };
 enum { SCHED_UNINIT, SCHED_RUNNING, SCHED_STOPPING, SCHED_SHUTDOWN };
 
@@ -169,10 +173,15 @@ KEEL_INLINE void _keel_list_move_tail(struct cds_list_head *elem, struct cds_lis
 /* Lifecycle (lifecycle.c). */
 int _keel_sched_lazy_init(void) KEEL_HIDDEN;
 int64_t _keel_sched_pending(void) KEEL_HIDDEN;
-void _keel_sched_count_cancel(keel_job_t *job) KEEL_HIDDEN;
+void _keel_sched_notify_cancel(keel_job_t *job) KEEL_HIDDEN;
 
 /* Producer side (submit.c). */
-void _keel_sched_enqueue(keel_job_t *job) KEEL_HIDDEN;
+void _keel_sched_enqueue(keel_job_t *job, bool fast) KEEL_HIDDEN;
+
+/* Normal jobs of the default client go to `in`, the rest to `in2`. */
+KEEL_INLINE bool _keel_sched_fast_lane(const keel_job_t *job) {
+  return job->client == NULL && !(job->flags & (KEEL_JOB_HIGH | KEEL_JOB_LOW));
+}
 void _keel_sched_kick(void) KEEL_HIDDEN;
 
 /* The producer gate (gate.c). */
@@ -189,13 +198,16 @@ KEEL_INLINE int _keel_sched_gate_enter(sched_producer_t *me) {
     int rc = _keel_sched_register();
     if (rc != 0) return rc;
   }
-  keel_store_relaxed(&me->active, 1);
-  /* Orders the store above before the caller's load of state: a compiler
-   * barrier when shutdown uses membarrier, else a full fence. */
-  if (keel_unlikely(__atomic_load_n(&_keel_sched_fence_needed, __ATOMIC_RELAXED)))
-    atomic_thread_fence(memory_order_seq_cst);
-  else
+  /* Orders the store of `active` before the caller's load of state. With
+   * membarrier, shutdown makes the ordering, so a compiler barrier is all it
+   * takes here; without, a seq_cst exchange (both sides seq_cst: the store
+   * buffering outcome is excluded by the C11 model itself). */
+  if (keel_likely(!__atomic_load_n(&_keel_sched_fence_needed, __ATOMIC_RELAXED))) {
+    keel_store_relaxed(&me->active, 1);
     atomic_signal_fence(memory_order_seq_cst);
+  } else {
+    atomic_exchange(&me->active, 1);
+  }
   return 0;
 }
 

@@ -1,7 +1,7 @@
 /* The producer side: keel_sched_submit and keel_sched_run.
  *
- * Fast path (no lock, no syscall, no allocation, one locked instruction of
- * keel's own): two stores and a load for the shutdown gate (gate.c), a CAS
+ * Fast path (no lock, no syscall, no allocation): two stores and a load for
+ * the shutdown gate (gate.c), a CAS
  * on the job's state, wfcqueue's xchg on the shared tail and the link store.
  * Only the submit that turns an incoming queue from empty to non-empty looks
  * further: if a worker is parked it wakes exactly one (the rest of a burst
@@ -17,16 +17,18 @@
 
 #include "sched/sched_int.h"
 
-/* Publishes a job whose state is already QUEUED. The release half of the
- * state CAS/store orders the caller's writes to the job before the node
- * becomes reachable; wfcqueue's xchg is a full barrier (uatomic_xchg), which
- * the nidle load below relies on (see park.c for the other half). */
-void _keel_sched_enqueue(keel_job_t *job) {
+/* Publishes a job whose state is already QUEUED; `fast` comes from
+ * _keel_sched_fast_lane(), read before that state store (whose release is
+ * all that orders the caller's accesses to the job before a worker's: after
+ * it, keel reads nothing of the job but the link). wfcqueue's xchg is a full
+ * barrier (uatomic_xchg), which the nidle load of the kick relies on (see
+ * park.c for the other half). */
+void _keel_sched_enqueue(keel_job_t *job, bool fast) {
   sched_t *s = &_keel_sched;
   struct cds_wfcq_node *node = _keel_job_node(job);
   cds_wfcq_node_init(node);
   bool was_empty;
-  if (keel_likely(job->client == NULL && !(job->flags & (KEEL_JOB_HIGH | KEEL_JOB_LOW))))
+  if (keel_likely(fast))
     was_empty = !cds_wfcq_enqueue(&s->in_head, &s->in_tail, node);
   else
     was_empty = !cds_wfcq_enqueue(&s->in2_head, &s->in2_tail, node);
@@ -56,11 +58,12 @@ int keel_sched_submit(keel_job_t *job) {
   sched_producer_t *me = &_keel_sched_me;
   int rc = _keel_sched_gate_enter(me);
   if (keel_unlikely(rc != 0)) return rc;
-  /* Relaxed: gate_enter ordered it after the `active` store (see gate.c). */
-  if (keel_unlikely(keel_load_relaxed(&_keel_sched.state) != SCHED_RUNNING)) {
+  /* seq_cst (a plain load on x86): pairs with shutdown's store, gate.c. */
+  if (keel_unlikely(atomic_load(&_keel_sched.state) != SCHED_RUNNING)) {
     _keel_sched_gate_leave(me);
     return submit_slow(job);
   }
+  bool fast = _keel_sched_fast_lane(job);
   unsigned idle = JOB_IDLE;
   /* Acq_rel: acquire pairs with the worker's release of IDLE before it ran
    * fn (the job's last use by keel); release publishes the caller's fields. */
@@ -69,7 +72,7 @@ int keel_sched_submit(keel_job_t *job) {
     _keel_sched_gate_leave(me);
     return KEEL_EBUSY;
   }
-  _keel_sched_enqueue(job);
+  _keel_sched_enqueue(job, fast);
   _keel_sched_count_submit(me);
   _keel_sched_gate_leave(me);
   return 0;

@@ -85,8 +85,9 @@ void _keel_sched_timers_fire(sched_worker_t *w, uint64_t now) {
   while (w->nheap > 0 && w->heap[0]->_t <= now) {
     keel_job_t *job = w->heap[0];
     heap_remove(w, 0);
+    bool fast = _keel_sched_fast_lane(job);
     _keel_job_set_state(job, JOB_QUEUED); /* counted as submitted when armed */
-    _keel_sched_enqueue(job);
+    _keel_sched_enqueue(job, fast);
   }
   publish_min(w);
   pthread_mutex_unlock(&w->tlock);
@@ -96,7 +97,10 @@ void _keel_sched_timers_fire(sched_worker_t *w, uint64_t now) {
 unsigned _keel_sched_timers_cancel_all(sched_worker_t *w, struct cds_list_head *out) {
   pthread_mutex_lock(&w->tlock);
   unsigned n = w->nheap;
-  for (uint32_t i = 0; i < w->nheap; i++) cds_list_add_tail(_keel_job_link(w->heap[i]), out);
+  for (uint32_t i = 0; i < w->nheap; i++) {
+    _keel_job_set_state(w->heap[i], JOB_CANCELLING); /* before _l is reused */
+    cds_list_add_tail(_keel_job_link(w->heap[i]), out);
+  }
   w->nheap = 0;
   publish_min(w);
   pthread_mutex_unlock(&w->tlock);
@@ -112,7 +116,7 @@ int _keel_sched_timer_cancel(keel_job_t *job) {
   if (_keel_job_state(job) == JOB_TIMER && job->_l[0] == w) {
     heap_remove(w, slot_of(job));
     publish_min(w);
-    _keel_job_set_state(job, JOB_IDLE);
+    _keel_job_set_state(job, JOB_CANCELLING);
     rc = 0;
   }
   pthread_mutex_unlock(&w->tlock);

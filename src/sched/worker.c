@@ -53,8 +53,7 @@ static void run_batch(sched_worker_t *w, unsigned n) {
   for (unsigned i = 0; i < n; i++) {
     keel_job_t *job = w->batch[i];
     if (keel_unlikely(cancel)) {
-      _keel_job_set_state(job, JOB_IDLE);
-      _keel_sched_count_cancel(job);
+      _keel_sched_notify_cancel(job);
     } else {
       run_one(w, job);
     }
