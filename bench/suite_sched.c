@@ -16,9 +16,11 @@
  *              producers go, idle 300 ms; threads alive during the burst and
  *              after the idle time, and the burst's latency percentiles.
  *
- * Workers: keel scales itself (min 1; default max; idle 50 ms in the bursty
- * case); the mutex pool and GThreadPool get one worker per CPU, which is the
- * issue's setup ("2 workers"). The GlusterFS layout is 80 pools x 16 threads
+ * Workers: the mutex pool and GThreadPool get one worker per CPU, the
+ * issue's setup ("2 workers"); keel starts with as many (min_threads = CPUs)
+ * and scales itself up to its default max, except in the bursty case where
+ * it starts from min 1 with a 50 ms idle timeout (GThreadPool gets the same
+ * idle time) to show the pool growing and shrinking. The GlusterFS layout is 80 pools x 16 threads
  * on a machine with 32 or more CPUs; below that it is scaled to
  * min(80, 4 x CPUs) pools x min(16, 2 x CPUs) threads (8 x 4 = 32 threads on
  * 2 cores), since 1280 threads on 2 cores measure the kernel's scheduler
@@ -112,12 +114,17 @@ static void g_run(gpointer data, gpointer lat) {
 
 /* --- the four pools behind one interface --- */
 
-static int pool_open(sb_pool_t *p, const char *impl, bool lat, unsigned idle_ms) {
+/* min_workers: keel's floor (the peers get ncpu() workers from the start);
+ * keel still grows by itself up to its default max. */
+static int pool_open(sb_pool_t *p, const char *impl, bool lat, unsigned idle_ms,
+                     unsigned min_workers) {
   memset(p, 0, sizeof(*p));
   if (strcmp(impl, "keel") == 0) {
     keel_sched_config_t cfg;
     keel_sched_config_default(&cfg);
     cfg.idle_ms = idle_ms;
+    cfg.min_threads = min_workers;
+    if (cfg.max_threads < min_workers) cfg.max_threads = min_workers;
     p->kind = SB_KEEL;
     return keel_sched_init(&cfg) == 0 ? 0 : -1;
   }
@@ -277,7 +284,7 @@ static int sb_throughput(const kb_params_t *p, kb_result_t *r) {
   if (per < 1) per = 1;
   total = per * (size_t)p->threads;
   sb_pool_t pool;
-  if (pool_open(&pool, p->impl, false, 5000) != 0) return 1;
+  if (pool_open(&pool, p->impl, false, 5000, (unsigned)ncpu()) != 0) return 1;
   sb_run_t run = {&pool, calloc(total, sizeof(sb_job_t)), per, NULL, per / SB_BLOCK + 1};
   run.block_ns = calloc((size_t)p->threads * run.blocks_per, sizeof(float));
   for (size_t i = 0; i < total; i++) job_prepare(&pool, &run.jobs[i], false);
@@ -337,7 +344,7 @@ static int sb_latency(const kb_params_t *p, kb_result_t *r) {
   if (per < 1) per = 1;
   size_t total = per * (size_t)p->threads;
   sb_pool_t pool;
-  if (pool_open(&pool, p->impl, true, 5000) != 0) return 1;
+  if (pool_open(&pool, p->impl, true, 5000, (unsigned)ncpu()) != 0) return 1;
   sb_paced_t pc = {&pool, calloc(total, sizeof(sb_job_t)), per, rate / p->threads, 0};
   for (size_t i = 0; i < total; i++) job_prepare(&pool, &pc.jobs[i], true);
   double s = kb_run_threads(p->threads, paced_producer, &pc);
@@ -377,7 +384,7 @@ static int sb_bursty(const kb_params_t *p, kb_result_t *r) {
   if (per < 1) per = 1;
   total = per * (size_t)p->threads;
   sb_pool_t pool;
-  if (pool_open(&pool, p->impl, true, 50) != 0) return 1;
+  if (pool_open(&pool, p->impl, true, 50, 1) != 0) return 1;
   sb_run_t run = {&pool, calloc(total, sizeof(sb_job_t)), per, NULL, 0};
   for (size_t i = 0; i < total; i++) job_prepare(&pool, &run.jobs[i], true);
   sleep_ms(100);
