@@ -91,7 +91,8 @@ typedef struct keel_sched_config {
 KEEL_API void keel_sched_config_default(keel_sched_config_t *cfg);
 
 /* Starts the pool (cfg NULL: defaults): 0, KEEL_EINVAL (max 0, min 0 or
- * min > max), KEEL_EBUSY (already running), KEEL_ENOMEM/EAGAIN (no thread).
+ * min > max), KEEL_EBUSY (already running), KEEL_ENOMEM/EAGAIN (no thread),
+ * KEEL_EDEADLK (from inside a job or a shutdown's on_cancel).
  * Allowed again after keel_sched_shutdown. Allocates; creates threads. */
 KEEL_API int keel_sched_init(const keel_sched_config_t *cfg);
 
@@ -124,8 +125,9 @@ KEEL_API int keel_sched_cancel(keel_job_t *job);
 /* Stops the pool: new submits fail with KEEL_ESHUTDOWN; pending timers are
  * cancelled with notice in both modes; queued jobs run (DRAIN) or are
  * cancelled (CANCEL); returns after every worker has exited and been joined.
- * Blocks. KEEL_EDEADLK from inside a job; KEEL_EINVAL for a bad mode; 0 if
- * already shut down. Serialised with keel_sched_init. */
+ * Blocks. KEEL_EDEADLK from inside a job or from an on_cancel that shutdown
+ * itself runs; KEEL_EINVAL for a bad mode; 0 if already shut down.
+ * Serialised with keel_sched_init. */
 KEEL_API int keel_sched_shutdown(int how);
 
 /* A fairness domain (e.g. one per connection). create: NULL + errno ENOMEM

@@ -91,7 +91,13 @@ static int init_locked(const keel_sched_config_t *user) {
   return rc;
 }
 
+/* Set while this thread runs init or shutdown: an on_cancel callback that
+ * shutdown runs and that calls init or shutdown would wait on life_lock,
+ * which its own thread holds. */
+static __thread bool in_life;
+
 int keel_sched_init(const keel_sched_config_t *cfg) {
+  if (in_life || _keel_sched_self != NULL) return KEEL_EDEADLK;
   pthread_mutex_lock(&_keel_sched.life_lock);
   int rc = init_locked(cfg);
   pthread_mutex_unlock(&_keel_sched.life_lock);
@@ -176,14 +182,16 @@ static void stop(int how) {
 
 int keel_sched_shutdown(int how) {
   if (how != KEEL_SCHED_DRAIN && how != KEEL_SCHED_CANCEL) return KEEL_EINVAL;
-  if (_keel_sched_self != NULL) return KEEL_EDEADLK; /* it would wait for itself */
+  if (_keel_sched_self != NULL || in_life) return KEEL_EDEADLK; /* it would wait for itself */
   sched_t *s = &_keel_sched;
   pthread_mutex_lock(&s->life_lock);
+  in_life = true;
   int st = atomic_load(&s->state);
   if (st == SCHED_UNINIT)
     atomic_store(&s->state, SCHED_SHUTDOWN);
   else if (st == SCHED_RUNNING)
     stop(how);
+  in_life = false;
   pthread_mutex_unlock(&s->life_lock);
   return 0;
 }

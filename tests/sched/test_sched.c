@@ -167,10 +167,11 @@ static void resubmit_queued(void) {
   KT_EQ(atomic_load(&t.runs), 2);
 }
 
-static atomic_int inner_rc;
+static atomic_int inner_rc, inner_init_rc;
 static void shutdown_inside(keel_job_t *j) {
   (void)j;
   atomic_store(&inner_rc, keel_sched_shutdown(KEEL_SCHED_DRAIN));
+  atomic_store(&inner_init_rc, keel_sched_init(NULL));
 }
 
 static void shutdown_from_job(void) {
@@ -181,9 +182,29 @@ static void shutdown_from_job(void) {
   KT_EQ(keel_sched_submit(&j), 0);
   KT_CHECK(wait_for(all_done, NULL, 10));
   KT_EQ(atomic_load(&inner_rc), KEEL_EDEADLK);
+  KT_EQ(atomic_load(&inner_init_rc), KEEL_EDEADLK);
   keel_sched_stats_t st;
   keel_sched_stats(&st);
   KT_CHECK(st.threads >= 1); /* still running */
+}
+
+static atomic_int nested_rc[2];
+static void nested_cancel(keel_job_t *j) {
+  (void)j;
+  atomic_store(&nested_rc[0], keel_sched_shutdown(KEEL_SCHED_DRAIN));
+  atomic_store(&nested_rc[1], keel_sched_init(NULL));
+}
+
+/* An on_cancel run by shutdown itself must not deadlock on init/shutdown. */
+static void shutdown_from_cancel(void) {
+  start(1, 1, 1000, 20);
+  keel_job_t j;
+  keel_job_init(&j, tjob_fn, 0);
+  j.on_cancel = nested_cancel;
+  KT_EQ(keel_sched_after(&j, 60000), 0);
+  KT_EQ(keel_sched_shutdown(KEEL_SCHED_CANCEL), 0);
+  KT_EQ(atomic_load(&nested_rc[0]), KEEL_EDEADLK);
+  KT_EQ(atomic_load(&nested_rc[1]), KEEL_EDEADLK);
 }
 
 static void cancel_queued_and_running(void) {
@@ -520,8 +541,8 @@ static void stats_counts(void) {
 }
 
 KT_MAIN(KT_CASE(lazy_init), KT_CASE(bad_input), KT_CASE(submit_after_shutdown),
-        KT_CASE(resubmit_queued), KT_CASE(shutdown_from_job), KT_CASE(cancel_queued_and_running),
-        KT_CASE(cancel_timer), KT_CASE(shutdown_drains), KT_CASE(shutdown_cancels),
-        KT_CASE(priority_bounds), KT_CASE(fairness_bound), KT_CASE(timers_in_order),
-        KT_CASE(grow_long_jobs), KT_CASE(grow_blocking_jobs), KT_CASE(run_convenience),
-        KT_CASE(resubmit_from_inside), KT_CASE(stats_counts))
+        KT_CASE(resubmit_queued), KT_CASE(shutdown_from_job), KT_CASE(shutdown_from_cancel),
+        KT_CASE(cancel_queued_and_running), KT_CASE(cancel_timer), KT_CASE(shutdown_drains),
+        KT_CASE(shutdown_cancels), KT_CASE(priority_bounds), KT_CASE(fairness_bound),
+        KT_CASE(timers_in_order), KT_CASE(grow_long_jobs), KT_CASE(grow_blocking_jobs),
+        KT_CASE(run_convenience), KT_CASE(resubmit_from_inside), KT_CASE(stats_counts))
