@@ -147,6 +147,7 @@ typedef struct keel_sched_stats {
   uint64_t retired;        /* worker threads that exited */
   unsigned threads;        /* workers alive */
   unsigned idle;           /* workers parked */
+  uint64_t wakeups;        /* parked workers woken for work (one per burst) */
   uint64_t run_prio[3];    /* run, by priority: high, normal, low */
   uint64_t queued_prio[3]; /* on client lists by priority (the default client's normal
                             * jobs in its fast FIFO are not counted) */

@@ -301,6 +301,9 @@ int keel_sched_stats(keel_sched_stats_t *st) {
   st->retired = s->retired;
   pthread_mutex_unlock(&s->lock);
   st->idle = (unsigned)atomic_load(&s->nidle);
+  pthread_mutex_lock(&s->idle_lock);
+  st->wakeups = s->wakeups;
+  pthread_mutex_unlock(&s->idle_lock);
   st->submitted = (uint64_t)sub;
   st->run = st->run_prio[0] + st->run_prio[1] + st->run_prio[2];
   int64_t q = sub - (int64_t)(st->run + st->cancelled + st->running + st->timers);

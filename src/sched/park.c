@@ -52,6 +52,7 @@ void _keel_sched_wake_one(void) {
   sched_worker_t *w = cds_list_first_entry(&s->idle, sched_worker_t, idle_link);
   cds_list_del(&w->idle_link);
   w->parked = false;
+  s->wakeups++;
   keel_fetch_sub_relaxed(&s->nidle, 1); /* idle_lock orders it against parkers */
   atomic_store(&w->word, 1);
   pthread_mutex_unlock(&s->idle_lock);

@@ -125,6 +125,7 @@ typedef struct sched {
   /* Parked workers, LIFO so the coldest ones time out and retire. */
   pthread_mutex_t idle_lock KEEL_CACHE_ALIGNED;
   struct cds_list_head idle;
+  uint64_t wakeups; /* (idle_lock) */
   /* The monitor thread (scale.c). */
   pthread_t monitor;
   bool monitor_started;

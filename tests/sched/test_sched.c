@@ -522,6 +522,33 @@ static void resubmit_from_inside(void) {
   KT_EQ(keel_sched_shutdown(KEEL_SCHED_DRAIN), 0);
 }
 
+static bool all_parked(void *a) {
+  keel_sched_stats_t st;
+  keel_sched_stats(&st);
+  return st.idle == *(unsigned *)a && st.threads == *(unsigned *)a;
+}
+
+/* No thundering herd: one job submitted to 4 parked workers wakes one. */
+static void one_wakeup_per_burst(void) {
+  unsigned n = 4;
+  start(n, n, 60000, 20);
+  int woke_one = 0;
+  for (int round = 0; round < 20; round++) {
+    KT_REQUIRE(wait_for(all_parked, &n, 10));
+    keel_sched_stats_t a, b;
+    keel_sched_stats(&a);
+    tjob_t t;
+    tjob_init(&t, 0, 0);
+    KT_EQ(keel_sched_submit(&t.job), 0);
+    KT_CHECK(wait_for(all_done, NULL, 10));
+    KT_REQUIRE(wait_for(all_parked, &n, 10));
+    keel_sched_stats(&b);
+    KT_CHECK(b.wakeups - a.wakeups <= 1);
+    woke_one += b.wakeups - a.wakeups == 1;
+  }
+  KT_CHECK(woke_one > 0);
+}
+
 static void stats_counts(void) {
   start(1, 2, 1000, 20);
   keel_sched_stats_t a, b;
@@ -545,4 +572,5 @@ KT_MAIN(KT_CASE(lazy_init), KT_CASE(bad_input), KT_CASE(submit_after_shutdown),
         KT_CASE(cancel_queued_and_running), KT_CASE(cancel_timer), KT_CASE(shutdown_drains),
         KT_CASE(shutdown_cancels), KT_CASE(priority_bounds), KT_CASE(fairness_bound),
         KT_CASE(timers_in_order), KT_CASE(grow_long_jobs), KT_CASE(grow_blocking_jobs),
-        KT_CASE(run_convenience), KT_CASE(resubmit_from_inside), KT_CASE(stats_counts))
+        KT_CASE(run_convenience), KT_CASE(resubmit_from_inside), KT_CASE(one_wakeup_per_burst),
+        KT_CASE(stats_counts))
