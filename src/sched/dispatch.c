@@ -178,6 +178,7 @@ unsigned __keel_sched_dispatch(keel_job_t **out, unsigned max, bool *stuck) {
     if (job == NULL) break;
     account(p, nw, lw);
     out[n++] = job;
+    if (job->flags & KEEL_JOB_BLOCKING) break; /* nothing waits behind a sleeper */
   }
   if (listed) keel_fetch_sub_relaxed(&s->nlocal, listed);
   /* seq_cst: the chain-wake argument of park.c covers staged as nlocal. */

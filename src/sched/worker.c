@@ -1,8 +1,9 @@
 /* Worker threads: take a batch, run it, fire due timers, spin briefly, park.
  *
- * A worker takes at most KEEL_SCHED_BATCH jobs per dispatch, and no more
- * than its share (local jobs / workers) so that one worker does not sit on a
- * burst while a woken sibling finds nothing. If work is left after its take
+ * A worker takes at most KEEL_SCHED_BATCH jobs per dispatch; its batch size
+ * adapts (doubling while work is left behind, halving when it emptied the
+ * queue), and a KEEL_JOB_BLOCKING job always ends a batch, so few jobs ever
+ * wait in one worker's batch behind a sleeping one. If work is left after its take
  * it wakes one parked sibling (the chain that spreads a burst one wake-up at
  * a time) or, with none parked, pokes the monitor, which may add a worker.
  *

@@ -162,6 +162,7 @@ static void stress_cancel(void) {
  * or is cancelled with notice) or returns KEEL_ESHUTDOWN with the job still
  * the producer's. */
 static atomic_int race_stop;
+static atomic_long race_accepted;
 static void *racer_main(void *arg) {
   producer_t *p = arg;
   uint64_t seed = (uint64_t)p->index * 7919 + 1;
@@ -170,6 +171,7 @@ static void *racer_main(void *arg) {
     atomic_fetch_add(&s->accepted, 1);
     int rc = keel_sched_submit(&s->job);
     if (rc != 0) atomic_fetch_sub(&s->accepted, 1);
+    if (rc == 0) atomic_fetch_add(&race_accepted, 1);
     KT_CHECK(rc == 0 || rc == KEEL_EBUSY || rc == KEEL_ESHUTDOWN);
     if (rc == KEEL_ESHUTDOWN) p->busy++;
     if (p->busy > 100) break;
@@ -184,6 +186,7 @@ static void shutdown_race(void) {
   KT_REQUIRE(keel_sched_init(&cfg) == 0);
   producer_t *ps = calloc((size_t)nprod, sizeof(*ps));
   atomic_store(&race_stop, 0);
+  atomic_store(&race_accepted, 0);
   for (int i = 0; i < nprod; i++) {
     ps[i].index = i;
     for (int j = 0; j < JOBS_PER_PRODUCER; j++) {
@@ -192,8 +195,9 @@ static void shutdown_race(void) {
     }
     pthread_create(&ps[i].th, NULL, racer_main, &ps[i]);
   }
-  struct timespec ts = {0, 20 * 1000 * 1000};
-  nanosleep(&ts, NULL);
+  /* Shut down while they submit (not before the first has started). */
+  double end = kt_now() + 10;
+  while (atomic_load(&race_accepted) < 1000 && kt_now() < end) sched_yield();
   KT_EQ(keel_sched_shutdown(KEEL_SCHED_CANCEL), 0);
   atomic_store(&race_stop, 1);
   for (int i = 0; i < nprod; i++) pthread_join(ps[i].th, NULL);
