@@ -89,11 +89,13 @@ typedef struct sched_producer {
 } sched_producer_t;
 
 typedef struct sched {
-  /* Read by every producer; written rarely. */
+  /* Read by every submit, written only by init and shutdown: alone on its
+   * line, apart from nidle, which every park and wake-up writes. */
   keel_atomic(int) state KEEL_CACHE_ALIGNED;
-  keel_atomic(int) nidle;         /* parked workers */
-  keel_atomic(uint32_t) mon_mode; /* futex word, MON_* */
-  keel_atomic(int) how;           /* shutdown mode while STOPPING */
+  keel_atomic(int) how; /* shutdown mode while STOPPING */
+  /* Read by the submit that turns a queue non-empty; written per park. */
+  keel_atomic(int) nidle KEEL_CACHE_ALIGNED; /* parked workers */
+  keel_atomic(uint32_t) mon_mode;            /* futex word, MON_* */
   /* Incoming queues: producers xchg a tail, the dispatcher splices. `in`
    * takes normal jobs of the default client (the common case, which then
    * never touches a list); `in2` takes every other job. */
