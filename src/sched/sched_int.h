@@ -96,6 +96,7 @@ typedef struct sched {
   /* Read by the submit that turns a queue non-empty; written per park. */
   keel_atomic(int) nidle KEEL_CACHE_ALIGNED; /* parked workers */
   keel_atomic(uint32_t) mon_mode;            /* futex word, MON_* */
+  keel_atomic(int) nspinning;                /* workers polling before they park */
   /* Incoming queues: producers xchg a tail, the dispatcher splices. `in`
    * takes normal jobs of the default client (the common case, which then
    * never touches a list); `in2` takes every other job. */
