@@ -372,10 +372,13 @@ static void sleep_ms(int ms) {
   nanosleep(&ts, NULL);
 }
 
-static bool all_ran(sb_job_t *jobs, size_t n) {
-  for (size_t i = 0; i < n; i++)
-    if (atomic_load_explicit(&jobs[i].lat_ns, memory_order_relaxed) == 0) return false;
-  return true;
+/* Advances *cursor past jobs that have run; true when all have. The cursor
+ * keeps the polling O(jobs) in all rather than per poll (a full scan every
+ * millisecond would take a core from the pool under test). */
+static bool all_ran(sb_job_t *jobs, size_t n, size_t *cursor) {
+  while (*cursor < n && atomic_load_explicit(&jobs[*cursor].lat_ns, memory_order_relaxed) != 0)
+    (*cursor)++;
+  return *cursor == n;
 }
 
 static int sb_bursty(const kb_params_t *p, kb_result_t *r) {
@@ -392,7 +395,8 @@ static int sb_bursty(const kb_params_t *p, kb_result_t *r) {
   double t0 = kb_now();
   kb_run_threads(p->threads, burst_producer, &run);
   int during = threads_alive();
-  while (!all_ran(run.jobs, total)) sleep_ms(1);
+  size_t cursor = 0;
+  while (!all_ran(run.jobs, total, &cursor)) sleep_ms(1);
   double secs = kb_now() - t0;
   sleep_ms(300);
   int after = threads_alive();
