@@ -94,8 +94,10 @@ static bool place_all(struct __cds_wfcq_head *h, struct cds_wfcq_tail *t) {
 /* Splices both incoming queues; sorts in2's jobs. */
 static bool pull(void) {
   sched_t *s = &_keel_sched;
-  bool stuck = __cds_wfcq_splice_nonblocking(&s->stage_head, &s->stage_tail, &s->in_head,
-                                             &s->in_tail) == CDS_WFCQ_RET_WOULDBLOCK;
+  bool stuck = false;
+  for (int i = 0; i < SCHED_SHARDS; i++)
+    stuck |= __cds_wfcq_splice_nonblocking(&s->stage_head, &s->stage_tail, &s->in[i].head,
+                                           &s->in[i].tail) == CDS_WFCQ_RET_WOULDBLOCK;
   if (!staging_empty()) ring_join(DEFAULT_CLIENT, PRIO_NORMAL);
   stuck |= __cds_wfcq_splice_nonblocking(&s->stage2_head, &s->stage2_tail, &s->in2_head,
                                          &s->in2_tail) == CDS_WFCQ_RET_WOULDBLOCK;

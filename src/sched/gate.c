@@ -54,6 +54,8 @@ KEEL_NOINLINE int _keel_sched_register(void) {
   int rc = _keel_thread_hook_arm(&me->hook);
   if (rc != 0) return rc;
   pthread_mutex_lock(&prod_lock);
+  static unsigned next_shard; /* (prod_lock) */
+  me->shard = next_shard++ % SCHED_SHARDS;
   cds_list_add(&me->link, &producers);
   me->registered = true;
   pthread_mutex_unlock(&prod_lock);

@@ -44,7 +44,7 @@ static void client_init(struct keel_sched_client *c) {
 /* Resets the dispatch state; no worker exists and no job is queued. */
 static void reset(const keel_sched_config_t *cfg) {
   sched_t *s = &_keel_sched;
-  __cds_wfcq_init(&s->in_head, &s->in_tail);
+  for (int i = 0; i < SCHED_SHARDS; i++) __cds_wfcq_init(&s->in[i].head, &s->in[i].tail);
   __cds_wfcq_init(&s->stage_head, &s->stage_tail);
   __cds_wfcq_init(&s->in2_head, &s->in2_tail);
   __cds_wfcq_init(&s->stage2_head, &s->stage2_tail);

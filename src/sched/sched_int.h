@@ -79,10 +79,24 @@ typedef struct sched_worker {
   keel_job_t *batch[KEEL_SCHED_BATCH]; /* (own) taken jobs */
 } sched_worker_t;
 
+/* One shard of the fast incoming queue. A producer preempted between its
+ * xchg and its link store hides every node behind its own from consumers
+ * until it runs again; with 64 producers on 2 cores that can be a whole
+ * round of the run queue. Sharding by producer thread limits that to the
+ * producers of one shard and divides the contention on each tail line.
+ * Per-thread FIFO order holds (a thread always uses one shard); across
+ * threads there was none to keep. */
+#define SCHED_SHARDS 8
+typedef struct sched_shard {
+  struct __cds_wfcq_head head KEEL_CACHE_ALIGNED; /* consumers */
+  struct cds_wfcq_tail tail KEEL_CACHE_ALIGNED;   /* producers */
+} sched_shard_t;
+
 /* A submitting thread's record (gate.c), in its TLS. */
 typedef struct sched_producer {
   keel_atomic(uint32_t) active;   /* (own) 1 between the gate check and the count */
   bool registered;                /* (own) on the registry */
+  unsigned shard;                 /* (own) its shard of the fast queue */
   keel_atomic(int64_t) submitted; /* (own) accepted submits and timers */
   struct cds_list_head link;      /* registry (prod_lock) */
   keel_thread_hook_t hook;        /* unregisters at thread exit */
@@ -99,9 +113,9 @@ typedef struct sched {
   keel_atomic(int) nspinning;                /* workers polling before they park */
   /* Incoming queues: producers xchg a tail, the dispatcher splices. `in`
    * takes normal jobs of the default client (the common case, which then
-   * never touches a list); `in2` takes every other job. */
-  struct __cds_wfcq_head in_head KEEL_CACHE_ALIGNED;
-  struct cds_wfcq_tail in_tail KEEL_CACHE_ALIGNED;
+   * never touches a list), sharded by producer thread; `in2` takes every
+   * other job. */
+  sched_shard_t in[SCHED_SHARDS];
   struct __cds_wfcq_head in2_head KEEL_CACHE_ALIGNED;
   struct cds_wfcq_tail in2_tail KEEL_CACHE_ALIGNED;
   /* Dispatch state, under `lock`. */
@@ -233,8 +247,10 @@ unsigned __keel_sched_dispatch(keel_job_t **out, unsigned max, bool *stuck) KEEL
  * seq_cst loads pair with nidle's increment in park.c. */
 KEEL_INLINE bool _keel_sched_work_visible(void) {
   sched_t *s = &_keel_sched;
-  return !cds_wfcq_empty(&s->in_head, &s->in_tail) || !cds_wfcq_empty(&s->in2_head, &s->in2_tail) ||
-         atomic_load(&s->nlocal) > 0 || atomic_load(&s->staged);
+  for (int i = 0; i < SCHED_SHARDS; i++)
+    if (!cds_wfcq_empty(&s->in[i].head, &s->in[i].tail)) return true;
+  return !cds_wfcq_empty(&s->in2_head, &s->in2_tail) || atomic_load(&s->nlocal) > 0 ||
+         atomic_load(&s->staged);
 }
 void __keel_sched_unlink(keel_job_t *job) KEEL_HIDDEN;
 
