@@ -7,6 +7,9 @@
  * than block_ms (seen as the same odd seq on two looks block_ms apart), so
  * sleeping jobs let the pool pass the CPU count, up to max.
  *
+ * It also wakes a parked worker when work has waited a tick while one was
+ * parked (workers chain-wake a sibling only when they fill a batch).
+ *
  * The monitor sleeps on its futex with no deadline (MON_INF) while nothing
  * waits; the producer that makes the queue non-empty with no worker parked,
  * or a worker that leaves work behind, pokes it (one CAS and FUTEX_WAKE,
@@ -62,10 +65,17 @@ static uint64_t tick(uint64_t now) {
   cds_list_for_each_entry(w, &s->workers, link) blocked += look(w, now, block_ns, &timers);
   int n = keel_load_relaxed(&s->nthreads);
   int cap = s->ncpu > (int)s->cfg.min_threads ? s->ncpu : (int)s->cfg.min_threads;
-  bool waiting = backlog() && atomic_load(&s->nidle) == 0;
+  bool work = backlog();
+  bool waiting = work && atomic_load(&s->nidle) == 0;
   bool grow = waiting && n < (int)s->cfg.max_threads && n - blocked < cap &&
               atomic_load(&s->state) == SCHED_RUNNING;
   pthread_mutex_unlock(&s->lock);
+  if (work && !waiting) {
+    /* Work waits while a worker is parked: the worker that left it chose not
+     * to chain-wake (a batch of one) and may now be in a long job. */
+    _keel_sched_wake_one();
+    return SPAWN_INTERVAL_NS;
+  }
   if (grow && now - s->last_spawn_ns >= SPAWN_INTERVAL_NS) {
     s->last_spawn_ns = now;
     _keel_sched_spawn();

@@ -67,7 +67,8 @@ static void run_batch(sched_worker_t *w, unsigned n) {
 static unsigned take(sched_worker_t *w, bool *stuck) {
   sched_t *s = &_keel_sched;
   pthread_mutex_lock(&s->lock);
-  unsigned n = __keel_sched_dispatch(w->batch, w->fast_max, stuck);
+  unsigned max = w->fast_max;
+  unsigned n = __keel_sched_dispatch(w->batch, max, stuck);
   bool more = keel_load_relaxed(&s->nlocal) > 0 || keel_load_relaxed(&s->staged);
   pthread_mutex_unlock(&s->lock);
   /* Batch size: doubles while work is left behind, halves when the worker
@@ -78,8 +79,12 @@ static unsigned take(sched_worker_t *w, bool *stuck) {
     w->fast_max = w->fast_max * 2 > KEEL_SCHED_BATCH ? KEEL_SCHED_BATCH : w->fast_max * 2;
   else if (w->fast_max > 1)
     w->fast_max /= 2;
+  /* Chain wake only from a worker that filled a batch of 2 or more: a
+   * trickle that one worker keeps up with costs no futex syscall on the
+   * path of the jobs behind it (p99 at 8 paced producers: 127 us with a
+   * wake after every take, vs the mutex pool's 77 us). */
   if (more) {
-    if (atomic_load(&s->nidle) > 0)
+    if (n >= 2 && n == max && atomic_load(&s->nidle) > 0)
       _keel_sched_wake_one();
     else if (keel_load_relaxed(&s->mon_mode) == MON_INF)
       _keel_sched_poke();
