@@ -153,7 +153,11 @@ bool _keel_sched_park(sched_worker_t *w) {
   }
   park_push(w);
   uint64_t deadline = park_deadline(w, stopping);
-  if (_keel_sched_work_visible() || deadline <= keel_clock_ns()) {
+  /* A shutdown that began after the load above either found w on the idle
+   * stack (its wake_all takes idle_lock after storing STOPPING) or is seen
+   * here; without this re-check w could sleep through it forever. */
+  bool changed = !stopping && atomic_load(&s->state) != SCHED_RUNNING;
+  if (changed || _keel_sched_work_visible() || deadline <= keel_clock_ns()) {
     park_pop(w);
     return true;
   }
