@@ -20,16 +20,24 @@
  *    KEEL_SCHED_QUANTUM of its own jobs of that level dispatched before B's
  *    next turn (the bound that tests/sched checks), plus what workers had
  *    already taken (at most KEEL_SCHED_BATCH per worker).
- *  - jobs of one client and level start in submit order on one worker; with
- *    several workers, in dispatch order.
+ *  - jobs one thread submits for one client and level are dispatched in
+ *    submit order (and start in it on one worker).
  *
- * Concurrency: every function may be called from any thread, including from
- * inside a running job, except keel_sched_shutdown (KEEL_EDEADLK there) and
- * keel_sched_init. A job's memory belongs to keel from a successful submit
- * (or keel_sched_after) until its fn or on_cancel callback is called; from
- * that moment it belongs to the caller again (fn may free it or resubmit it).
+ * Concurrency:
+ *   submit, run, after, cancel,   any thread, any time, concurrently with
+ *   stats, client_create/destroy  each other and from inside jobs
+ *   init, shutdown                serialised with each other; KEEL_EDEADLK from
+ *                                 inside a job or from an on_cancel that a
+ *                                 shutdown runs
+ * A job belongs to keel from a successful submit (or keel_sched_after) until
+ * keel calls its fn or on_cancel; from that call on it is the caller's again
+ * (fn may free or resubmit it). Ordering: what the submitter wrote before a
+ * successful submit happens before fn (or on_cancel) runs; keel's own
+ * accesses to a job happen before any later successful submit of it. A job
+ * may be resubmitted while its fn still runs (it may then run twice at once
+ * on two workers; ordering those is the caller's business).
  *
- * Calling any function other than keel_sched_init first initialises the pool
+ * Calling submit, run, after or stats before keel_sched_init initialises the pool
  * with the defaults of KEEL_OPTIONS (sched_min_threads, sched_max_threads,
  * sched_idle_ms, sched_block_ms, sched_spin_us).
  */
