@@ -45,9 +45,12 @@ static void client_init(struct keel_sched_client *c) {
 static void reset(const keel_sched_config_t *cfg) {
   sched_t *s = &_keel_sched;
   for (int i = 0; i < SCHED_SHARDS; i++) __cds_wfcq_init(&s->in[i].head, &s->in[i].tail);
-  __cds_wfcq_init(&s->stage_head, &s->stage_tail);
-  __cds_wfcq_init(&s->in2_head, &s->in2_tail);
-  __cds_wfcq_init(&s->stage2_head, &s->stage2_tail);
+  for (int i = 0; i < SCHED_SHARDS; i++) {
+    __cds_wfcq_init(&s->in[i].head2, &s->in[i].tail2);
+    __cds_wfcq_init(&s->stage[i].head, &s->stage[i].tail);
+    __cds_wfcq_init(&s->stage2[i].head, &s->stage2[i].tail);
+  }
+  s->stage_next = 0;
   for (int p = 0; p < PRIO_COUNT; p++) {
     CDS_INIT_LIST_HEAD(&s->levels[p].ring);
     s->levels[p].n = 0;

@@ -32,8 +32,12 @@ void _keel_sched_poke(void) {
 
 static bool backlog(void) {
   sched_t *s = &_keel_sched;
-  return _keel_sched_work_visible() || !cds_wfcq_empty(&s->stage_head, &s->stage_tail) ||
-         !cds_wfcq_empty(&s->stage2_head, &s->stage2_tail);
+  if (_keel_sched_work_visible()) return true;
+  for (int i = 0; i < SCHED_SHARDS; i++)
+    if (!cds_wfcq_empty(&s->stage[i].head, &s->stage[i].tail) ||
+        !cds_wfcq_empty(&s->stage2[i].head, &s->stage2[i].tail))
+      return true;
+  return false;
 }
 
 /* Looks at one worker; true if it counts as blocked. Fires its due timers if

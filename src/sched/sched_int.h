@@ -88,9 +88,17 @@ typedef struct sched_worker {
  * threads there was none to keep. */
 #define SCHED_SHARDS 8
 typedef struct sched_shard {
-  struct __cds_wfcq_head head KEEL_CACHE_ALIGNED; /* consumers */
-  struct cds_wfcq_tail tail KEEL_CACHE_ALIGNED;   /* producers */
+  struct __cds_wfcq_head head KEEL_CACHE_ALIGNED;  /* fast lane, consumers' end */
+  struct cds_wfcq_tail tail KEEL_CACHE_ALIGNED;    /* fast lane, producers' end */
+  struct __cds_wfcq_head head2 KEEL_CACHE_ALIGNED; /* every other job */
+  struct cds_wfcq_tail tail2 KEEL_CACHE_ALIGNED;
 } sched_shard_t;
+
+/* A spliced-off queue, private to the dispatcher (sched.lock). */
+typedef struct sched_q {
+  struct __cds_wfcq_head head;
+  struct cds_wfcq_tail tail;
+} sched_q_t;
 
 /* A submitting thread's record (gate.c), in its TLS. */
 typedef struct sched_producer {
@@ -111,22 +119,21 @@ typedef struct sched {
   keel_atomic(int) nidle KEEL_CACHE_ALIGNED; /* parked workers */
   keel_atomic(uint32_t) mon_mode;            /* futex word, MON_* */
   keel_atomic(int) nspinning;                /* workers polling before they park */
-  /* Incoming queues: producers xchg a tail, the dispatcher splices. `in`
-   * takes normal jobs of the default client (the common case, which then
-   * never touches a list), sharded by producer thread; `in2` takes every
-   * other job. */
+  /* Incoming queues, one pair per shard: producers xchg a tail, the
+   * dispatcher splices. The fast lane takes normal jobs of the default
+   * client (the common case, which then never touches a list); the other
+   * queue takes every other job. */
   sched_shard_t in[SCHED_SHARDS];
-  struct __cds_wfcq_head in2_head KEEL_CACHE_ALIGNED;
-  struct cds_wfcq_tail in2_tail KEEL_CACHE_ALIGNED;
   /* Dispatch state, under `lock`. */
   pthread_mutex_t lock KEEL_CACHE_ALIGNED;
-  /* Spliced from `in`: the newer part of the default client's normal FIFO
-   * (its list q[PRIO_NORMAL] holds the older part, filled only by cancel
-   * and shutdown, which need O(1) removal). */
-  struct __cds_wfcq_head stage_head;
-  struct cds_wfcq_tail stage_tail;
-  struct __cds_wfcq_head stage2_head; /* spliced from in2, being sorted */
-  struct cds_wfcq_tail stage2_tail;
+  /* Spliced from each shard's fast lane: the newer part of the default
+   * client's normal FIFO (its list q[PRIO_NORMAL] holds the older part,
+   * filled only by cancel and shutdown, which need O(1) removal). Kept per
+   * shard so that a node a preempted producer has not linked yet holds back
+   * only its own shard, never the jobs spliced after it from other shards. */
+  sched_q_t stage[SCHED_SHARDS];
+  unsigned stage_next;              /* shard the default client takes from next */
+  sched_q_t stage2[SCHED_SHARDS];   /* spliced from the other queues, being sorted */
   sched_level_t levels[PRIO_COUNT]; /* a level waits iff its ring is non-empty */
   uint32_t since_low, since_normal; /* dispatches since that level last ran */
   keel_atomic(uint64_t) nlocal;     /* sum of levels[].n (read without lock) */
@@ -249,8 +256,9 @@ KEEL_INLINE bool _keel_sched_work_visible(void) {
   sched_t *s = &_keel_sched;
   for (int i = 0; i < SCHED_SHARDS; i++)
     if (!cds_wfcq_empty(&s->in[i].head, &s->in[i].tail)) return true;
-  return !cds_wfcq_empty(&s->in2_head, &s->in2_tail) || atomic_load(&s->nlocal) > 0 ||
-         atomic_load(&s->staged);
+  for (int i = 0; i < SCHED_SHARDS; i++)
+    if (!cds_wfcq_empty(&s->in[i].head2, &s->in[i].tail2)) return true;
+  return atomic_load(&s->nlocal) > 0 || atomic_load(&s->staged);
 }
 void __keel_sched_unlink(keel_job_t *job) KEEL_HIDDEN;
 

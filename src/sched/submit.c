@@ -32,7 +32,8 @@ void _keel_sched_enqueue(keel_job_t *job, bool fast) {
     was_empty = !cds_wfcq_enqueue(&s->in[_keel_sched_me.shard].head,
                                   &s->in[_keel_sched_me.shard].tail, node);
   else
-    was_empty = !cds_wfcq_enqueue(&s->in2_head, &s->in2_tail, node);
+    was_empty = !cds_wfcq_enqueue(&s->in[_keel_sched_me.shard].head2,
+                                  &s->in[_keel_sched_me.shard].tail2, node);
   if (keel_unlikely(was_empty)) _keel_sched_kick();
 }
 
