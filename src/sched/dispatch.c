@@ -163,7 +163,9 @@ static keel_job_t *take_staged(bool *stuck) {
 }
 
 /* The next job of level p's head client; NULL if its next job is still
- * half-linked in staging (*stuck set). *listed counts jobs off the lists. */
+ * half-linked in staging (*stuck set) or, for the default client, if its
+ * staging turned out empty (it has left the ring). *listed counts jobs
+ * taken off the lists. */
 static keel_job_t *take_one(int p, bool *stuck, uint64_t *listed) {
   sched_level_t *L = &_keel_sched.levels[p];
   struct keel_sched_client *c = cds_list_first_entry(&L->ring, struct keel_sched_client, ring[p]);
@@ -177,13 +179,21 @@ static keel_job_t *take_one(int p, bool *stuck, uint64_t *listed) {
   } else {
     KEEL_ASSERT(c == DEFAULT_CLIENT && p == PRIO_NORMAL);
     job = take_staged(stuck);
-    if (job == NULL) return NULL; /* every non-empty shard is half-linked */
+    if (job == NULL) {
+      /* Staging is empty (leave the ring now) or every non-empty shard
+       * starts half-linked (stay; the caller yields). */
+      if (!*stuck) ring_leave(c, (unsigned)p);
+      return NULL;
+    }
   }
-  if (!client_waits(c, (unsigned)p)) {
+  /* The default client's fast lane leaves the ring lazily, when a take
+   * finds it empty: checking 8 staging shards after every job cost more. */
+  bool lazy = c == DEFAULT_CLIENT && p == PRIO_NORMAL;
+  if (!lazy && c->n[p] == 0) {
     ring_leave(c, (unsigned)p);
   } else if (++c->used[p] >= KEEL_SCHED_QUANTUM) {
     c->used[p] = 0;
-    _keel_list_move_tail(&c->ring[p], &L->ring);
+    if (L->ring.next != L->ring.prev) _keel_list_move_tail(&c->ring[p], &L->ring);
   }
   __atomic_store_n(&job->_state, JOB_TAKEN, __ATOMIC_RELAXED); /* the lock orders it */
   return job;
@@ -198,8 +208,13 @@ unsigned __keel_sched_dispatch(keel_job_t **out, unsigned max, bool *stuck) {
   int p;
   while (n < max && (p = pick_level()) >= 0) {
     bool nw = level_waits(PRIO_NORMAL), lw = level_waits(PRIO_LOW);
-    keel_job_t *job = take_one(p, stuck, &listed);
-    if (job == NULL) break;
+    bool half = false;
+    keel_job_t *job = take_one(p, &half, &listed);
+    *stuck |= half;
+    if (job == NULL) {
+      if (half) break;
+      continue; /* the default client left the ring: pick again */
+    }
     account(p, nw, lw);
     out[n++] = job;
     if (job->flags & KEEL_JOB_BLOCKING) break; /* nothing waits behind a sleeper */

@@ -39,8 +39,9 @@ enum { PRIO_HIGH, PRIO_NORMAL, PRIO_LOW, PRIO_COUNT };
 enum { SCHED_UNINIT, SCHED_RUNNING, SCHED_STOPPING, SCHED_SHUTDOWN };
 
 /* A fairness domain. Invariant (dispatch mutex): in_ring[p] iff on level
- * p's ring iff it has jobs of level p waiting (q[p] non-empty, or for the
- * default client at normal level, q[p] or the staging queue non-empty);
+ * p's ring; on it iff it has jobs of level p waiting (q[p] non-empty), except
+ * that the default client at normal level (q[p] plus the staging queues) may
+ * stay on with nothing waiting until a take finds it empty;
  * n[p] == length of q[p]; used[p] < KEEL_SCHED_QUANTUM. */
 struct keel_sched_client {
   struct cds_list_head q[PRIO_COUNT];    /* its LOCAL jobs, FIFO */
