@@ -450,6 +450,9 @@ static void grow_and_shrink(unsigned flags) {
   enum { N = 24 };
   static tjob_t t[N];
   atomic_store(&max_concurrent, 0);
+  keel_sched_stats_t s0;
+  keel_sched_stats(&s0);
+  double t0 = kt_now();
   for (int i = 0; i < N; i++) {
     tjob_init(&t[i], i, flags);
     t[i].job.fn = sleepy_fn;
@@ -465,6 +468,10 @@ static void grow_and_shrink(unsigned flags) {
     sleep_ms(1);
   }
   for (int i = 0; i < N; i++) KT_EQ(atomic_load(&t[i].runs), 1);
+  /* Rate limit: the monitor adds at most one worker per millisecond. */
+  keel_sched_stats_t s1;
+  keel_sched_stats(&s1);
+  KT_CHECK((double)(s1.spawned - s0.spawned) <= (kt_now() - t0) * 1000 + 1);
   long ncpu = sysconf(_SC_NPROCESSORS_ONLN);
   KT_CHECK(peak > (unsigned)(ncpu < (long)max ? ncpu : (long)max - 1));
   KT_CHECK(atomic_load(&max_concurrent) <= (int)max);
