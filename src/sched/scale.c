@@ -76,10 +76,14 @@ static uint64_t tick(uint64_t now) {
   pthread_mutex_unlock(&s->lock);
   if (work && !waiting) {
     /* Work waits while a worker is parked: the worker that left it chose not
-     * to chain-wake (a batch of one) and may now be in a long job. */
-    _keel_sched_wake_one();
+     * to chain-wake (a batch of one) and may now be in a long job. Only on
+     * the second tick in a row, so that work a waking worker is about to
+     * take does not cost a second wake-up. */
+    if (s->mon_saw_work) _keel_sched_wake_one();
+    s->mon_saw_work = true;
     return SPAWN_INTERVAL_NS;
   }
+  s->mon_saw_work = false;
   if (grow && now - s->last_spawn_ns >= SPAWN_INTERVAL_NS) {
     s->last_spawn_ns = now;
     _keel_sched_spawn();

@@ -155,6 +155,7 @@ typedef struct sched {
   pthread_t monitor;
   bool monitor_started;
   uint64_t last_spawn_ns;
+  bool mon_saw_work; /* the last tick saw work waiting with a worker parked */
   pthread_mutex_t life_lock;
   keel_atomic(int) gate_closed; /* shutdown saw every producer leave the gate */
 } sched_t;

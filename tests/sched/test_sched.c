@@ -550,10 +550,12 @@ static void one_wakeup_per_burst(void) {
     KT_CHECK(wait_for(all_done, NULL, 10));
     KT_REQUIRE(wait_for(all_parked, &n, 10));
     keel_sched_stats(&b);
-    KT_CHECK(b.wakeups - a.wakeups <= 1);
+    /* Never the herd; a second wake-up only if the first one took longer
+     * than the monitor's tick (1 ms) on a loaded machine. */
+    KT_CHECK(b.wakeups - a.wakeups <= 2);
     woke_one += b.wakeups - a.wakeups == 1;
   }
-  KT_CHECK(woke_one > 0);
+  KT_CHECK(woke_one >= 10); /* of 20 rounds */
 }
 
 static void stats_counts(void) {
