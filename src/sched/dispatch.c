@@ -32,10 +32,27 @@ struct keel_sched_client _keel_sched_default_client;
 #define DEFAULT_CLIENT (&_keel_sched_default_client)
 
 static bool staging_empty(void) {
-  sched_q_t *q = _keel_sched.stage;
-  for (int i = 0; i < SCHED_SHARDS; i++)
-    if (!cds_wfcq_empty(&q[i].head, &q[i].tail)) return false;
-  return true;
+  return _keel_sched.stage_mask == 0;
+}
+
+static void publish_staged(void) {
+  sched_t *s = &_keel_sched;
+  /* seq_cst: the chain-wake argument of park.c covers staged as nlocal. */
+  atomic_store(&s->staged, (s->stage_mask | s->stage2_mask) != 0);
+}
+
+/* Keeps bit i of *mask equal to "q is not empty". */
+static void track(uint64_t *mask, unsigned i, sched_q_t *q) {
+  if (cds_wfcq_empty(&q->head, &q->tail))
+    *mask &= ~(1ull << i);
+  else
+    *mask |= 1ull << i;
+}
+
+/* The first set bit of m at or after `from`, wrapping; m != 0. */
+static unsigned next_bit(uint64_t m, unsigned from) {
+  uint64_t hi = from < 64 ? m & (~0ull << from) : 0;
+  return (unsigned)__builtin_ctzll(hi ? hi : m);
 }
 
 static void ring_join(struct keel_sched_client *c, unsigned p) {
@@ -97,17 +114,28 @@ static bool place_all(struct __cds_wfcq_head *h, struct cds_wfcq_tail *t) {
   return stuck;
 }
 
-/* Splices every incoming queue; sorts the jobs that are not fast-lane. */
+/* Splices every incoming queue; sorts the jobs that are not fast-lane.
+ * Costs two emptiness checks per shard (a load of a head line the
+ * dispatcher owns, and of the tail line only when the head is empty). */
 static bool pull(void) {
   sched_t *s = &_keel_sched;
   bool stuck = false;
-  for (int i = 0; i < SCHED_SHARDS; i++) {
+  for (unsigned i = 0; i < SCHED_SHARDS; i++) {
     sched_shard_t *in = &s->in[i];
-    stuck |= __cds_wfcq_splice_nonblocking(&s->stage[i].head, &s->stage[i].tail, &in->head,
-                                           &in->tail) == CDS_WFCQ_RET_WOULDBLOCK;
-    stuck |= __cds_wfcq_splice_nonblocking(&s->stage2[i].head, &s->stage2[i].tail, &in->head2,
-                                           &in->tail2) == CDS_WFCQ_RET_WOULDBLOCK;
+    enum cds_wfcq_ret r =
+        __cds_wfcq_splice_nonblocking(&s->stage[i].head, &s->stage[i].tail, &in->head, &in->tail);
+    if (r == CDS_WFCQ_RET_WOULDBLOCK)
+      stuck = true;
+    else if (r != CDS_WFCQ_RET_SRC_EMPTY)
+      s->stage_mask |= 1ull << i;
+    r = __cds_wfcq_splice_nonblocking(&s->stage2[i].head, &s->stage2[i].tail, &in->head2,
+                                      &in->tail2);
+    if (r == CDS_WFCQ_RET_WOULDBLOCK) stuck = true;
+    if (r == CDS_WFCQ_RET_WOULDBLOCK || r == CDS_WFCQ_RET_SRC_EMPTY) {
+      if (!(s->stage2_mask & (1ull << i))) continue; /* nothing left to sort */
+    }
     stuck |= place_all(&s->stage2[i].head, &s->stage2[i].tail);
+    track(&s->stage2_mask, i, &s->stage2[i]);
   }
   if (!staging_empty()) ring_join(DEFAULT_CLIENT, PRIO_NORMAL);
   return stuck;
@@ -116,8 +144,12 @@ static bool pull(void) {
 bool __keel_sched_flatten(void) {
   sched_t *s = &_keel_sched;
   bool stuck = pull();
-  for (int i = 0; i < SCHED_SHARDS; i++) stuck |= place_all(&s->stage[i].head, &s->stage[i].tail);
-  atomic_store(&s->staged, !staging_empty());
+  for (uint64_t m = s->stage_mask; m != 0; m &= m - 1) {
+    unsigned i = (unsigned)__builtin_ctzll(m);
+    stuck |= place_all(&s->stage[i].head, &s->stage[i].tail);
+    track(&s->stage_mask, i, &s->stage[i]);
+  }
+  publish_staged();
   return stuck;
 }
 
@@ -148,14 +180,17 @@ static void account(int p, bool nw, bool lw) {
  * node. */
 static keel_job_t *take_staged(bool *stuck) {
   sched_t *s = &_keel_sched;
-  for (unsigned k = 0; k < SCHED_SHARDS; k++) {
-    unsigned i = (s->stage_next + k) % SCHED_SHARDS;
+  uint64_t m = s->stage_mask; /* shards to try, in rotation from stage_next */
+  while (m != 0) {
+    unsigned i = next_bit(m, s->stage_next);
+    m &= ~(1ull << i);
     struct cds_wfcq_node *n = __cds_wfcq_dequeue_nonblocking(&s->stage[i].head, &s->stage[i].tail);
-    if (n == NULL) continue;
     if (n == CDS_WFCQ_WOULDBLOCK) {
       *stuck = true;
       continue;
     }
+    track(&s->stage_mask, i, &s->stage[i]);
+    if (n == NULL) continue;
     s->stage_next = (i + 1) % SCHED_SHARDS;
     return staged_job(n);
   }
@@ -220,8 +255,7 @@ unsigned __keel_sched_dispatch(keel_job_t **out, unsigned max, bool *stuck) {
     if (job->flags & KEEL_JOB_BLOCKING) break; /* nothing waits behind a sleeper */
   }
   if (listed) keel_fetch_sub_relaxed(&s->nlocal, listed);
-  /* seq_cst: the chain-wake argument of park.c covers staged as nlocal. */
-  atomic_store(&s->staged, !staging_empty());
+  publish_staged();
   return n;
 }
 

@@ -51,6 +51,7 @@ static void reset(const keel_sched_config_t *cfg) {
     __cds_wfcq_init(&s->stage2[i].head, &s->stage2[i].tail);
   }
   s->stage_next = 0;
+  s->stage_mask = s->stage2_mask = 0;
   for (int p = 0; p < PRIO_COUNT; p++) {
     CDS_INIT_LIST_HEAD(&s->levels[p].ring);
     s->levels[p].n = 0;

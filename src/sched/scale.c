@@ -32,12 +32,7 @@ void _keel_sched_poke(void) {
 
 static bool backlog(void) {
   sched_t *s = &_keel_sched;
-  if (_keel_sched_work_visible()) return true;
-  for (int i = 0; i < SCHED_SHARDS; i++)
-    if (!cds_wfcq_empty(&s->stage[i].head, &s->stage[i].tail) ||
-        !cds_wfcq_empty(&s->stage2[i].head, &s->stage2[i].tail))
-      return true;
-  return false;
+  return _keel_sched_work_visible() || (s->stage_mask | s->stage2_mask) != 0;
 }
 
 /* Looks at one worker; true if it counts as blocked. Fires its due timers if
