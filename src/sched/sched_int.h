@@ -2,23 +2,24 @@
  *
  * Where a job is, by its _state:
  *   IDLE    owned by the caller (never submitted, or fn/on_cancel called);
- *   QUEUED  in the incoming wfcqueue or the staging queue (producers' side);
+ *   QUEUED  in an incoming wfcqueue shard or a staging queue;
  *   LOCAL   on its client's FIFO for its level (dispatch mutex);
  *   TIMER   in a worker's timer heap (that worker's timer mutex);
  *   TAKEN   in a worker's batch, about to run;
  *   CANCELLING  off every queue, its notice about to be delivered.
  * Transitions: IDLE->QUEUED (submit, CAS), IDLE->TIMER (after, CAS),
- * TIMER->QUEUED (fire) and TIMER->IDLE (cancel) under the timer mutex,
- * QUEUED->LOCAL, LOCAL->TAKEN and LOCAL->IDLE (cancel) under the dispatch
- * mutex, TAKEN->IDLE by the worker right before it calls fn; LOCAL, TIMER
+ * TIMER->QUEUED (fire) under the timer mutex, QUEUED->LOCAL (sorted),
+ * QUEUED->TAKEN (fast lane) and LOCAL->TAKEN under the dispatch mutex,
+ * TAKEN->IDLE by the worker right before it calls fn; LOCAL, TIMER
  * or TAKEN -> CANCELLING (under the lock that held it) -> IDLE right before
  * on_cancel, in _keel_sched_notify_cancel. keel reads nothing of a job after
  * its release store of IDLE.
  *
  * Locks, outer to inner: life_lock (init/shutdown), lock (dispatch: staging,
- * levels, clients, worker list), a worker's tlock (its timer heap),
- * idle_lock (the parked-worker stack). Producers take none of them unless
- * they must wake a parked worker.
+ * levels, clients, worker list), a worker's tlock (its timer heap), then
+ * either idle_lock (the parked-worker stack) or gate.c's prod_lock (the
+ * producer registry). A submit takes none of them unless it must wake a
+ * parked worker (idle_lock) or is its thread's first (prod_lock).
  */
 #ifndef KEEL_SCHED_INT_H
 #define KEEL_SCHED_INT_H
