@@ -209,7 +209,8 @@ void _keel_sched_notify_cancel(keel_job_t *job) KEEL_HIDDEN;
 /* Producer side (submit.c). */
 void _keel_sched_enqueue(keel_job_t *job, bool fast) KEEL_HIDDEN;
 
-/* Normal jobs of the default client go to `in`, the rest to `in2`. */
+/* Normal jobs of the default client go to the fast lane, the rest to the
+ * other queue of the producer's shard. */
 KEEL_INLINE bool _keel_sched_fast_lane(const keel_job_t *job) {
   return job->client == NULL && !(job->flags & (KEEL_JOB_HIGH | KEEL_JOB_LOW));
 }
