@@ -529,6 +529,31 @@ static void resubmit_from_inside(void) {
   KT_EQ(keel_sched_shutdown(KEEL_SCHED_DRAIN), 0);
 }
 
+/* A timer armed from inside a job lives in that worker's heap; while the
+ * worker is stuck in the job, the monitor fires it and grows the pool so
+ * that it runs long before the job ends. */
+static tjob_t stuck_timer;
+static double stuck_armed_at;
+static void stuck_fn(keel_job_t *j) {
+  (void)j;
+  stuck_armed_at = kt_now();
+  KT_EQ(keel_sched_after(&stuck_timer.job, 20), 0);
+  sleep_ms(400);
+}
+
+static void timer_of_stuck_worker(void) {
+  start(1, 4, 1000, 10);
+  tjob_init(&stuck_timer, 0, 0);
+  keel_job_t j;
+  keel_job_init(&j, stuck_fn, 0);
+  KT_EQ(keel_sched_submit(&j), 0);
+  KT_CHECK(wait_for(all_done, NULL, 10));
+  KT_EQ(atomic_load(&stuck_timer.runs), 1);
+  double delay = stuck_timer.ran_at - stuck_armed_at;
+  KT_CHECK(delay >= 0.020);
+  KT_CHECK(delay < 0.350); /* well before the 400 ms job returned */
+}
+
 static bool all_parked(void *a) {
   keel_sched_stats_t st;
   keel_sched_stats(&st);
@@ -581,5 +606,5 @@ KT_MAIN(KT_CASE(lazy_init), KT_CASE(bad_input), KT_CASE(submit_after_shutdown),
         KT_CASE(cancel_queued_and_running), KT_CASE(cancel_timer), KT_CASE(shutdown_drains),
         KT_CASE(shutdown_cancels), KT_CASE(priority_bounds), KT_CASE(fairness_bound),
         KT_CASE(timers_in_order), KT_CASE(grow_long_jobs), KT_CASE(grow_blocking_jobs),
-        KT_CASE(run_convenience), KT_CASE(resubmit_from_inside), KT_CASE(one_wakeup_per_burst),
-        KT_CASE(stats_counts))
+        KT_CASE(run_convenience), KT_CASE(resubmit_from_inside), KT_CASE(timer_of_stuck_worker),
+        KT_CASE(one_wakeup_per_burst), KT_CASE(stats_counts))
