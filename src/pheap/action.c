@@ -29,12 +29,16 @@ static int alloc_common(keel_pheap_t *ph, keel_poff_t *dest, size_t size, uint64
   if (rc != 0) return rc;
   _keel_ph_init_obj(ph, tc, off, size, type, zero, true);
   bool logged = in_pool(ph, dest, 8) || (void *)dest == (void *)&ph->hdr->root_off;
-  ph_redo_entry_t e[2] = {_keel_ph_mark(ph, cls, off, true),
+  ph_redo_entry_t e[3] = {_keel_ph_mark(ph, cls, off, true),
                           {(uint64_t)((char *)dest - ph->view.base) | PH_OP_SET, off}};
+  size_t n = logged ? 2 : 1;
+  uint64_t chk = 0;
+  if (!_keel_ph_chk_add(e, &n, 3, off - PH_OBJ_HDR, PH_OBJ_HDR + (zero ? size : 0), &chk))
+    _keel_pm_drain(ph, tc); /* a big zeroed body: order it before the log */
   ph_lane_t *l = _keel_ph_lane_get(ph, tc);
-  _keel_ph_redo_write(ph, tc, l, _keel_ph_next_seq(ph), e, logged ? 2 : 1);
+  _keel_ph_redo_write(ph, tc, l, _keel_ph_next_seq(ph), e, n);
   _keel_pm_drain(ph, tc);
-  _keel_ph_redo_apply(ph, tc, e, logged ? 2 : 1);
+  _keel_ph_redo_apply(ph, tc, e, n);
   _keel_pm_drain(ph, tc);
   _keel_ph_redo_retire(ph, l);
   _keel_ph_lane_put(ph, l);
@@ -136,14 +140,20 @@ long _keel_ph_acts_entries(keel_pheap_t *ph, const keel_pheap_act_t *acts, size_
   return (long)k;
 }
 
-/* Flushes reserved objects' headers and requested bytes (barrier 1 makes
- * them durable with the log). */
-static void acts_flush(keel_pheap_t *ph, ph_tcache_t *tc, const keel_pheap_act_t *acts, size_t n) {
+/* Flushes reserved objects' headers and requested bytes and vouches for
+ * them in the log (CHK entries into e[*k..cap)). Returns false if some could
+ * not be vouched for: the caller must then drain before writing the log. */
+static bool acts_flush(keel_pheap_t *ph, ph_tcache_t *tc, const keel_pheap_act_t *acts, size_t n,
+                       ph_redo_entry_t *e, size_t *k, size_t cap, uint64_t *chk) {
+  bool all = true;
   for (size_t i = 0; i < n; i++) {
     if (acts[i].kind != PH_ACT_RESERVE) continue;
     const ph_objhdr_t *h = (const ph_objhdr_t *)(ph->view.base + acts[i].off - PH_OBJ_HDR);
     _keel_pm_flush(ph, tc, h, PH_OBJ_HDR + h->size, PH_S_OBJHDR);
+    if (all && !_keel_ph_chk_add(e, k, cap, acts[i].off - PH_OBJ_HDR, PH_OBJ_HDR + h->size, chk))
+      all = false;
   }
+  return all;
 }
 
 void _keel_ph_acts_done(keel_pheap_t *ph, ph_tcache_t *tc, keel_pheap_act_t *acts, size_t n) {
@@ -153,11 +163,12 @@ void _keel_ph_acts_done(keel_pheap_t *ph, ph_tcache_t *tc, keel_pheap_act_t *act
   }
 }
 
-void _keel_ph_acts_flush(keel_pheap_t *ph, ph_tcache_t *tc, const keel_pheap_act_t *acts,
-                         size_t n) KEEL_HIDDEN;
-void _keel_ph_acts_flush(keel_pheap_t *ph, ph_tcache_t *tc, const keel_pheap_act_t *acts,
-                         size_t n) {
-  acts_flush(ph, tc, acts, n);
+bool _keel_ph_acts_flush(keel_pheap_t *ph, ph_tcache_t *tc, const keel_pheap_act_t *acts,
+                         size_t n, ph_redo_entry_t *e, size_t *k, size_t cap,
+                         uint64_t *chk) KEEL_HIDDEN;
+bool _keel_ph_acts_flush(keel_pheap_t *ph, ph_tcache_t *tc, const keel_pheap_act_t *acts,
+                         size_t n, ph_redo_entry_t *e, size_t *k, size_t cap, uint64_t *chk) {
+  return acts_flush(ph, tc, acts, n, e, k, cap, chk);
 }
 
 int keel_pheap_publish(keel_pheap_t *ph, keel_pheap_act_t *acts, size_t n) {
@@ -168,11 +179,13 @@ int keel_pheap_publish(keel_pheap_t *ph, keel_pheap_act_t *acts, size_t n) {
   long k = _keel_ph_acts_entries(ph, acts, n, e, PH_REDO_MAX);
   if (k < 0) return KEEL_ENOSPC;
   if (k == 0) return 0;
-  acts_flush(ph, tc, acts, n);
+  size_t nk = (size_t)k;
+  uint64_t chk = 0;
+  if (!acts_flush(ph, tc, acts, n, e, &nk, PH_REDO_MAX, &chk)) _keel_pm_drain(ph, tc);
   ph_lane_t *l = _keel_ph_lane_get(ph, tc);
-  _keel_ph_redo_write(ph, tc, l, _keel_ph_next_seq(ph), e, (size_t)k);
+  _keel_ph_redo_write(ph, tc, l, _keel_ph_next_seq(ph), e, nk);
   _keel_pm_drain(ph, tc);
-  _keel_ph_redo_apply(ph, tc, e, (size_t)k);
+  _keel_ph_redo_apply(ph, tc, e, nk);
   _keel_pm_drain(ph, tc);
   _keel_ph_redo_retire(ph, l);
   _keel_ph_lane_put(ph, l);

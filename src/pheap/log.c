@@ -22,11 +22,19 @@
  * any barrier) are the exception: persist them with keel_pheap_persist or a
  * transaction, which also flush pending retirements first.
  *
+ * A log also vouches for data that had to be durable before it (object
+ * headers, a transaction's new bytes): rather than spend a barrier to order
+ * that data before the log, the log carries a checksum of it (CHK entries +
+ * dsum) and recovery treats a log whose data does not match as never
+ * committed. Past PH_CHK_MAX_BYTES the writer spends the barrier instead.
+ * A stale log whose data was later changed fails the same test, which is
+ * right: it was applied before its caller returned.
+ *
  * Recovery order at open: (1) every lane's valid redo log and every undo log
  * whose transaction did not commit (no valid redo log with the same seq) is
  * collected; (2) they are processed in seq order: redo replayed, undo rolled
- * back newest entry first; (3) one barrier; (4) every log is emptied and a
- * second barrier makes that durable. A crash anywhere in recovery leaves the
+ * back newest entry first; (3) one barrier; (4) every undo log is emptied,
+ * barrier, then every redo log, barrier (undo first: see below). A crash anywhere in recovery leaves the
  * logs valid and the replay idempotent, so the next open simply redoes it.
  */
 #include <stdlib.h>
@@ -59,7 +67,31 @@ void _keel_ph_lane_put(keel_pheap_t *ph, ph_lane_t *l) {
 }
 
 static uint64_t redo_csum(const ph_redo_t *r, uint64_t seq, uint64_t n) {
-  return _keel_ph_csum(r->e, n * sizeof r->e[0], seq * 0x9e3779b97f4a7c15ull ^ n);
+  return _keel_ph_csum(r->e, n * sizeof r->e[0],
+                       seq * 0x9e3779b97f4a7c15ull ^ n ^ r->dsum * 0xbf58476d1ce4e5b9ull);
+}
+
+static uint64_t data_sum(keel_pheap_t *ph, const ph_redo_entry_t *e, size_t n) {
+  uint64_t h = 0x243f6a8885a308d3ull, size = keel_load_relaxed(&ph->size);
+  for (size_t i = 0; i < n; i++) {
+    if ((e[i].off_op & 7) != PH_OP_CHK) continue;
+    uint64_t off = e[i].off_op & ~(uint64_t)7;
+    if (off + e[i].val > size) return 0; /* cannot match: the data is not there */
+    h = _keel_ph_csum(ph->view.base + off, e[i].val, h);
+  }
+  return h;
+}
+
+bool _keel_ph_redo_data_ok(keel_pheap_t *ph, const ph_redo_t *r) {
+  return data_sum(ph, r->e, r->n) == r->dsum;
+}
+
+bool _keel_ph_chk_add(ph_redo_entry_t *e, size_t *n, size_t cap, uint64_t off, uint64_t len,
+                      uint64_t *chk_bytes) {
+  if (*n == cap || *chk_bytes + len > PH_CHK_MAX_BYTES || (off & 7)) return false;
+  *chk_bytes += len;
+  e[(*n)++] = (ph_redo_entry_t){off | PH_OP_CHK, len};
+  return true;
 }
 
 void _keel_ph_redo_write(keel_pheap_t *ph, ph_tcache_t *tc, ph_lane_t *l, uint64_t seq,
@@ -67,6 +99,7 @@ void _keel_ph_redo_write(keel_pheap_t *ph, ph_tcache_t *tc, ph_lane_t *l, uint64
   ph_redo_t *r = l->redo;
   memcpy(r->e, e, n * sizeof *e);
   r->n = n;
+  r->dsum = data_sum(ph, e, n);
   r->csum = redo_csum(r, seq, n);
   keel_store_relaxed(ATOMIC64(&r->seq), seq); /* other drains may flush this line */
   _keel_pm_flush(ph, tc, r, 64 + n * sizeof *e, PH_S_REDO);
@@ -82,6 +115,8 @@ static void apply_one(keel_pheap_t *ph, ph_tcache_t *tc, const ph_redo_entry_t *
   if (off + 8 > keel_load_relaxed(&ph->size)) return; /* defensive: never write outside */
   keel_atomic(uint64_t) *w = ATOMIC64(ph->view.base + off);
   switch (e->off_op & 7) {
+  case PH_OP_CHK:
+    return;
   case PH_OP_SET:
     keel_store_release(w, e->val); /* release: readers of chunk words see the object */
     break;
@@ -169,7 +204,8 @@ int _keel_ph_recover(keel_pheap_t *ph, ph_tcache_t *tc) {
   unsigned n = 0;
   for (unsigned i = 0; i < PH_NLANES; i++) {
     ph_lane_t *l = &ph->lanes[i];
-    bool rv = _keel_ph_redo_valid(l->redo);
+    /* A log whose vouched-for data is not all there never committed. */
+    bool rv = _keel_ph_redo_valid(l->redo) && _keel_ph_redo_data_ok(ph, l->redo);
     if (rv) items[n++] = (rec_item_t){l->redo->seq, i, false};
     if (l->undo->seq != 0 && !(rv && l->redo->seq == l->undo->seq))
       items[n++] = (rec_item_t){l->undo->seq, i, true};
@@ -184,15 +220,22 @@ int _keel_ph_recover(keel_pheap_t *ph, ph_tcache_t *tc) {
       _keel_ph_redo_apply(ph, tc, l->redo->e, l->redo->n);
   }
   _keel_pm_drain(ph, tc);
+  /* Undo logs are emptied before redo logs, in separate barriers: an undo
+   * log left valid beside an emptied redo log of the same seq would roll a
+   * committed transaction back at the next open. */
+  for (unsigned i = 0; i < PH_NLANES; i++) {
+    ph_lane_t *l = &ph->lanes[i];
+    if (l->undo->seq) {
+      l->undo->seq = 0;
+      _keel_pm_flush(ph, tc, l->undo, 8, PH_S_NONE);
+    }
+  }
+  _keel_pm_drain(ph, tc);
   for (unsigned i = 0; i < PH_NLANES; i++) {
     ph_lane_t *l = &ph->lanes[i];
     if (l->redo->seq) {
       l->redo->seq = 0;
       _keel_pm_flush(ph, tc, l->redo, 8, PH_S_NONE);
-    }
-    if (l->undo->seq) {
-      l->undo->seq = 0;
-      _keel_pm_flush(ph, tc, l->undo, 8, PH_S_NONE);
     }
   }
   _keel_pm_drain(ph, tc);

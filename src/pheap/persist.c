@@ -103,7 +103,7 @@ static void sim_add(ph_tcache_t *tc, uint64_t line) {
 void _keel_pm_flush(keel_pheap_t *ph, ph_tcache_t *tc, const void *p, size_t len,
                     enum ph_site site) {
   if (len == 0) return;
-  if (keel_unlikely(_keel_ph_fault == (int)site)) return;
+  if (keel_unlikely(_keel_ph_fault == (int)site) && site != PH_S_NONE) return;
   tc->flushes++;
   uintptr_t a = (uintptr_t)p & ~(uintptr_t)(PH_LINE - 1), end = (uintptr_t)p + len;
   if (keel_unlikely(ph->sim)) {
@@ -133,6 +133,11 @@ void _keel_pm_flush(keel_pheap_t *ph, ph_tcache_t *tc, const void *p, size_t len
 }
 
 static void sim_write_line(keel_pheap_t *ph, uint64_t off, unsigned mask) {
+  if (mask == 0xff) {
+    if (pwrite(ph->fd, ph->view.base + off, PH_LINE, (off_t)off) != PH_LINE)
+      keel_die("pheap sim", "pwrite failed");
+    return;
+  }
   for (unsigned w = 0; w < PH_LINE / 8; w++) {
     if (!(mask & (1u << w))) continue;
     if (pwrite(ph->fd, ph->view.base + off + w * 8, 8, (off_t)(off + w * 8)) != 8)
@@ -151,7 +156,14 @@ void _keel_pm_drain(keel_pheap_t *ph, ph_tcache_t *tc) {
   if (keel_unlikely(_keel_ph_barrier_hook != NULL)) _keel_ph_barrier_hook(ph, tc);
   tc->barriers++;
   if (keel_unlikely(ph->sim)) {
-    for (unsigned i = 0; i < tc->sim_n; i++) sim_write_line(ph, tc->sim_lines[i], 0xff);
+    /* Runs of consecutive lines go out in one pwrite. */
+    for (unsigned i = 0, j; i < tc->sim_n; i = j) {
+      for (j = i + 1; j < tc->sim_n && tc->sim_lines[j] == tc->sim_lines[j - 1] + PH_LINE; j++) {
+      }
+      size_t len = (size_t)(j - i) * PH_LINE;
+      if (pwrite(ph->fd, ph->view.base + tc->sim_lines[i], len, (off_t)tc->sim_lines[i]) != (ssize_t)len)
+        keel_die("pheap sim", "pwrite failed");
+    }
     tc->sim_n = 0;
   } else {
     switch (ph->flush_mode) {

@@ -79,7 +79,14 @@ typedef struct ph_header {
 } ph_header_t;
 
 /* A redo log: entries are (word offset | op, value) applied in order. */
-enum { PH_OP_SET = 0, PH_OP_OR = 1, PH_OP_ANDNOT = 2 };
+/* CHK: not applied; (off, len) names bytes that had to be durable before the
+ * log (object headers, tx data): the log's `dsum` covers them, so a log that
+ * became durable in the same barrier as data that did not is recognised as
+ * not committed (see log.c). */
+enum { PH_OP_SET = 0, PH_OP_OR = 1, PH_OP_ANDNOT = 2, PH_OP_CHK = 3 };
+/* Data a log may vouch for by checksum; beyond it an extra barrier orders
+ * the data first. */
+#define PH_CHK_MAX_BYTES (64u << 10)
 typedef struct ph_redo_entry {
   uint64_t off_op; /* 8-aligned pool offset | op in the low 3 bits */
   uint64_t val;
@@ -88,8 +95,9 @@ typedef struct ph_redo_entry {
 typedef struct ph_redo {
   uint64_t seq;  /* 0: empty */
   uint64_t n;
-  uint64_t csum; /* over seq, n and the n entries */
-  uint64_t pad[5];
+  uint64_t csum; /* over seq, n, dsum and the n entries */
+  uint64_t dsum; /* over the bytes the CHK entries name, in order */
+  uint64_t pad[4];
   ph_redo_entry_t e[PH_REDO_MAX];
 } ph_redo_t;
 
@@ -297,6 +305,13 @@ uint64_t _keel_ph_next_seq(keel_pheap_t *ph) KEEL_HIDDEN;
 /* Writes n entries as the lane's redo log with `seq` and flushes it. */
 void _keel_ph_redo_write(keel_pheap_t *ph, ph_tcache_t *tc, ph_lane_t *l, uint64_t seq,
                          const ph_redo_entry_t *e, size_t n) KEEL_HIDDEN;
+/* True if the data named by the log's CHK entries still matches its dsum. */
+bool _keel_ph_redo_data_ok(keel_pheap_t *ph, const ph_redo_t *r) KEEL_HIDDEN;
+/* Appends a CHK entry for [off, off+len) if the running budget allows
+ * (*chk_bytes); otherwise flushes nothing and returns false: the caller then
+ * needs a barrier before writing the log. */
+bool _keel_ph_chk_add(ph_redo_entry_t *e, size_t *n, size_t cap, uint64_t off, uint64_t len,
+                      uint64_t *chk_bytes) KEEL_HIDDEN;
 /* Applies entries to the pool and flushes every word touched. */
 void _keel_ph_redo_apply(keel_pheap_t *ph, ph_tcache_t *tc, const ph_redo_entry_t *e,
                          size_t n) KEEL_HIDDEN;

@@ -32,8 +32,9 @@ bool _keel_ph_stray_check;
 
 uint64_t _keel_ph_undo_csum(uint64_t seq, const ph_undo_entry_t *e) KEEL_HIDDEN;
 void _keel_ph_undo_rollback(keel_pheap_t *ph, ph_tcache_t *tc, ph_undo_t *u) KEEL_HIDDEN;
-void _keel_ph_acts_flush(keel_pheap_t *ph, ph_tcache_t *tc, const keel_pheap_act_t *acts,
-                         size_t n) KEEL_HIDDEN;
+bool _keel_ph_acts_flush(keel_pheap_t *ph, ph_tcache_t *tc, const keel_pheap_act_t *acts,
+                         size_t n, ph_redo_entry_t *e, size_t *k, size_t cap,
+                         uint64_t *chk) KEEL_HIDDEN;
 
 typedef struct tx_range {
   uint64_t lo, hi;
@@ -302,14 +303,27 @@ static int tx_commit_outer(void) {
     keel_fetch_add_relaxed(&ph->tx_commits, 1);
     return 0;
   }
-  for (size_t i = 0; i < tx.nr; i++)
-    _keel_pm_flush(ph, tc, ph->view.base + tx.ranges[i].lo, tx.ranges[i].hi - tx.ranges[i].lo,
-                   PH_S_TXDATA);
+  /* The new bytes must be durable no later than the commit record: the log
+   * vouches for them by checksum (one barrier), or past the budget a barrier
+   * orders them first. */
+  uint64_t chk = 0;
+  bool vouched = true;
+  for (size_t i = 0; i < tx.nr; i++) {
+    uint64_t lo = tx.ranges[i].lo, len = tx.ranges[i].hi - lo;
+    _keel_pm_flush(ph, tc, ph->view.base + lo, len, PH_S_TXDATA);
+    uint64_t alo = KEEL_ALIGN_DOWN(lo, (uint64_t)8), alen = KEEL_ALIGN_UP(lo + len, (uint64_t)8) - alo;
+    if (vouched) vouched = _keel_ph_chk_add(e, &k, PH_REDO_MAX, alo, alen, &chk);
+  }
   for (size_t i = 0; i < tx.nn; i++) {
     const ph_objhdr_t *h = (const ph_objhdr_t *)(ph->view.base + tx.news[i].off - PH_OBJ_HDR);
     _keel_pm_flush(ph, tc, h, PH_OBJ_HDR + h->size, PH_S_TXNEW);
+    if (vouched)
+      vouched = _keel_ph_chk_add(e, &k, PH_REDO_MAX, tx.news[i].off - PH_OBJ_HDR,
+                                 PH_OBJ_HDR + h->size, &chk);
   }
-  _keel_ph_acts_flush(ph, tc, tx.acts, tx.na);
+  if (!_keel_ph_acts_flush(ph, tc, tx.acts, tx.na, e, &k, vouched ? PH_REDO_MAX : k, &chk) ||
+      !vouched)
+    _keel_pm_drain(ph, tc);
   _keel_ph_redo_write(ph, tc, tx.lane, tx.seq, e, k);
   _keel_pm_drain(ph, tc); /* committed */
   _keel_ph_redo_apply(ph, tc, e, k);
