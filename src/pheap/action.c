@@ -1,13 +1,14 @@
 /* pheap atomic actions: alloc, free, reserve/publish/cancel, root.
  *
  * Each is one redo log (log.c): allocation state (a run bitmap bit or a
- * huge extent's chunk word) and the destination word change together.
- * Barrier 1 makes the object header (and zeroed body, for zalloc) plus the
- * log durable; barrier 2 the applied words. The object header is flushed in
- * barrier 1 because once the bit can be durable the header must be too (a
- * walk after a crash reads its type and size). A reservation writes its
- * header without flushing; publish flushes it (and the object's requested
- * bytes) in its barrier 1.
+ * huge extent's chunk word), the object header words and the destination
+ * word change together. One barrier makes the log durable; the words are
+ * then changed in the cache and reach the media at the next checkpoint (or
+ * by replay after a crash). zalloc spends one more barrier first, so the
+ * zeroed body is durable before the log that publishes it. A reservation
+ * writes its header in the cache only; publish logs it. The contents a
+ * caller writes into a reservation are the caller's to persist before
+ * publishing (keel_pheap_persist), as with any plain store.
  */
 #include <string.h>
 
@@ -19,6 +20,27 @@ static inline bool in_pool(keel_pheap_t *ph, const void *p, size_t len) {
   return c >= ph->view.base + PH_HDR_BYTES && c + len <= ph->view.base + keel_load_relaxed(&ph->size);
 }
 
+/* The log entries that publish a block: its allocation bit (or chunk word)
+ * and its header words (replay rewrites the header, so the header needs no
+ * flush of its own). */
+static size_t publish_entries(keel_pheap_t *ph, int cls, keel_poff_t off, ph_redo_entry_t *e) {
+  const ph_objhdr_t *h = (const ph_objhdr_t *)(ph->view.base + off - PH_OBJ_HDR);
+  e[0] = (ph_redo_entry_t){(off - PH_OBJ_HDR) | PH_OP_SET, h->size};
+  e[1] = (ph_redo_entry_t){(off - PH_OBJ_HDR + 8) | PH_OP_SET, h->type};
+  e[2] = _keel_ph_mark(ph, cls, off, true);
+  return 3;
+}
+
+/* One atomic operation: log, barrier, apply in cache (flushed by the next
+ * checkpoint). */
+static void atomic_op(keel_pheap_t *ph, ph_tcache_t *tc, const ph_redo_entry_t *e, size_t n) {
+  ph_lane_t *l = _keel_ph_lane_get(ph, tc);
+  _keel_ph_log_write(ph, tc, l, 0, e, n);
+  _keel_pm_drain(ph, tc);
+  _keel_ph_log_apply(ph, tc, l, e, n, true);
+  _keel_ph_lane_put(ph, l);
+}
+
 static int alloc_common(keel_pheap_t *ph, keel_poff_t *dest, size_t size, uint64_t type, bool zero) {
   if (ph == NULL || dest == NULL) return KEEL_EINVAL;
   ph_tcache_t *tc = _keel_ph_tcache(ph);
@@ -27,21 +49,17 @@ static int alloc_common(keel_pheap_t *ph, keel_poff_t *dest, size_t size, uint64
   keel_poff_t off;
   int rc = _keel_ph_take(ph, tc, size, &cls, &off);
   if (rc != 0) return rc;
-  _keel_ph_init_obj(ph, tc, off, size, type, zero, true);
+  _keel_ph_init_obj(ph, tc, off, size, type, zero, false);
+  if (zero) {
+    /* The zeroed body must be durable before the log can be. */
+    _keel_pm_flush(ph, tc, ph->view.base + off, size, PH_S_OBJHDR);
+    _keel_pm_drain(ph, tc);
+  }
   bool logged = in_pool(ph, dest, 8) || (void *)dest == (void *)&ph->hdr->root_off;
-  ph_redo_entry_t e[3] = {_keel_ph_mark(ph, cls, off, true),
-                          {(uint64_t)((char *)dest - ph->view.base) | PH_OP_SET, off}};
-  size_t n = logged ? 2 : 1;
-  uint64_t chk = 0;
-  if (!_keel_ph_chk_add(e, &n, 3, off - PH_OBJ_HDR, PH_OBJ_HDR + (zero ? size : 0), &chk))
-    _keel_pm_drain(ph, tc); /* a big zeroed body: order it before the log */
-  ph_lane_t *l = _keel_ph_lane_get(ph, tc);
-  _keel_ph_redo_write(ph, tc, l, _keel_ph_next_seq(ph), e, n);
-  _keel_pm_drain(ph, tc);
-  _keel_ph_redo_apply(ph, tc, e, n);
-  _keel_pm_drain(ph, tc);
-  _keel_ph_redo_retire(ph, l);
-  _keel_ph_lane_put(ph, l);
+  ph_redo_entry_t e[4];
+  size_t n = publish_entries(ph, cls, off, e);
+  if (logged) e[n++] = (ph_redo_entry_t){(uint64_t)((char *)dest - ph->view.base) | PH_OP_SET, off};
+  atomic_op(ph, tc, e, n);
   if (!logged) *dest = off;
   return 0;
 }
@@ -63,21 +81,11 @@ int keel_pheap_free(keel_pheap_t *ph, keel_poff_t *dest) {
   int cls = _keel_ph_live_class(ph, off, "keel_pheap_free");
   ph_redo_entry_t e[2] = {_keel_ph_mark(ph, cls, off, false),
                           {(uint64_t)((char *)dest - ph->view.base) | PH_OP_SET, 0}};
-  if (in_pool(ph, dest, 8)) {
-    ph_lane_t *l = _keel_ph_lane_get(ph, tc);
-    _keel_ph_redo_write(ph, tc, l, _keel_ph_next_seq(ph), e, 2);
-    _keel_pm_drain(ph, tc);
-    _keel_ph_redo_apply(ph, tc, e, 2);
-    _keel_pm_drain(ph, tc);
-    _keel_ph_redo_retire(ph, l);
-    _keel_ph_lane_put(ph, l);
-  } else {
-    /* Nothing persistent points here: the free is one 64-bit store (the
-     * bitmap word or chunk word) and its flush. */
-    _keel_ph_redo_apply(ph, tc, e, 1);
-    _keel_pm_drain(ph, tc);
-    *dest = 0;
-  }
+  /* Freeing needs only the log: no space is allocated, so it never fails
+   * for lack of room (the ring is reused after a checkpoint). */
+  bool logged = in_pool(ph, dest, 8);
+  atomic_op(ph, tc, e, logged ? 2 : 1);
+  if (!logged) *dest = 0;
   _keel_ph_give(ph, tc, cls, off);
   return 0;
 }
@@ -122,11 +130,13 @@ long _keel_ph_acts_entries(keel_pheap_t *ph, const keel_pheap_act_t *acts, size_
   size_t k = 0;
   for (size_t i = 0; i < n; i++) {
     if (acts[i].kind == PH_ACT_NONE) continue;
-    if (k == cap) return -1;
+    if (k + 3 > cap) return -1;
     switch (acts[i].kind) {
     case PH_ACT_RESERVE:
+      k += publish_entries(ph, (int)acts[i].cls, acts[i].off, e + k);
+      break;
     case PH_ACT_FREE:
-      e[k++] = _keel_ph_mark(ph, (int)acts[i].cls, acts[i].off, acts[i].kind == PH_ACT_RESERVE);
+      e[k++] = _keel_ph_mark(ph, (int)acts[i].cls, acts[i].off, false);
       break;
     case PH_ACT_SET:
       e[k++] = (ph_redo_entry_t){(uint64_t)((char *)acts[i].dest - ph->view.base) | PH_OP_SET,
@@ -140,35 +150,11 @@ long _keel_ph_acts_entries(keel_pheap_t *ph, const keel_pheap_act_t *acts, size_
   return (long)k;
 }
 
-/* Flushes reserved objects' headers and requested bytes and vouches for
- * them in the log (CHK entries into e[*k..cap)). Returns false if some could
- * not be vouched for: the caller must then drain before writing the log. */
-static bool acts_flush(keel_pheap_t *ph, ph_tcache_t *tc, const keel_pheap_act_t *acts, size_t n,
-                       ph_redo_entry_t *e, size_t *k, size_t cap, uint64_t *chk) {
-  bool all = true;
-  for (size_t i = 0; i < n; i++) {
-    if (acts[i].kind != PH_ACT_RESERVE) continue;
-    const ph_objhdr_t *h = (const ph_objhdr_t *)(ph->view.base + acts[i].off - PH_OBJ_HDR);
-    _keel_pm_flush(ph, tc, h, PH_OBJ_HDR + h->size, PH_S_OBJHDR);
-    if (all && !_keel_ph_chk_add(e, k, cap, acts[i].off - PH_OBJ_HDR, PH_OBJ_HDR + h->size, chk))
-      all = false;
-  }
-  return all;
-}
-
 void _keel_ph_acts_done(keel_pheap_t *ph, ph_tcache_t *tc, keel_pheap_act_t *acts, size_t n) {
   for (size_t i = 0; i < n; i++) {
     if (acts[i].kind == PH_ACT_FREE) _keel_ph_give(ph, tc, (int)acts[i].cls, acts[i].off);
     acts[i].kind = PH_ACT_NONE;
   }
-}
-
-bool _keel_ph_acts_flush(keel_pheap_t *ph, ph_tcache_t *tc, const keel_pheap_act_t *acts,
-                         size_t n, ph_redo_entry_t *e, size_t *k, size_t cap,
-                         uint64_t *chk) KEEL_HIDDEN;
-bool _keel_ph_acts_flush(keel_pheap_t *ph, ph_tcache_t *tc, const keel_pheap_act_t *acts,
-                         size_t n, ph_redo_entry_t *e, size_t *k, size_t cap, uint64_t *chk) {
-  return acts_flush(ph, tc, acts, n, e, k, cap, chk);
 }
 
 int keel_pheap_publish(keel_pheap_t *ph, keel_pheap_act_t *acts, size_t n) {
@@ -179,16 +165,7 @@ int keel_pheap_publish(keel_pheap_t *ph, keel_pheap_act_t *acts, size_t n) {
   long k = _keel_ph_acts_entries(ph, acts, n, e, PH_REDO_MAX);
   if (k < 0) return KEEL_ENOSPC;
   if (k == 0) return 0;
-  size_t nk = (size_t)k;
-  uint64_t chk = 0;
-  if (!acts_flush(ph, tc, acts, n, e, &nk, PH_REDO_MAX, &chk)) _keel_pm_drain(ph, tc);
-  ph_lane_t *l = _keel_ph_lane_get(ph, tc);
-  _keel_ph_redo_write(ph, tc, l, _keel_ph_next_seq(ph), e, nk);
-  _keel_pm_drain(ph, tc);
-  _keel_ph_redo_apply(ph, tc, e, nk);
-  _keel_pm_drain(ph, tc);
-  _keel_ph_redo_retire(ph, l);
-  _keel_ph_lane_put(ph, l);
+  atomic_op(ph, tc, e, (size_t)k);
   _keel_ph_acts_done(ph, tc, acts, n);
   return 0;
 }
@@ -227,4 +204,8 @@ void keel_pheap_persist(keel_pheap_t *ph, const void *p, size_t len) {
   if (tc == NULL) keel_die("keel_pheap_persist", "out of memory for the thread cache");
   _keel_pm_flush(ph, tc, p, len, PH_S_NONE);
   _keel_pm_drain(ph, tc);
+  /* A plain store may overwrite a word an atomic operation's log (still
+   * above the watermark) sets; replaying that log after a crash would undo
+   * the store, so the logs are retired first. */
+  if (_keel_ph_deferred(ph)) _keel_ph_checkpoint(ph, tc);
 }

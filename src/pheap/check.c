@@ -144,7 +144,8 @@ static int check_file(const char *path, walk_t *w, void **map, uint64_t *maplen)
       w->nchunks = _keel_ph_chunks_for(h.heap_off, w->size);
       for (unsigned i = 0; i < PH_NLANES; i++) {
         const char *l = w->base + h.lanes_off + i * PH_LANE_BYTES;
-        if (_keel_ph_redo_valid((const ph_redo_t *)l)) w->pending_logs++;
+        for (unsigned pos = 0; pos < PH_RING_LINES; pos++)
+          if (_keel_ph_ring_log(l, pos, h.ckpt_seq)) w->pending_logs++;
         if (((const ph_undo_t *)(l + PH_REDO_BYTES))->seq) w->pending_logs++;
       }
       rc = walk_heap(w, path);

@@ -69,11 +69,15 @@ static ph_run_t *run_new(uint32_t chunk, uint32_t cls, uint32_t nblocks) {
   return r;
 }
 
-/* Formats a new run for class cls. Two barriers: header and zeroed bitmap
+/* Formats a new run for class cls. A checkpoint, then two barriers: header and zeroed bitmap
  * first, then the chunk word that makes it a run (a crash in between leaves
  * free chunks with some bytes written, which is harmless). */
 static int run_create(keel_pheap_t *ph, ph_tcache_t *tc, unsigned cls, ph_run_t **out) {
   const ph_class_t *k = &_keel_ph_classes[cls];
+  /* The chunks may have been freed by a log still above the watermark; its
+   * replay after a crash would clobber the unlogged run word we are about to
+   * write, so make every earlier log checkpointed first. */
+  _keel_ph_checkpoint(ph, tc);
   pthread_mutex_lock(&ph->lock);
   uint32_t c;
   int rc = __chunks_take(ph, tc, k->chunks, &c);

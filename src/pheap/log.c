@@ -1,42 +1,48 @@
-/* pheap logs: lanes, redo logs, recovery.
+/* pheap logs: lanes, redo log rings, checkpoints, recovery.
  *
- * An atomic operation (alloc, free, publish) and a transaction's commit use
- * a redo log: entries "word op= value" are written to the lane's log with a
- * checksum that covers the seq, and one barrier makes the log durable: from
- * then on the operation has happened (recovery replays it). The entries are
- * applied in place and flushed, and a second barrier makes them durable:
- * 2 barriers in all, where PMDK spends 3 because it persists the emptying of
- * the log too.
+ * Every change to allocation state (run bitmap words, huge chunk words,
+ * object headers) and every destination store of an atomic operation is
+ * written first as a redo log: a header {seq, tx, n, dsum, csum} and entries
+ * "word op= value", with a checksum covering them. Logs go into the lane's
+ * ring with non-temporal stores, and one barrier makes the log durable: from
+ * then on the operation has happened, because recovery replays it.
  *
- * Why the emptying may wait. Replaying an already applied log is harmless
- * (OR, AND-NOT and SET of the same values) unless a later operation changed
- * the same words; recovery replays all valid logs in seq order, so a later
- * operation whose log is still valid wins anyway. The one danger is a log L1
- * still valid on media after a later conflicting operation's own log was
- * retired. But any operation that can conflict with L1 starts after L1's
- * caller returned (it uses the object L1 made), and every persist barrier
- * first flushes every retired-but-unflushed log header (ph->pending, see
- * persist.c): so L1's emptying is durable before the later operation's first
- * barrier, hence before any of its stores can matter. Stores made with no
- * pheap call at all (plain stores to the destination, then a crash before
- * any barrier) are the exception: persist them with keel_pheap_persist or a
- * transaction, which also flush pending retirements first.
+ * Atomic operations (alloc, free, publish) then apply the entries in the
+ * cache and do NOT flush them: the lines are recorded in the lane's dirty
+ * list, and a checkpoint flushes every lane's recorded lines at once, drains,
+ * then stores and persists the watermark ckpt_seq: every log at or below it
+ * has its effects durable and is ignored by recovery. So an atomic operation
+ * costs 1 barrier, and a checkpoint (2 barriers, however many lines) is paid
+ * once per ring wrap or full dirty list (each 30-60 operations of a lane).
  *
- * A log also vouches for data that had to be durable before it (object
- * headers, a transaction's new bytes): rather than spend a barrier to order
- * that data before the log, the log carries a checksum of it (CHK entries +
- * dsum) and recovery treats a log whose data does not match as never
- * committed. Past PH_CHK_MAX_BYTES the writer spends the barrier instead.
- * A stale log whose data was later changed fails the same test, which is
- * right: it was applied before its caller returned.
+ * Why replaying logs above the watermark in seq order is correct: replay is
+ * idempotent (OR, AND-NOT, SET of the same values), and an operation that
+ * conflicts with another (frees what it allocated, changes the destination)
+ * starts after the first returned, so it has a larger seq; both logs stay in
+ * their rings until a checkpoint covers both (a ring is reused only once the
+ * watermark covers all its logs), so the later one is replayed after. Writers
+ * that change chunk words without a log (run creation) checkpoint first.
  *
- * Recovery order at open: (1) every lane's valid redo log and every undo log
- * whose transaction did not commit (no valid redo log with the same seq) is
- * collected; (2) they are processed in seq order: redo replayed, undo rolled
- * back newest entry first; (3) one barrier; (4) every undo log is emptied,
- * barrier, then every redo log, barrier (undo first: see below). A crash anywhere in recovery leaves the
- * logs valid and the replay idempotent, so the next open simply redoes it.
+ * The watermark: W = min(counter, oldest in-flight seq - 1). A lane announces
+ * a lower bound of its seq before drawing it, so a checkpoint that reads the
+ * counter and then sees no lane in flight knows every seq up to the counter
+ * belongs to a finished operation whose lines are in a dirty list.
+ *
+ * Transactions commit with a ring log too. One that snapshot nothing orders
+ * its new objects' bytes with a barrier and then logs like an atomic
+ * operation. One with an undo log writes a commit log (tx = the undo log's
+ * seq) whose CHK entries vouch for the new data by checksum, then applies and
+ * flushes at once and empties the undo log: 2 barriers, no checkpoint.
+ *
+ * Recovery at open: (1) logs above the watermark, except a commit log that
+ * tore (its CHK data does not match while its undo log is still there), and
+ * undo logs whose transaction has no such valid commit log are collected; (2) processed in seq order: logs replayed,
+ * undo logs rolled back newest entry first; (3) barrier; (4) undo logs
+ * emptied, barrier; (5) the watermark raised past every log, barrier. A crash
+ * in recovery leaves the same logs to replay next time.
  */
+#include <sched.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -66,9 +72,9 @@ void _keel_ph_lane_put(keel_pheap_t *ph, ph_lane_t *l) {
   pthread_mutex_unlock(&l->lock);
 }
 
-static uint64_t redo_csum(const ph_redo_t *r, uint64_t seq, uint64_t n) {
-  return _keel_ph_csum(r->e, n * sizeof r->e[0],
-                       seq * 0x9e3779b97f4a7c15ull ^ n ^ r->dsum * 0xbf58476d1ce4e5b9ull);
+static uint64_t redo_csum(const ph_redo_t *r) {
+  uint64_t h = _keel_ph_csum(r, offsetof(ph_redo_t, csum), 0x7265646f);
+  return _keel_ph_csum(r->e, r->n * sizeof r->e[0], h);
 }
 
 static uint64_t data_sum(keel_pheap_t *ph, const ph_redo_entry_t *e, size_t n) {
@@ -94,29 +100,90 @@ bool _keel_ph_chk_add(ph_redo_entry_t *e, size_t *n, size_t cap, uint64_t off, u
   return true;
 }
 
-void _keel_ph_redo_write(keel_pheap_t *ph, ph_tcache_t *tc, ph_lane_t *l, uint64_t seq,
-                         const ph_redo_entry_t *e, size_t n) {
-  ph_redo_t *r = l->redo;
-  memcpy(r->e, e, n * sizeof *e);
-  r->n = n;
-  r->dsum = data_sum(ph, e, n);
-  r->csum = redo_csum(r, seq, n);
-  keel_store_relaxed(ATOMIC64(&r->seq), seq); /* other drains may flush this line */
-  _keel_pm_flush(ph, tc, r, 64 + n * sizeof *e, PH_S_REDO);
+const ph_redo_t *_keel_ph_ring_log(const char *ring, unsigned pos, uint64_t above) {
+  const ph_redo_t *r = (const ph_redo_t *)(ring + (size_t)pos * PH_LINE);
+  if (r->seq <= above || r->n > PH_REDO_MAX ||
+      pos * PH_LINE + PH_REDO_HDR + r->n * sizeof r->e[0] > PH_REDO_BYTES)
+    return NULL;
+  return r->csum == redo_csum(r) ? r : NULL;
 }
 
-bool _keel_ph_redo_valid(const ph_redo_t *r) {
-  uint64_t seq = keel_load_relaxed(ATOMIC64((void *)&r->seq));
-  return seq != 0 && r->n <= PH_REDO_MAX && r->csum == redo_csum(r, seq, r->n);
+static unsigned log_lines(size_t n) {
+  return (unsigned)((PH_REDO_HDR + n * sizeof(ph_redo_entry_t) + PH_LINE - 1) / PH_LINE);
 }
 
-static void apply_one(keel_pheap_t *ph, ph_tcache_t *tc, const ph_redo_entry_t *e) {
+uint64_t _keel_ph_log_write(keel_pheap_t *ph, ph_tcache_t *tc, ph_lane_t *l, uint64_t tx,
+                            const ph_redo_entry_t *e, size_t n) {
+  unsigned lines = log_lines(n);
+  if (l->ring_pos + lines > PH_RING_LINES) {
+    /* Reuse the ring only once the watermark covers every log in it, so no
+     * log above the watermark is ever overwritten (see the file comment). */
+    uint64_t need = keel_load_relaxed(&l->ring_max_seq);
+    while (keel_load_acquire(&ph->ckpt_seq) < need) {
+      _keel_ph_checkpoint(ph, tc);
+      if (keel_load_acquire(&ph->ckpt_seq) < need) sched_yield();
+    }
+    l->ring_pos = 0;
+  }
+  /* Announce a lower bound of our seq before drawing it: the checkpoint
+   * reads the counter, then the lanes (seq_cst), so either it sees the bound
+   * or we draw a seq above the counter it read. The seq_cst fence orders the
+   * relaxed store before the draw (on x86 the locked add already does, and
+   * the fence compiles to nothing more). */
+  keel_store_relaxed(&l->inflight, keel_load_relaxed(&ph->seq) + 1);
+#if !defined(__x86_64__)
+  atomic_thread_fence(memory_order_seq_cst);
+#endif
+  uint64_t seq = atomic_fetch_add(&ph->seq, 1) + 1;
+  keel_store_relaxed(&l->inflight, seq);
+  union {
+    ph_redo_t r;
+    char b[PH_REDO_BYTES];
+  } buf;
+  buf.r = (ph_redo_t){.seq = seq, .tx = tx, .n = n, .dsum = data_sum(ph, e, n)};
+  memcpy(buf.r.e, e, n * sizeof *e);
+  buf.r.csum = redo_csum(&buf.r);
+  _keel_pm_write_nt(ph, tc, l->ring + (size_t)l->ring_pos * PH_LINE, &buf,
+                    KEEL_ALIGN_UP(PH_REDO_HDR + n * sizeof *e, (size_t)8), PH_S_REDO);
+  l->ring_pos += lines;
+  /* Only logs whose effects wait for a checkpoint pin the ring: a commit
+   * log's effects are flushed before commit returns, and a later operation
+   * that conflicts with it has a later seq. */
+  if (tx == 0) keel_store_release(&l->ring_max_seq, seq);
+  return seq;
+}
+
+/* Records lines for the next checkpoint (deduplicated against the recent
+ * ones: an allocation burst touches the same bitmap and header lines). */
+static void dirty_add(keel_pheap_t *ph, ph_tcache_t *tc, ph_lane_t *l, const uint64_t *lines,
+                      unsigned n) {
+  bool full = false;
+  pthread_mutex_lock(&l->dirty_lock);
+  for (unsigned i = 0; i < n; i++) {
+    bool seen = false;
+    for (unsigned k = l->ndirty > 16 ? l->ndirty - 16 : 0; k < l->ndirty && !seen; k++)
+      seen = l->dirty[k] == lines[i];
+    if (seen) continue;
+    if (l->ndirty == PH_DIRTY_MAX) {
+      /* Our op is in flight, so a checkpoint cannot cover it: flush the
+       * line now, then let the checkpoint empty the list. */
+      _keel_pm_flush(ph, tc, ph->view.base + lines[i], PH_LINE, PH_S_CKPT);
+      full = true;
+      continue;
+    }
+    l->dirty[l->ndirty++] = lines[i];
+  }
+  pthread_mutex_unlock(&l->dirty_lock);
+  if (full) _keel_ph_checkpoint(ph, tc);
+}
+
+static uint64_t apply_one(keel_pheap_t *ph, ph_tcache_t *tc, const ph_redo_entry_t *e,
+                          bool deferred) {
   uint64_t off = e->off_op & ~(uint64_t)7;
-  if (off + 8 > keel_load_relaxed(&ph->size)) return; /* defensive: never write outside */
+  if ((e->off_op & 7) == PH_OP_CHK) return UINT64_MAX;
+  if (off + 8 > keel_load_relaxed(&ph->size)) return UINT64_MAX; /* defensive */
   keel_atomic(uint64_t) *w = ATOMIC64(ph->view.base + off);
   switch (e->off_op & 7) {
-  case PH_OP_CHK:
-    return;
   case PH_OP_SET:
     keel_store_release(w, e->val); /* release: readers of chunk words see the object */
     break;
@@ -127,19 +194,60 @@ static void apply_one(keel_pheap_t *ph, ph_tcache_t *tc, const ph_redo_entry_t *
     keel_fetch_and_acq_rel(w, ~e->val);
     break;
   }
-  _keel_pm_flush(ph, tc, (void *)w, 8, PH_S_APPLY);
+  if (!deferred) _keel_pm_flush(ph, tc, (void *)w, 8, PH_S_APPLY);
+  return off & ~(uint64_t)(PH_LINE - 1);
 }
 
-void _keel_ph_redo_apply(keel_pheap_t *ph, ph_tcache_t *tc, const ph_redo_entry_t *e, size_t n) {
-  for (size_t i = 0; i < n; i++) apply_one(ph, tc, &e[i]);
+void _keel_ph_log_apply(keel_pheap_t *ph, ph_tcache_t *tc, ph_lane_t *l, const ph_redo_entry_t *e,
+                        size_t n, bool deferred) {
+  uint64_t lines[16];
+  unsigned nl = 0;
+  for (size_t i = 0; i < n; i++) {
+    uint64_t line = apply_one(ph, tc, &e[i], deferred);
+    if (!deferred || line == UINT64_MAX) continue;
+    if (nl && lines[nl - 1] == line) continue;
+    lines[nl++] = line;
+    if (nl == 16) {
+      dirty_add(ph, tc, l, lines, nl);
+      nl = 0;
+    }
+  }
+  if (nl) dirty_add(ph, tc, l, lines, nl);
+  /* Release: a checkpoint that sees us done also sees our dirty lines. */
+  keel_store_release(&l->inflight, 0);
 }
 
-void _keel_ph_redo_retire(keel_pheap_t *ph, ph_lane_t *l) {
-  static keel_atomic(uint64_t) gen;
-  keel_store_relaxed(ATOMIC64(&l->redo->seq), 0);
-  /* Release: a drain that sees the generation flushes the line after the
-   * store above. */
-  keel_store_release(&ph->pending[l->idx], keel_fetch_add_relaxed(&gen, 1) + 1);
+bool _keel_ph_deferred(keel_pheap_t *ph) {
+  uint64_t w = keel_load_acquire(&ph->ckpt_seq);
+  for (unsigned i = 0; i < PH_NLANES; i++)
+    if (keel_load_acquire(&ph->lanes[i].ring_max_seq) > w) return true;
+  return false;
+}
+
+void _keel_ph_checkpoint(keel_pheap_t *ph, ph_tcache_t *tc) {
+  pthread_mutex_lock(&ph->ckpt_lock);
+  uint64_t w = atomic_load(&ph->seq);
+  atomic_thread_fence(memory_order_seq_cst); /* the counter, then the lanes */
+  for (unsigned i = 0; i < PH_NLANES; i++) {
+    uint64_t f = atomic_load(&ph->lanes[i].inflight);
+    if (f && f - 1 < w) w = f - 1;
+  }
+  for (unsigned i = 0; i < PH_NLANES; i++) {
+    ph_lane_t *l = &ph->lanes[i];
+    pthread_mutex_lock(&l->dirty_lock);
+    for (unsigned k = 0; k < l->ndirty; k++)
+      _keel_pm_flush(ph, tc, ph->view.base + l->dirty[k], PH_LINE, PH_S_CKPT);
+    l->ndirty = 0;
+    pthread_mutex_unlock(&l->dirty_lock);
+  }
+  _keel_pm_drain(ph, tc);
+  if (w > ph->hdr->ckpt_seq) {
+    keel_store_relaxed(ATOMIC64(&ph->hdr->ckpt_seq), w);
+    _keel_pm_flush(ph, tc, &ph->hdr->ckpt_seq, 8, PH_S_NONE);
+    _keel_pm_drain(ph, tc);
+    keel_store_release(&ph->ckpt_seq, w);
+  }
+  pthread_mutex_unlock(&ph->ckpt_lock);
 }
 
 static uint64_t undo_csum(uint64_t seq, const ph_undo_entry_t *e) {
@@ -190,8 +298,8 @@ void _keel_ph_undo_rollback(keel_pheap_t *ph, ph_tcache_t *tc, ph_undo_t *u) {
 
 typedef struct rec_item {
   uint64_t seq;
+  const ph_redo_t *log; /* NULL: undo of lane `lane` */
   unsigned lane;
-  bool undo;
 } rec_item_t;
 
 static int rec_cmp(const void *a, const void *b) {
@@ -199,30 +307,71 @@ static int rec_cmp(const void *a, const void *b) {
   return x->seq < y->seq ? -1 : x->seq > y->seq;
 }
 
+/* True if a later committed transaction's data (a CHK range of a later log)
+ * covers the word at `off`: that data was durable when it committed and is
+ * newer than what log `i` would store there, so replaying the store would
+ * undo the transaction. */
+static bool overwritten_later(const rec_item_t *items, unsigned n, unsigned i, uint64_t off) {
+  for (unsigned j = i + 1; j < n; j++) {
+    const ph_redo_t *r = items[j].log;
+    if (r == NULL || r->tx == 0) continue;
+    for (size_t k = 0; k < r->n; k++) {
+      if ((r->e[k].off_op & 7) != PH_OP_CHK) continue;
+      uint64_t lo = r->e[k].off_op & ~(uint64_t)7;
+      if (off >= lo && off < lo + r->e[k].val) return true;
+    }
+  }
+  return false;
+}
+
 int _keel_ph_recover(keel_pheap_t *ph, ph_tcache_t *tc) {
-  rec_item_t items[2 * PH_NLANES];
+  uint64_t w = ph->hdr->ckpt_seq, top = w;
+  rec_item_t *items = malloc(PH_NLANES * (PH_RING_LINES + 1) * sizeof *items);
+  if (items == NULL) keel_die("keel_pheap recovery", "out of memory");
   unsigned n = 0;
   for (unsigned i = 0; i < PH_NLANES; i++) {
     ph_lane_t *l = &ph->lanes[i];
-    /* A log whose vouched-for data is not all there never committed. */
-    bool rv = _keel_ph_redo_valid(l->redo) && _keel_ph_redo_data_ok(ph, l->redo);
-    if (rv) items[n++] = (rec_item_t){l->redo->seq, i, false};
-    if (l->undo->seq != 0 && !(rv && l->redo->seq == l->undo->seq))
-      items[n++] = (rec_item_t){l->undo->seq, i, true};
+    bool committed = false;
+    for (unsigned pos = 0; pos < PH_RING_LINES;) {
+      const ph_redo_t *r = _keel_ph_ring_log(l->ring, pos, w);
+      if (r == NULL) {
+        pos++;
+        continue;
+      }
+      pos += log_lines(r->n);
+      if (r->seq > top) top = r->seq;
+      /* A commit log whose vouched-for data is not all there, while its
+       * undo log is still in place, tore in its own barrier: it never
+       * committed. Once the undo log is gone the commit finished (its
+       * effects were flushed before it returned), so a mismatch then only
+       * means the data changed since, and the log is replayed in order like
+       * any other. */
+      if (r->tx && r->tx == l->undo->seq) {
+        if (!_keel_ph_redo_data_ok(ph, r)) continue;
+        committed = true;
+      }
+      items[n++] = (rec_item_t){r->seq, r, i};
+    }
+    if (l->undo->seq != 0 && !committed) items[n++] = (rec_item_t){l->undo->seq, NULL, i};
   }
-  if (n == 0) return 0;
+  if (n == 0) {
+    free(items);
+    return 0;
+  }
   qsort(items, n, sizeof items[0], rec_cmp);
   for (unsigned i = 0; i < n; i++) {
-    ph_lane_t *l = &ph->lanes[items[i].lane];
-    if (items[i].undo)
-      _keel_ph_undo_rollback(ph, tc, l->undo);
-    else
-      _keel_ph_redo_apply(ph, tc, l->redo->e, l->redo->n);
+    if (items[i].log == NULL) {
+      _keel_ph_undo_rollback(ph, tc, ph->lanes[items[i].lane].undo);
+      continue;
+    }
+    for (size_t k = 0; k < items[i].log->n; k++)
+      if (!overwritten_later(items, n, i, items[i].log->e[k].off_op & ~(uint64_t)7))
+        apply_one(ph, tc, &items[i].log->e[k], false);
   }
   _keel_pm_drain(ph, tc);
-  /* Undo logs are emptied before redo logs, in separate barriers: an undo
-   * log left valid beside an emptied redo log of the same seq would roll a
-   * committed transaction back at the next open. */
+  /* Undo logs are emptied before the watermark passes their commit logs: an
+   * undo log left valid with its commit log ignored would roll a committed
+   * transaction back at the next open. */
   for (unsigned i = 0; i < PH_NLANES; i++) {
     ph_lane_t *l = &ph->lanes[i];
     if (l->undo->seq) {
@@ -231,13 +380,11 @@ int _keel_ph_recover(keel_pheap_t *ph, ph_tcache_t *tc) {
     }
   }
   _keel_pm_drain(ph, tc);
-  for (unsigned i = 0; i < PH_NLANES; i++) {
-    ph_lane_t *l = &ph->lanes[i];
-    if (l->redo->seq) {
-      l->redo->seq = 0;
-      _keel_pm_flush(ph, tc, l->redo, 8, PH_S_NONE);
-    }
+  if (top > w) {
+    ph->hdr->ckpt_seq = top;
+    _keel_pm_flush(ph, tc, &ph->hdr->ckpt_seq, 8, PH_S_NONE);
+    _keel_pm_drain(ph, tc);
   }
-  _keel_pm_drain(ph, tc);
+  free(items);
   return (int)n;
 }

@@ -44,7 +44,7 @@
 #define PH_ZONE_META    4096u
 #define PH_ZONE_BYTES   (PH_ZONE_META + PH_ZONE_CHUNKS * PH_CHUNK)
 #define PH_NLANES       16u
-#define PH_REDO_BYTES   4096u
+#define PH_REDO_BYTES   (16u << 10)
 #define PH_LANE_BYTES   ((uint64_t)128 << 10)
 #define PH_UNDO_BYTES   (PH_LANE_BYTES - PH_REDO_BYTES)
 #define PH_OBJ_HDR      16u
@@ -76,30 +76,36 @@ typedef struct ph_header {
   uint64_t size_word KEEL_CACHE_ALIGNED; /* pool bytes/4096 (40 bits) | check (24 bits) */
   uint64_t root_off;                     /* set by an atomic alloc */
   uint64_t epoch;                        /* bumped at each open */
+  uint64_t ckpt_seq;                     /* logs at or below it are applied and durable */
 } ph_header_t;
 
-/* A redo log: entries are (word offset | op, value) applied in order. */
-/* CHK: not applied; (off, len) names bytes that had to be durable before the
- * log (object headers, tx data): the log's `dsum` covers them, so a log that
- * became durable in the same barrier as data that did not is recognised as
- * not committed (see log.c). */
+/* Redo logs live in a per-lane ring of PH_REDO_BYTES: a log is a 48-byte
+ * header and its entries, starting on a cache line; it occupies whole lines.
+ * Entries are (word offset | op, value) applied in order. */
+/* CHK: not applied; (off, len) names bytes that had to be durable no later
+ * than the log (a transaction's new data): the log's `dsum` covers them, so
+ * a log that became durable in the same barrier as data that did not is
+ * recognised as never committed (see log.c). */
 enum { PH_OP_SET = 0, PH_OP_OR = 1, PH_OP_ANDNOT = 2, PH_OP_CHK = 3 };
-/* Data a log may vouch for by checksum; beyond it an extra barrier orders
- * the data first. */
+/* Data a log may vouch for by checksum; beyond it a barrier orders the data
+ * first. */
 #define PH_CHK_MAX_BYTES (64u << 10)
 typedef struct ph_redo_entry {
   uint64_t off_op; /* 8-aligned pool offset | op in the low 3 bits */
   uint64_t val;
 } ph_redo_entry_t;
-#define PH_REDO_MAX ((PH_REDO_BYTES - 64) / sizeof(ph_redo_entry_t))
 typedef struct ph_redo {
-  uint64_t seq;  /* 0: empty */
+  uint64_t seq;  /* global order; valid only above the header's ckpt_seq */
+  uint64_t tx;   /* undo seq this log commits, or 0 */
   uint64_t n;
-  uint64_t csum; /* over seq, n, dsum and the n entries */
   uint64_t dsum; /* over the bytes the CHK entries name, in order */
-  uint64_t pad[4];
-  ph_redo_entry_t e[PH_REDO_MAX];
+  uint64_t pad;
+  uint64_t csum; /* over the header words above and the n entries */
+  ph_redo_entry_t e[];
 } ph_redo_t;
+#define PH_REDO_HDR   48u
+#define PH_REDO_MAX   ((PH_REDO_BYTES - PH_REDO_HDR) / sizeof(ph_redo_entry_t))
+#define PH_RING_LINES (PH_REDO_BYTES / PH_LINE)
 
 /* An undo log: header line, then entries {off, len, csum, data padded to 8}
  * appended in order; recovery stops at the first entry whose checksum (which
@@ -158,11 +164,22 @@ typedef struct ph_classq {
 #define PH_TC_MAX 16
 typedef struct ph_tcache ph_tcache_t;
 
+/* A lane: its log ring and undo log, and (volatile) where the next log goes,
+ * the seq of the operation between its log write and its apply (0: none),
+ * and the lines its atomic operations changed without flushing them (the
+ * next checkpoint flushes them). */
+#define PH_DIRTY_MAX 256
 typedef struct ph_lane {
   pthread_mutex_t lock;
-  ph_redo_t *redo;
+  char *ring;
   ph_undo_t *undo;
   unsigned idx;
+  unsigned ring_pos;      /* next free line in the ring */
+  keel_atomic(uint64_t) ring_max_seq; /* highest seq of an atomic operation's log in the ring */
+  keel_atomic(uint64_t) inflight;
+  pthread_mutex_t dirty_lock;
+  unsigned ndirty;
+  uint64_t dirty[PH_DIRTY_MAX]; /* line offsets */
 } KEEL_CACHE_ALIGNED ph_lane_t;
 
 /* One pending range for msync-mode barriers. */
@@ -205,7 +222,8 @@ struct keel_pheap {
   uint32_t chunk_cap;           /* array capacity */
   ph_classq_t *classq;
   ph_lane_t lanes[PH_NLANES];
-  keel_atomic(uint64_t) pending[PH_NLANES]; /* redo invalidation not yet flushed */
+  pthread_mutex_t ckpt_lock;    /* one checkpoint at a time */
+  keel_atomic(uint64_t) ckpt_seq; /* volatile copy of hdr->ckpt_seq */
   keel_atomic(uint64_t) grows, tx_commits, tx_aborts;
   uint64_t recovered;
   keel_atomic(uint64_t) dead_flushes, dead_barriers; /* from exited threads */
@@ -253,7 +271,7 @@ enum ph_site {
   PH_S_TXNEW,      /* objects allocated by the transaction at commit */
   PH_S_ROLLBACK,   /* restored bytes at abort/recovery */
   PH_S_RUN,        /* run header + bitmap before the chunk word */
-  PH_S_PENDING,    /* lazily flushed redo invalidations */
+  PH_S_CKPT,       /* deferred lines at a checkpoint */
   PH_S_SNAPSHOT,   /* not a flush: the snapshot copy in keel_tx_add_range */
   PH_S_COUNT
 };
@@ -267,6 +285,11 @@ extern bool _keel_ph_sim_next KEEL_HIDDEN;
 void _keel_pm_flush(keel_pheap_t *ph, ph_tcache_t *tc, const void *p, size_t len,
                     enum ph_site site) KEEL_HIDDEN;
 void _keel_pm_drain(keel_pheap_t *ph, ph_tcache_t *tc) KEEL_HIDDEN;
+/* Copies len bytes (8-aligned) to pool memory with non-temporal stores where
+ * the mode flushes by CPU instruction (the lines need no flush then), else
+ * memcpy + flush. The caller drains. */
+void _keel_pm_write_nt(keel_pheap_t *ph, ph_tcache_t *tc, void *dst, const void *src, size_t len,
+                       enum ph_site site) KEEL_HIDDEN;
 int _keel_pm_mode(keel_pheap_t *ph) KEEL_HIDDEN; /* resolves pheap_flush */
 /* Simulated media: writes a seeded subset of the lines flushed but not yet
  * drained (torn at 8-byte granularity when `torn`), as a crash would. */
@@ -302,28 +325,32 @@ void _keel_ph_init_obj(keel_pheap_t *ph, ph_tcache_t *tc, keel_poff_t off, size_
 ph_lane_t *_keel_ph_lane_get(keel_pheap_t *ph, ph_tcache_t *tc) KEEL_HIDDEN;
 void _keel_ph_lane_put(keel_pheap_t *ph, ph_lane_t *l) KEEL_HIDDEN;
 uint64_t _keel_ph_next_seq(keel_pheap_t *ph) KEEL_HIDDEN;
-/* Writes n entries as the lane's redo log with `seq` and flushes it. */
-void _keel_ph_redo_write(keel_pheap_t *ph, ph_tcache_t *tc, ph_lane_t *l, uint64_t seq,
-                         const ph_redo_entry_t *e, size_t n) KEEL_HIDDEN;
-/* True if the data named by the log's CHK entries still matches its dsum. */
+/* Writes a log of n entries (committing undo seq `tx`, or 0) into the lane's
+ * ring and starts its write-back; the caller then drains. Marks the lane in
+ * flight until _keel_ph_log_apply. Returns the log's seq. */
+uint64_t _keel_ph_log_write(keel_pheap_t *ph, ph_tcache_t *tc, ph_lane_t *l, uint64_t tx,
+                            const ph_redo_entry_t *e, size_t n) KEEL_HIDDEN;
+/* Applies entries in place. deferred: the touched lines are left for the
+ * next checkpoint (atomic operations); otherwise they are flushed now (the
+ * caller drains). Ends the lane's in-flight state. */
+void _keel_ph_log_apply(keel_pheap_t *ph, ph_tcache_t *tc, ph_lane_t *l, const ph_redo_entry_t *e,
+                        size_t n, bool deferred) KEEL_HIDDEN;
+/* Flushes every deferred line and raises the durable watermark (2 barriers). */
+/* True if some atomic operation's effects still wait for a checkpoint. */
+bool _keel_ph_deferred(keel_pheap_t *ph) KEEL_HIDDEN;
+void _keel_ph_checkpoint(keel_pheap_t *ph, ph_tcache_t *tc) KEEL_HIDDEN;
+/* True if the data named by a log's CHK entries still matches its dsum. */
 bool _keel_ph_redo_data_ok(keel_pheap_t *ph, const ph_redo_t *r) KEEL_HIDDEN;
-/* Appends a CHK entry for [off, off+len) if the running budget allows
- * (*chk_bytes); otherwise flushes nothing and returns false: the caller then
- * needs a barrier before writing the log. */
+/* Appends a CHK entry for [off, off+len) if the budget (*chk_bytes) allows;
+ * false otherwise: the caller then needs a barrier before writing the log. */
 bool _keel_ph_chk_add(ph_redo_entry_t *e, size_t *n, size_t cap, uint64_t off, uint64_t len,
                       uint64_t *chk_bytes) KEEL_HIDDEN;
-/* Applies entries to the pool and flushes every word touched. */
-void _keel_ph_redo_apply(keel_pheap_t *ph, ph_tcache_t *tc, const ph_redo_entry_t *e,
-                         size_t n) KEEL_HIDDEN;
-/* Empties the lane's redo log lazily: the store is made durable by the next
- * barrier of any thread (see log.c for why that is enough). */
-void _keel_ph_redo_retire(keel_pheap_t *ph, ph_lane_t *l) KEEL_HIDDEN;
-/* Crash recovery: replays redo logs and rolls back uncommitted undo logs in
- * seq order, then empties every log durably. Returns logs processed. */
+/* Crash recovery (see log.c). Returns logs processed. */
 int _keel_ph_recover(keel_pheap_t *ph, ph_tcache_t *tc) KEEL_HIDDEN;
-/* Undo log entry validity (shared with check.c). */
+/* Undo log entry walk (shared with check.c). */
 bool _keel_ph_undo_next(const ph_undo_t *u, uint64_t *pos, const ph_undo_entry_t **out) KEEL_HIDDEN;
-bool _keel_ph_redo_valid(const ph_redo_t *r) KEEL_HIDDEN;
+/* A valid log header at ring line `pos` with seq above `above`, or NULL. */
+const ph_redo_t *_keel_ph_ring_log(const char *ring, unsigned pos, uint64_t above) KEEL_HIDDEN;
 
 /* ---- atomic actions (action.c) ---- */
 enum { PH_ACT_NONE = 0, PH_ACT_RESERVE = 1, PH_ACT_SET = 2, PH_ACT_FREE = 3 };

@@ -73,7 +73,11 @@ static void ph_free_volatile(keel_pheap_t *ph) {
     for (unsigned i = 0; i < _keel_ph_nclasses; i++) pthread_mutex_destroy(&ph->classq[i].lock);
     free(ph->classq);
   }
-  for (unsigned i = 0; i < PH_NLANES; i++) pthread_mutex_destroy(&ph->lanes[i].lock);
+  for (unsigned i = 0; i < PH_NLANES; i++) {
+    pthread_mutex_destroy(&ph->lanes[i].lock);
+    pthread_mutex_destroy(&ph->lanes[i].dirty_lock);
+  }
+  pthread_mutex_destroy(&ph->ckpt_lock);
   pthread_mutex_destroy(&ph->lock);
   pthread_mutex_destroy(&ph->root_lock);
   free(ph->chunk_free);
@@ -94,7 +98,11 @@ static keel_pheap_t *ph_start(const char *path, int fd, uint64_t size, unsigned 
   ph->fd = fd;
   pthread_mutex_init(&ph->lock, NULL);
   pthread_mutex_init(&ph->root_lock, NULL);
-  for (unsigned i = 0; i < PH_NLANES; i++) pthread_mutex_init(&ph->lanes[i].lock, NULL);
+  for (unsigned i = 0; i < PH_NLANES; i++) {
+    pthread_mutex_init(&ph->lanes[i].lock, NULL);
+    pthread_mutex_init(&ph->lanes[i].dirty_lock, NULL);
+  }
+  pthread_mutex_init(&ph->ckpt_lock, NULL);
   ph->path = strdup(path);
   ph->sim = _keel_ph_sim_next;
   ph->fixed = (flags & KEEL_PHEAP_FIXED) != 0;
@@ -128,7 +136,7 @@ static keel_pheap_t *ph_start(const char *path, int fd, uint64_t size, unsigned 
   for (unsigned i = 0; i < _keel_ph_nclasses; i++) pthread_mutex_init(&ph->classq[i].lock, NULL);
   for (unsigned i = 0; i < PH_NLANES; i++) {
     char *l = ph->view.base + ph->hdr->lanes_off + i * PH_LANE_BYTES;
-    ph->lanes[i].redo = (ph_redo_t *)l;
+    ph->lanes[i].ring = l;
     ph->lanes[i].undo = (ph_undo_t *)(l + PH_REDO_BYTES);
     ph->lanes[i].idx = i;
   }
@@ -139,11 +147,13 @@ static keel_pheap_t *ph_start(const char *path, int fd, uint64_t size, unsigned 
     goto fail;
   }
   ph->recovered = (uint64_t)_keel_ph_recover(ph, tc);
-  /* A new epoch: seqs of this session never equal a stale log's. */
+  /* A new epoch: every seq of this session is above every log on media
+   * (and above the watermark), so no stale log can ever pass for a new one. */
   ph->hdr->epoch++;
   _keel_pm_flush(ph, tc, &ph->hdr->epoch, 8, PH_S_NONE);
   _keel_pm_drain(ph, tc);
   keel_store_relaxed(&ph->seq, ph->hdr->epoch << 40);
+  keel_store_relaxed(&ph->ckpt_seq, ph->hdr->ckpt_seq);
   if ((rc = _keel_ph_heap_boot(ph, tc)) != 0) {
     rc = _keel_ph_err(rc, path, "heap rebuild failed: %s", keel_strerror(rc));
     goto fail;
@@ -241,6 +251,8 @@ keel_pheap_t *keel_pheap_create(const char *path, const char *layout, size_t siz
 
 int keel_pheap_close(keel_pheap_t *ph) {
   if (ph == NULL) return KEEL_EINVAL;
+  ph_tcache_t *tc = _keel_ph_tcache(ph);
+  if (tc) _keel_ph_checkpoint(ph, tc); /* the next open has nothing to replay */
   if (ph->sim) _keel_pm_sim_writeall(ph);
   _keel_ph_tcaches_destroy(ph);
   _keel_ph_heap_fini(ph);

@@ -8,14 +8,17 @@
  * a fully covered add costs no barrier at all. Objects allocated in the
  * transaction need no snapshot: they vanish on abort.
  *
- * tx_alloc only reserves (volatile); tx_free and tx_publish only queue. At
+ * tx_alloc only reserves (volatile); tx_free and tx_publish only queue. A
+ * transaction that snapshot nothing commits like an atomic operation after a
+ * barrier that orders its new objects' bytes (2 barriers). Otherwise, at
  * commit: (1) flush the snapshot ranges and the new objects, write the redo
  * log (bit sets for allocations, clears for frees, queued value stores) whose
  * seq equals the undo log's seq: barrier 1, after which the transaction is
  * committed (recovery sees a valid redo log of the same seq and discards the
- * undo log instead of rolling back); (2) apply the redo entries and empty the
- * undo log: barrier 2. The redo log is retired lazily (log.c). A transaction
- * that snapshot nothing and allocated nothing commits with no barrier.
+ * undo log instead of rolling back); (2) apply the redo entries, flush them
+ * and empty the undo log: barrier 2. The commit log stays in the lane's ring
+ * until a checkpoint passes it (log.c). A transaction that snapshot nothing
+ * and allocated nothing commits with no barrier.
  * Abort: restore snapshots newest first, barrier, empty the undo log,
  * barrier; reservations go back to the thread cache.
  */
@@ -32,9 +35,6 @@ bool _keel_ph_stray_check;
 
 uint64_t _keel_ph_undo_csum(uint64_t seq, const ph_undo_entry_t *e) KEEL_HIDDEN;
 void _keel_ph_undo_rollback(keel_pheap_t *ph, ph_tcache_t *tc, ph_undo_t *u) KEEL_HIDDEN;
-bool _keel_ph_acts_flush(keel_pheap_t *ph, ph_tcache_t *tc, const keel_pheap_act_t *acts,
-                         size_t n, ph_redo_entry_t *e, size_t *k, size_t cap,
-                         uint64_t *chk) KEEL_HIDDEN;
 
 typedef struct tx_range {
   uint64_t lo, hi;
@@ -293,7 +293,7 @@ static int tx_commit_outer(void) {
   if (keel_unlikely(_keel_ph_stray_check) && ph->sim) stray_check();
   ph_redo_entry_t e[PH_REDO_MAX];
   size_t k = 0;
-  if (tx.nn + tx.na > PH_REDO_MAX) return tx_fail(KEEL_ENOSPC);
+  if (tx.nn > PH_REDO_MAX) return tx_fail(KEEL_ENOSPC);
   for (size_t i = 0; i < tx.nn; i++) e[k++] = _keel_ph_mark(ph, tx.news[i].cls, tx.news[i].off, true);
   long m = _keel_ph_acts_entries(ph, tx.acts, tx.na, e + k, PH_REDO_MAX - k);
   if (m < 0) return tx_fail(KEEL_ENOSPC);
@@ -303,36 +303,56 @@ static int tx_commit_outer(void) {
     keel_fetch_add_relaxed(&ph->tx_commits, 1);
     return 0;
   }
-  /* The new bytes must be durable no later than the commit record: the log
-   * vouches for them by checksum (one barrier), or past the budget a barrier
-   * orders them first. */
-  uint64_t chk = 0;
-  bool vouched = true;
-  for (size_t i = 0; i < tx.nr; i++) {
-    uint64_t lo = tx.ranges[i].lo, len = tx.ranges[i].hi - lo;
-    _keel_pm_flush(ph, tc, ph->view.base + lo, len, PH_S_TXDATA);
-    uint64_t alo = KEEL_ALIGN_DOWN(lo, (uint64_t)8), alen = KEEL_ALIGN_UP(lo + len, (uint64_t)8) - alo;
-    if (vouched) vouched = _keel_ph_chk_add(e, &k, PH_REDO_MAX, alo, alen, &chk);
-  }
-  for (size_t i = 0; i < tx.nn; i++) {
-    const ph_objhdr_t *h = (const ph_objhdr_t *)(ph->view.base + tx.news[i].off - PH_OBJ_HDR);
-    _keel_pm_flush(ph, tc, h, PH_OBJ_HDR + h->size, PH_S_TXNEW);
-    if (vouched)
-      vouched = _keel_ph_chk_add(e, &k, PH_REDO_MAX, tx.news[i].off - PH_OBJ_HDR,
-                                 PH_OBJ_HDR + h->size, &chk);
-  }
-  if (!_keel_ph_acts_flush(ph, tc, tx.acts, tx.na, e, &k, vouched ? PH_REDO_MAX : k, &chk) ||
-      !vouched)
-    _keel_pm_drain(ph, tc);
-  _keel_ph_redo_write(ph, tc, tx.lane, tx.seq, e, k);
-  _keel_pm_drain(ph, tc); /* committed */
-  _keel_ph_redo_apply(ph, tc, e, k);
-  if (tx.undo_started) {
+  if (!tx.undo_started) {
+    /* Nothing snapshot: flush the new objects, order them with a barrier,
+     * then log like an atomic operation (deferred apply, log.c). */
+    bool data = false;
+    for (size_t i = 0; i < tx.nn + tx.na; i++) {
+      keel_poff_t off;
+      if (i < tx.nn) off = tx.news[i].off;
+      else if (tx.acts[i - tx.nn].kind == PH_ACT_RESERVE) off = tx.acts[i - tx.nn].off;
+      else continue;
+      const ph_objhdr_t *h = (const ph_objhdr_t *)(ph->view.base + off - PH_OBJ_HDR);
+      _keel_pm_flush(ph, tc, h, PH_OBJ_HDR + h->size, PH_S_TXNEW);
+      data = true;
+    }
+    if (data) _keel_pm_drain(ph, tc);
+    _keel_ph_log_write(ph, tc, tx.lane, 0, e, k);
+    _keel_pm_drain(ph, tc); /* committed */
+    _keel_ph_log_apply(ph, tc, tx.lane, e, k, true);
+  } else {
+    /* The new bytes must be durable no later than the commit log: the log
+     * vouches for them by checksum (CHK entries), or past the budget a
+     * barrier orders them first. */
+    uint64_t chk = 0;
+    bool vouched = true;
+    for (size_t i = 0; i < tx.nr; i++) {
+      uint64_t lo = tx.ranges[i].lo, len = tx.ranges[i].hi - lo;
+      _keel_pm_flush(ph, tc, ph->view.base + lo, len, PH_S_TXDATA);
+      uint64_t alo = KEEL_ALIGN_DOWN(lo, (uint64_t)8);
+      uint64_t alen = KEEL_ALIGN_UP(lo + len, (uint64_t)8) - alo;
+      if (vouched) vouched = _keel_ph_chk_add(e, &k, PH_REDO_MAX, alo, alen, &chk);
+    }
+    for (size_t i = 0; i < tx.nn + tx.na; i++) {
+      keel_poff_t off;
+      if (i < tx.nn) off = tx.news[i].off;
+      else if (tx.acts[i - tx.nn].kind == PH_ACT_RESERVE) off = tx.acts[i - tx.nn].off;
+      else continue;
+      const ph_objhdr_t *h = (const ph_objhdr_t *)(ph->view.base + off - PH_OBJ_HDR);
+      _keel_pm_flush(ph, tc, h, PH_OBJ_HDR + h->size, PH_S_TXNEW);
+      if (vouched)
+        vouched = _keel_ph_chk_add(e, &k, PH_REDO_MAX, off - PH_OBJ_HDR, PH_OBJ_HDR + h->size, &chk);
+    }
+    if (!vouched) _keel_pm_drain(ph, tc);
+    _keel_ph_log_write(ph, tc, tx.lane, tx.seq, e, k);
+    _keel_pm_drain(ph, tc); /* committed */
+    /* Applied, flushed and the undo log emptied before commit returns: from
+     * then on recovery replays this log whatever its data (log.c). */
+    _keel_ph_log_apply(ph, tc, tx.lane, e, k, false);
     tx.lane->undo->seq = 0;
     _keel_pm_flush(ph, tc, tx.lane->undo, 8, PH_S_UNDO_INV);
+    _keel_pm_drain(ph, tc);
   }
-  _keel_pm_drain(ph, tc);
-  _keel_ph_redo_retire(ph, tx.lane);
   tx.undo_started = false;
   _keel_ph_acts_done(ph, tc, tx.acts, tx.na);
   tx.na = tx.nn = tx.nr = 0;

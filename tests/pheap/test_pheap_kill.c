@@ -80,6 +80,7 @@ static void *worker(void *arg) {
       keel_pheap_act_t act[2];
       if (keel_pheap_reserve(g_ph, &act[0], size, T_PUB) != 0) break;
       memcpy(keel_pheap_ptr(g_ph, act[0].off), &tag, sizeof tag);
+      keel_pheap_persist(g_ph, keel_pheap_ptr(g_ph, act[0].off), sizeof tag);
       keel_pheap_set_value(g_ph, &act[1], slot, act[0].off);
       keel_pheap_publish(g_ph, act, 2);
       break;
