@@ -52,8 +52,8 @@ typedef struct pb_root {
 
 typedef struct pb {
   int impl, op, threads;
-  size_t size;  /* object or range bytes */
-  int batch;    /* publish batch */
+  size_t size; /* object or range bytes */
+  int batch;   /* publish batch */
   double window;
   char path[128];
   keel_pheap_t *kp;
@@ -75,8 +75,8 @@ static uint64_t pb_now(void) {
 static __thread uint64_t pm_flushes, pm_barriers;
 #ifdef KEEL_HAVE_PMEMOBJ
 #include <libpmem.h>
-#define PB_NEXT(name, type) \
-  static __typeof__(&name) real_##name; \
+#define PB_NEXT(name, type)                                                                        \
+  static __typeof__(&name) real_##name;                                                            \
   if (!real_##name) real_##name = (__typeof__(&name))dlsym(RTLD_NEXT, #name)
 void pmem_flush(const void *a, size_t n) {
   PB_NEXT(pmem_flush, void (*)(const void *, size_t));
@@ -98,12 +98,12 @@ int pmem_msync(const void *a, size_t n) {
   pm_flushes++, pm_barriers++;
   return real_pmem_msync(a, n);
 }
-#define PB_MEMF(name, T) \
-  void *name(void *d, T s, size_t n, unsigned f) { \
-    PB_NEXT(name, void *(*)(void *, T, size_t, unsigned)); \
-    pm_flushes++; \
-    if (!(f & (PMEM_F_MEM_NODRAIN | PMEM_F_MEM_NOFLUSH))) pm_barriers++; \
-    return real_##name(d, s, n, f); \
+#define PB_MEMF(name, T)                                                                           \
+  void *name(void *d, T s, size_t n, unsigned f) {                                                 \
+    PB_NEXT(name, void *(*)(void *, T, size_t, unsigned));                                         \
+    pm_flushes++;                                                                                  \
+    if (!(f & (PMEM_F_MEM_NODRAIN | PMEM_F_MEM_NOFLUSH))) pm_barriers++;                           \
+    return real_##name(d, s, n, f);                                                                \
   }
 PB_MEMF(pmem_memcpy, const void *)
 PB_MEMF(pmem_memmove, const void *)
@@ -166,41 +166,43 @@ static void counters(pb_t *b, uint64_t *f, uint64_t *d) {
 
 /* ---- the operations; `leftover` collects offsets to free untimed ---- */
 #ifdef KEEL_HAVE_PMEMOBJ
-static PMEMoid *poid(pb_t *b, int t, int k) { return (PMEMoid *)b->root->oid[t][k]; }
+static PMEMoid *poid(pb_t *b, int t, int k) {
+  return (PMEMoid *)b->root->oid[t][k];
+}
 #endif
 
 static void op_keel(pb_t *b, int t, keel_poff_t *left, int *nl) {
   keel_pheap_t *ph = b->kp;
   switch (b->op) {
-  case PB_ALLOCFREE:
-  case PB_SIZES:
-    keel_pheap_alloc(ph, &b->root->slot[t][0], b->size, 1);
-    keel_pheap_free(ph, &b->root->slot[t][0]);
-    break;
-  case PB_TXALLOC:
-    keel_tx_begin(ph);
-    left[(*nl)++] = keel_tx_alloc(b->size, 1);
-    keel_tx_commit();
-    keel_tx_end();
-    break;
-  case PB_PUBLISH: {
-    keel_pheap_act_t a[64];
-    for (int i = 0; i < b->batch; i++) {
-      keel_pheap_reserve(ph, &a[i], b->size, 1);
-      left[(*nl)++] = a[i].off;
+    case PB_ALLOCFREE:
+    case PB_SIZES:
+      keel_pheap_alloc(ph, &b->root->slot[t][0], b->size, 1);
+      keel_pheap_free(ph, &b->root->slot[t][0]);
+      break;
+    case PB_TXALLOC:
+      keel_tx_begin(ph);
+      left[(*nl)++] = keel_tx_alloc(b->size, 1);
+      keel_tx_commit();
+      keel_tx_end();
+      break;
+    case PB_PUBLISH: {
+      keel_pheap_act_t a[64];
+      for (int i = 0; i < b->batch; i++) {
+        keel_pheap_reserve(ph, &a[i], b->size, 1);
+        left[(*nl)++] = a[i].off;
+      }
+      keel_pheap_publish(ph, a, (size_t)b->batch);
+      break;
     }
-    keel_pheap_publish(ph, a, (size_t)b->batch);
-    break;
-  }
-  case PB_ADDRANGE: {
-    char *p = keel_pheap_ptr(ph, b->root->buf[t]);
-    keel_tx_begin(ph);
-    keel_tx_add_range(p, b->size);
-    memset(p, (int)*nl, b->size);
-    keel_tx_commit();
-    keel_tx_end();
-    break;
-  }
+    case PB_ADDRANGE: {
+      char *p = keel_pheap_ptr(ph, b->root->buf[t]);
+      keel_tx_begin(ph);
+      keel_tx_add_range(p, b->size);
+      memset(p, (int)*nl, b->size);
+      keel_tx_commit();
+      keel_tx_end();
+      break;
+    }
   }
 }
 
@@ -212,34 +214,36 @@ static void free_keel(pb_t *b, keel_poff_t *left, int n) {
 static void op_pmdk(pb_t *b, int t, PMEMoid *left, int *nl) {
   PMEMobjpool *pop = b->pop;
   switch (b->op) {
-  case PB_ALLOCFREE:
-  case PB_SIZES:
-    pmemobj_alloc(pop, poid(b, t, 0), b->size, 1, NULL, NULL);
-    pmemobj_free(poid(b, t, 0));
-    break;
-  case PB_TXALLOC: {
-    volatile PMEMoid o = OID_NULL;
-    TX_BEGIN(pop) { o = pmemobj_tx_alloc(b->size, 1); }
-    TX_END
-    left[(*nl)++] = (PMEMoid){o.pool_uuid_lo, o.off};
-    break;
-  }
-  case PB_PUBLISH: {
-    struct pobj_action a[64];
-    for (int i = 0; i < b->batch; i++) left[(*nl)++] = pmemobj_reserve(pop, &a[i], b->size, 1);
-    pmemobj_publish(pop, a, (size_t)b->batch);
-    break;
-  }
-  case PB_ADDRANGE: {
-    char *volatile p = pmemobj_direct(*(PMEMoid *)b->root->pbuf[t]);
-    int v = *nl;
-    TX_BEGIN(pop) {
-      pmemobj_tx_add_range_direct(p, b->size);
-      memset(p, v, b->size);
+    case PB_ALLOCFREE:
+    case PB_SIZES:
+      pmemobj_alloc(pop, poid(b, t, 0), b->size, 1, NULL, NULL);
+      pmemobj_free(poid(b, t, 0));
+      break;
+    case PB_TXALLOC: {
+      volatile PMEMoid o = OID_NULL;
+      TX_BEGIN(pop) {
+        o = pmemobj_tx_alloc(b->size, 1);
+      }
+      TX_END
+      left[(*nl)++] = (PMEMoid){o.pool_uuid_lo, o.off};
+      break;
     }
-    TX_END
-    break;
-  }
+    case PB_PUBLISH: {
+      struct pobj_action a[64];
+      for (int i = 0; i < b->batch; i++) left[(*nl)++] = pmemobj_reserve(pop, &a[i], b->size, 1);
+      pmemobj_publish(pop, a, (size_t)b->batch);
+      break;
+    }
+    case PB_ADDRANGE: {
+      char *volatile p = pmemobj_direct(*(PMEMoid *)b->root->pbuf[t]);
+      int v = *nl;
+      TX_BEGIN(pop) {
+        pmemobj_tx_add_range_direct(p, b->size);
+        memset(p, v, b->size);
+      }
+      TX_END
+      break;
+    }
   }
 }
 #endif
@@ -255,7 +259,8 @@ static void pb_worker(int t, void *arg) {
   if (b->op == PB_ADDRANGE) {
     if (b->impl == PB_KEEL) keel_pheap_zalloc(b->kp, &b->root->buf[t], 4096, 2);
 #ifdef KEEL_HAVE_PMEMOBJ
-    else pmemobj_zalloc(b->pop, (PMEMoid *)b->root->pbuf[t], 4096, 2);
+    else
+      pmemobj_zalloc(b->pop, (PMEMoid *)b->root->pbuf[t], 4096, 2);
 #endif
   }
   uint64_t end = b->start_ns + (uint64_t)(b->window * 1e9), ops = 0, ns = 0, fl = 0, ba = 0;
@@ -268,7 +273,8 @@ static void pb_worker(int t, void *arg) {
     for (int i = 0; i < per; i++) {
       if (b->impl == PB_KEEL) op_keel(b, t, left->k, &nl);
 #ifdef KEEL_HAVE_PMEMOBJ
-      else op_pmdk(b, t, left->p, &nl);
+      else
+        op_pmdk(b, t, left->p, &nl);
 #endif
     }
     uint64_t t1 = pb_now();
@@ -291,7 +297,8 @@ static void pb_worker(int t, void *arg) {
   atomic_fetch_add(&b->barriers, ba);
 }
 
-static int pb_run(const kb_params_t *p, kb_result_t *r, bool force, int op, size_t size, int batch) {
+static int pb_run(const kb_params_t *p, kb_result_t *r, bool force, int op, size_t size,
+                  int batch) {
   pb_t *b = calloc(1, sizeof *b);
   if (b == NULL || pb_open(b, p, force) != 0) {
     free(b);
@@ -312,8 +319,10 @@ static int pb_run(const kb_params_t *p, kb_result_t *r, bool force, int op, size
   return 0;
 }
 
-#define PB_CASE(fn, force, op, size, batch) \
-  static int fn(const kb_params_t *p, kb_result_t *r) { return pb_run(p, r, force, op, size, batch); }
+#define PB_CASE(fn, force, op, size, batch)                                                        \
+  static int fn(const kb_params_t *p, kb_result_t *r) {                                            \
+    return pb_run(p, r, force, op, size, batch);                                                   \
+  }
 PB_CASE(pb_allocfree_force, true, PB_ALLOCFREE, 64, 1)
 PB_CASE(pb_allocfree_msync, false, PB_ALLOCFREE, 64, 1)
 PB_CASE(pb_txalloc_force, true, PB_TXALLOC, 64, 1)
@@ -456,8 +465,8 @@ static const kb_case_t pb_cases[] = {
     {"tx-alloc", "transaction with one tx_alloc of 64 B (FORCE)", pb_txalloc_force, pb_impls, true,
      NULL, false},
     {"tx-alloc-msync", "the same with msync", pb_txalloc_msync, pb_impls, true, NULL, false},
-    {"publish-1", "reserve + publish of one 64 B object (FORCE)", pb_publish1_force, pb_impls,
-     true, NULL, false},
+    {"publish-1", "reserve + publish of one 64 B object (FORCE)", pb_publish1_force, pb_impls, true,
+     NULL, false},
     {"publish-1-msync", "the same with msync", pb_publish1_msync, pb_impls, true, NULL, false},
     {"publish-8", "8 reserves + one publish; per object (FORCE)", pb_publish8_force, pb_impls,
      false, NULL, false},

@@ -38,13 +38,13 @@ typedef uint64_t keel_poff_t;
 typedef struct keel_pheap keel_pheap_t;
 
 /* The smallest pool keel_pheap_create accepts (the per-thread logs take 2 MiB). */
-#define KEEL_PHEAP_MIN_SIZE ((size_t)8 << 20)
+#define KEEL_PHEAP_MIN_SIZE   ((size_t)8 << 20)
 /* Longest layout name, without its NUL. */
 #define KEEL_PHEAP_LAYOUT_MAX 63
 /* Type number that matches every type in keel_pheap_foreach. */
-#define KEEL_PHEAP_ANY_TYPE UINT64_MAX
+#define KEEL_PHEAP_ANY_TYPE   UINT64_MAX
 /* Largest single object (a request above this fails with KEEL_EINVAL). */
-#define KEEL_PHEAP_MAX_ALLOC ((size_t)1 << 34)
+#define KEEL_PHEAP_MAX_ALLOC  ((size_t)1 << 34)
 
 /* keel_pheap_create flags. */
 #define KEEL_PHEAP_FIXED 1u /* never grow the file: allocation fails with KEEL_ENOSPC when full */
@@ -83,7 +83,8 @@ static inline void *keel_pheap_ptr(const keel_pheap_t *ph, keel_poff_t off) {
 
 /* Offset for a pointer into the pool (0 for NULL). Never blocks; no check. */
 static inline keel_poff_t keel_pheap_off(const keel_pheap_t *ph, const void *p) {
-  return p ? (keel_poff_t)((const char *)p - ((const struct keel_pheap_view_ *)(const void *)ph)->base)
+  return p ? (keel_poff_t)((const char *)p -
+                           ((const struct keel_pheap_view_ *)(const void *)ph)->base)
            : 0;
 }
 
@@ -111,11 +112,11 @@ KEEL_API uint64_t keel_pheap_type(keel_pheap_t *ph, keel_poff_t off);
  * stores and frees queued with them, durable in one failure-atomic step.
  * Reservations never published vanish at a crash or close. */
 typedef struct keel_pheap_act {
-  uint32_t kind;    /* internal: reserve, set-value or free */
-  uint32_t cls;     /* internal */
-  keel_poff_t off;  /* the reserved (or freed) object */
-  uint64_t *dest;   /* set-value: where */
-  uint64_t value;   /* set-value: what */
+  uint32_t kind;   /* internal: reserve, set-value or free */
+  uint32_t cls;    /* internal */
+  keel_poff_t off; /* the reserved (or freed) object */
+  uint64_t *dest;  /* set-value: where */
+  uint64_t value;  /* set-value: what */
 } keel_pheap_act_t;
 
 /* Reserves an object of `size` bytes and `type`; act->off is its offset and
@@ -144,19 +145,19 @@ KEEL_API int keel_pheap_foreach(keel_pheap_t *ph, uint64_t type,
                                 int (*fn)(keel_pheap_t *ph, keel_poff_t off, void *arg), void *arg);
 
 typedef struct keel_pheap_stats {
-  uint64_t pool_bytes;      /* file size in use */
-  uint64_t heap_bytes;      /* bytes of chunks (objects' space) */
-  uint64_t live_objects;    /* allocated objects (walk) */
-  uint64_t live_bytes;      /* requested bytes of live objects */
-  uint64_t usable_bytes;    /* usable bytes of live objects */
-  uint64_t run_bytes;       /* bytes of chunks holding small-object runs */
-  uint64_t huge_bytes;      /* bytes of chunks holding large objects */
-  uint64_t free_bytes;      /* bytes of free chunks */
-  uint64_t flushes;         /* cache-line or msync flush calls since open */
-  uint64_t barriers;        /* persist barriers (fence / msync batch) since open */
-  uint64_t grows;           /* times the file was extended since open */
+  uint64_t pool_bytes;   /* file size in use */
+  uint64_t heap_bytes;   /* bytes of chunks (objects' space) */
+  uint64_t live_objects; /* allocated objects (walk) */
+  uint64_t live_bytes;   /* requested bytes of live objects */
+  uint64_t usable_bytes; /* usable bytes of live objects */
+  uint64_t run_bytes;    /* bytes of chunks holding small-object runs */
+  uint64_t huge_bytes;   /* bytes of chunks holding large objects */
+  uint64_t free_bytes;   /* bytes of free chunks */
+  uint64_t flushes;      /* cache-line or msync flush calls since open */
+  uint64_t barriers;     /* persist barriers (fence / msync batch) since open */
+  uint64_t grows;        /* times the file was extended since open */
   uint64_t tx_commits, tx_aborts;
-  uint64_t recovered_logs;  /* logs replayed or rolled back by the last open */
+  uint64_t recovered_logs; /* logs replayed or rolled back by the last open */
 } keel_pheap_stats_t;
 
 /* Fills *st. Walks the heap (O(objects)); may run concurrently with use. */

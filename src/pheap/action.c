@@ -17,7 +17,8 @@
 
 static inline bool in_pool(keel_pheap_t *ph, const void *p, size_t len) {
   const char *c = p;
-  return c >= ph->view.base + PH_HDR_BYTES && c + len <= ph->view.base + keel_load_relaxed(&ph->size);
+  return c >= ph->view.base + PH_HDR_BYTES &&
+         c + len <= ph->view.base + keel_load_relaxed(&ph->size);
 }
 
 /* The log entries that publish a block: its allocation bit (or chunk word)
@@ -41,7 +42,8 @@ static void atomic_op(keel_pheap_t *ph, ph_tcache_t *tc, const ph_redo_entry_t *
   _keel_ph_lane_put(ph, l);
 }
 
-static int alloc_common(keel_pheap_t *ph, keel_poff_t *dest, size_t size, uint64_t type, bool zero) {
+static int alloc_common(keel_pheap_t *ph, keel_poff_t *dest, size_t size, uint64_t type,
+                        bool zero) {
   if (ph == NULL || dest == NULL) return KEEL_EINVAL;
   ph_tcache_t *tc = _keel_ph_tcache(ph);
   if (keel_unlikely(tc == NULL)) return KEEL_ENOMEM;
@@ -132,19 +134,19 @@ long _keel_ph_acts_entries(keel_pheap_t *ph, const keel_pheap_act_t *acts, size_
     if (acts[i].kind == PH_ACT_NONE) continue;
     if (k + 3 > cap) return -1;
     switch (acts[i].kind) {
-    case PH_ACT_RESERVE:
-      k += publish_entries(ph, (int)acts[i].cls, acts[i].off, e + k);
-      break;
-    case PH_ACT_FREE:
-      e[k++] = _keel_ph_mark(ph, (int)acts[i].cls, acts[i].off, false);
-      break;
-    case PH_ACT_SET:
-      e[k++] = (ph_redo_entry_t){(uint64_t)((char *)acts[i].dest - ph->view.base) | PH_OP_SET,
-                                 acts[i].value};
-      break;
-    default:
-      keel_die("keel_pheap_publish", "action %p has unknown kind %u", (void *)&acts[i],
-               acts[i].kind);
+      case PH_ACT_RESERVE:
+        k += publish_entries(ph, (int)acts[i].cls, acts[i].off, e + k);
+        break;
+      case PH_ACT_FREE:
+        e[k++] = _keel_ph_mark(ph, (int)acts[i].cls, acts[i].off, false);
+        break;
+      case PH_ACT_SET:
+        e[k++] = (ph_redo_entry_t){(uint64_t)((char *)acts[i].dest - ph->view.base) | PH_OP_SET,
+                                   acts[i].value};
+        break;
+      default:
+        keel_die("keel_pheap_publish", "action %p has unknown kind %u", (void *)&acts[i],
+                 acts[i].kind);
     }
   }
   return (long)k;

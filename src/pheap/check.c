@@ -76,8 +76,9 @@ static int walk_heap(walk_t *w, const char *path) {
     if (t == PH_CW_HUGE) {
       const ph_objhdr_t *o = (const ph_objhdr_t *)(w->base + lo);
       if (o->size == 0 || (o->size + PH_OBJ_HDR + PH_CHUNK - 1) / PH_CHUNK != len)
-        return _keel_ph_err(KEEL_ECORRUPT, path, "chunk %u: large object size %llu does not fit %u chunks",
-                            c, (unsigned long long)o->size, len);
+        return _keel_ph_err(KEEL_ECORRUPT, path,
+                            "chunk %u: large object size %llu does not fit %u chunks", c,
+                            (unsigned long long)o->size, len);
       w->st.huge_bytes += (uint64_t)len * PH_CHUNK;
       w->st.live_objects++;
       w->st.live_bytes += o->size;
@@ -94,10 +95,12 @@ static int walk_heap(walk_t *w, const char *path) {
         if (!(bm[i / 64] >> (i % 64) & 1)) continue;
         if (i >= r->nblocks)
           return _keel_ph_err(KEEL_ECORRUPT, path, "chunk %u: bitmap bit %u beyond the run", c, i);
-        const ph_objhdr_t *o = (const ph_objhdr_t *)(w->base + lo + r->data_off + (uint64_t)i * r->block);
+        const ph_objhdr_t *o =
+            (const ph_objhdr_t *)(w->base + lo + r->data_off + (uint64_t)i * r->block);
         if (o->size == 0 || o->size > r->block - PH_OBJ_HDR)
-          return _keel_ph_err(KEEL_ECORRUPT, path, "chunk %u block %u: object size %llu does not fit",
-                              c, i, (unsigned long long)o->size);
+          return _keel_ph_err(KEEL_ECORRUPT, path,
+                              "chunk %u block %u: object size %llu does not fit", c, i,
+                              (unsigned long long)o->size);
         w->st.live_objects++;
         w->st.live_bytes += o->size;
         w->st.usable_bytes += r->block - PH_OBJ_HDR;
@@ -135,7 +138,8 @@ static int check_file(const char *path, walk_t *w, void **map, uint64_t *maplen)
   if (rc == 0) {
     w->size = _keel_ph_size_from_word(h.size_word);
     void *p = mmap(NULL, w->size, PROT_READ, MAP_PRIVATE, fd, 0);
-    if (p == MAP_FAILED) rc = _keel_ph_err(-errno, path, "mmap failed: %s", strerror(errno));
+    if (p == MAP_FAILED)
+      rc = _keel_ph_err(-errno, path, "mmap failed: %s", strerror(errno));
     else {
       *map = p;
       *maplen = w->size;

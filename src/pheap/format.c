@@ -15,18 +15,23 @@
 
 static __thread char ph_errbuf[512];
 
-const char *keel_pheap_errmsg(void) { return ph_errbuf; }
+const char *keel_pheap_errmsg(void) {
+  return ph_errbuf;
+}
 
 int _keel_ph_err(int err, const char *path, const char *fmt, ...) {
   va_list ap;
   int n = snprintf(ph_errbuf, sizeof ph_errbuf, "%s: ", path ? path : "(pool)");
   va_start(ap, fmt);
-  if (n > 0 && (size_t)n < sizeof ph_errbuf) vsnprintf(ph_errbuf + n, sizeof ph_errbuf - n, fmt, ap);
+  if (n > 0 && (size_t)n < sizeof ph_errbuf)
+    vsnprintf(ph_errbuf + n, sizeof ph_errbuf - n, fmt, ap);
   va_end(ap);
   return err;
 }
 
-static inline uint64_t rotl(uint64_t x, int r) { return (x << r) | (x >> (64 - r)); }
+static inline uint64_t rotl(uint64_t x, int r) {
+  return (x << r) | (x >> (64 - r));
+}
 
 uint64_t _keel_ph_csum(const void *p, size_t len, uint64_t seed) {
   const unsigned char *b = p;

@@ -91,8 +91,8 @@ static int run_create(keel_pheap_t *ph, ph_tcache_t *tc, unsigned cls, ph_run_t 
     return rc;
   }
   ph_run_hdr_t *h = (ph_run_hdr_t *)(ph->view.base + ph_chunk_off(ph, c));
-  *h = (ph_run_hdr_t){.block = k->block, .nblocks = k->nblocks, .data_off = k->data_off,
-                      .magic = PH_RUN_MAGIC};
+  *h = (ph_run_hdr_t){
+      .block = k->block, .nblocks = k->nblocks, .data_off = k->data_off, .magic = PH_RUN_MAGIC};
   memset(run_bitmap(ph, c), 0, (k->nblocks + 63) / 64 * 8);
   _keel_pm_flush(ph, tc, h, k->data_off, PH_S_RUN);
   _keel_pm_drain(ph, tc);
@@ -230,8 +230,8 @@ ph_redo_entry_t _keel_ph_mark(keel_pheap_t *ph, int cls, keel_poff_t off, bool a
 
 int _keel_ph_live_class(keel_pheap_t *ph, keel_poff_t off, const char *call) {
   uint32_t c = off >= PH_OBJ_HDR ? _keel_ph_chunk_at(ph, off - PH_OBJ_HDR) : UINT32_MAX;
-  if (c == UINT32_MAX) keel_die(call, "offset 0x%llx is not inside the heap of %s",
-                                (unsigned long long)off, ph->path);
+  if (c == UINT32_MAX)
+    keel_die(call, "offset 0x%llx is not inside the heap of %s", (unsigned long long)off, ph->path);
   ph_run_t *r = ph->chunk_run[c];
   if (r == NULL) {
     uint64_t w = keel_load_acquire(ATOMIC64(ph_cword(ph, c)));
@@ -281,8 +281,8 @@ int _keel_ph_heap_boot(keel_pheap_t *ph, ph_tcache_t *tc) {
       ph->chunk_free[c++] = 1;
       continue;
     }
-    if ((t != PH_CW_RUN && t != PH_CW_HUGE) || len == 0 || c % PH_ZONE_CHUNKS + len > PH_ZONE_CHUNKS ||
-        c + len > n)
+    if ((t != PH_CW_RUN && t != PH_CW_HUGE) || len == 0 ||
+        c % PH_ZONE_CHUNKS + len > PH_ZONE_CHUNKS || c + len > n)
       return KEEL_ECORRUPT;
     if (t == PH_CW_RUN) {
       ph_run_hdr_t *h = (ph_run_hdr_t *)(ph->view.base + ph_chunk_off(ph, c));
@@ -324,9 +324,13 @@ int _keel_ph_heap_boot(keel_pheap_t *ph, ph_tcache_t *tc) {
 void _keel_ph_heap_fini(keel_pheap_t *ph) {
   if (ph->chunk_run == NULL) return;
   uint32_t n = keel_load_relaxed(&ph->nchunks);
-  for (uint32_t c = 0; c < n; c++) {
+  for (uint32_t c = 0; c < n;) {
     ph_run_t *r = ph->chunk_run[c];
-    if (r == NULL || r->chunk != c) continue;
+    if (r == NULL) {
+      c++;
+      continue;
+    }
+    c += _keel_ph_classes[r->cls].chunks; /* a run's chunks all point to it: skip them */
     free(r->vfree);
     free(r);
   }
@@ -354,7 +358,8 @@ int keel_pheap_foreach(keel_pheap_t *ph, uint64_t type,
         uint64_t bits = keel_load_relaxed(ATOMIC64(bm + i / 64));
         for (; bits; bits &= bits - 1) {
           uint32_t b = i + (uint32_t)__builtin_ctzll(bits);
-          keel_poff_t off = ph_chunk_off(ph, c) + rh->data_off + (uint64_t)b * rh->block + PH_OBJ_HDR;
+          keel_poff_t off =
+              ph_chunk_off(ph, c) + rh->data_off + (uint64_t)b * rh->block + PH_OBJ_HDR;
           const ph_objhdr_t *h = (const ph_objhdr_t *)(ph->view.base + off - PH_OBJ_HDR);
           if (type == KEEL_PHEAP_ANY_TYPE || h->type == type) {
             int rc = fn(ph, off, arg);

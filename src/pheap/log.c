@@ -51,7 +51,9 @@
 
 #define ATOMIC64(p) ((keel_atomic(uint64_t) *)(void *)(p))
 
-uint64_t _keel_ph_next_seq(keel_pheap_t *ph) { return keel_fetch_add_relaxed(&ph->seq, 1) + 1; }
+uint64_t _keel_ph_next_seq(keel_pheap_t *ph) {
+  return keel_fetch_add_relaxed(&ph->seq, 1) + 1;
+}
 
 ph_lane_t *_keel_ph_lane_get(keel_pheap_t *ph, ph_tcache_t *tc) {
   unsigned h = tc->lane_hint;
@@ -184,15 +186,15 @@ static uint64_t apply_one(keel_pheap_t *ph, ph_tcache_t *tc, const ph_redo_entry
   if (off + 8 > keel_load_relaxed(&ph->size)) return UINT64_MAX; /* defensive */
   keel_atomic(uint64_t) *w = ATOMIC64(ph->view.base + off);
   switch (e->off_op & 7) {
-  case PH_OP_SET:
-    keel_store_release(w, e->val); /* release: readers of chunk words see the object */
-    break;
-  case PH_OP_OR:
-    keel_fetch_or_acq_rel(w, e->val);
-    break;
-  case PH_OP_ANDNOT:
-    keel_fetch_and_acq_rel(w, ~e->val);
-    break;
+    case PH_OP_SET:
+      keel_store_release(w, e->val); /* release: readers of chunk words see the object */
+      break;
+    case PH_OP_OR:
+      keel_fetch_or_acq_rel(w, e->val);
+      break;
+    case PH_OP_ANDNOT:
+      keel_fetch_and_acq_rel(w, ~e->val);
+      break;
   }
   if (!deferred) _keel_pm_flush(ph, tc, (void *)w, 8, PH_S_APPLY);
   return off & ~(uint64_t)(PH_LINE - 1);
@@ -258,7 +260,8 @@ bool _keel_ph_undo_next(const ph_undo_t *u, uint64_t *pos, const ph_undo_entry_t
   uint64_t cap = sizeof u->data;
   if (*pos + sizeof(ph_undo_entry_t) > cap) return false;
   const ph_undo_entry_t *e = (const ph_undo_entry_t *)(u->data + *pos);
-  if (e->len == 0 || e->len > cap - *pos - sizeof *e || e->csum != undo_csum(u->seq, e)) return false;
+  if (e->len == 0 || e->len > cap - *pos - sizeof *e || e->csum != undo_csum(u->seq, e))
+    return false;
   *out = e;
   *pos += sizeof *e + KEEL_ALIGN_UP(e->len, (uint64_t)8);
   return true;
@@ -266,7 +269,9 @@ bool _keel_ph_undo_next(const ph_undo_t *u, uint64_t *pos, const ph_undo_entry_t
 
 /* For tx.c: the checksum an undo entry must carry. */
 uint64_t _keel_ph_undo_csum(uint64_t seq, const ph_undo_entry_t *e) KEEL_HIDDEN;
-uint64_t _keel_ph_undo_csum(uint64_t seq, const ph_undo_entry_t *e) { return undo_csum(seq, e); }
+uint64_t _keel_ph_undo_csum(uint64_t seq, const ph_undo_entry_t *e) {
+  return undo_csum(seq, e);
+}
 
 /* Restores an undo log's snapshots, newest first. */
 void _keel_ph_undo_rollback(keel_pheap_t *ph, ph_tcache_t *tc, ph_undo_t *u) KEEL_HIDDEN;

@@ -72,7 +72,9 @@ int _keel_pm_mode(keel_pheap_t *ph) {
 
 /* Exposed for pool.c: the CPU mode auto picks on DAX. */
 int _keel_pm_cpu_best(void) KEEL_HIDDEN;
-int _keel_pm_cpu_best(void) { return cpu_flush_best(); }
+int _keel_pm_cpu_best(void) {
+  return cpu_flush_best();
+}
 
 static void ms_add(ph_tcache_t *tc, uint64_t lo, uint64_t hi) {
   for (unsigned i = 0; i < tc->ms_n; i++) {
@@ -114,24 +116,24 @@ void _keel_pm_flush(keel_pheap_t *ph, ph_tcache_t *tc, const void *p, size_t len
     return;
   }
   switch (ph->flush_mode) {
-  case KEEL_FLUSH_CLWB:
-    for (; a < end; a += PH_LINE) __asm__ __volatile__("clwb %0" : "+m"(*(volatile char *)a));
-    break;
-  case KEEL_FLUSH_CLFLUSHOPT:
-    for (; a < end; a += PH_LINE)
-      __asm__ __volatile__("clflushopt %0" : "+m"(*(volatile char *)a));
-    break;
-  case KEEL_FLUSH_CLFLUSH:
-    for (; a < end; a += PH_LINE) __asm__ __volatile__("clflush %0" : "+m"(*(volatile char *)a));
-    break;
-  case KEEL_FLUSH_MSYNC: {
-    uint64_t pg = 4096, lo = (a - (uintptr_t)ph->view.base) & ~(pg - 1);
-    uint64_t hi = KEEL_ALIGN_UP(end - (uintptr_t)ph->view.base, pg);
-    ms_add(tc, lo, hi);
-    break;
-  }
-  default:
-    break;
+    case KEEL_FLUSH_CLWB:
+      for (; a < end; a += PH_LINE) __asm__ __volatile__("clwb %0" : "+m"(*(volatile char *)a));
+      break;
+    case KEEL_FLUSH_CLFLUSHOPT:
+      for (; a < end; a += PH_LINE)
+        __asm__ __volatile__("clflushopt %0" : "+m"(*(volatile char *)a));
+      break;
+    case KEEL_FLUSH_CLFLUSH:
+      for (; a < end; a += PH_LINE) __asm__ __volatile__("clflush %0" : "+m"(*(volatile char *)a));
+      break;
+    case KEEL_FLUSH_MSYNC: {
+      uint64_t pg = 4096, lo = (a - (uintptr_t)ph->view.base) & ~(pg - 1);
+      uint64_t hi = KEEL_ALIGN_UP(end - (uintptr_t)ph->view.base, pg);
+      ms_add(tc, lo, hi);
+      break;
+    }
+    default:
+      break;
   }
 }
 
@@ -154,30 +156,30 @@ void _keel_pm_drain(keel_pheap_t *ph, ph_tcache_t *tc) {
   if (keel_unlikely(ph->sim)) {
     /* Runs of consecutive lines go out in one pwrite. */
     for (unsigned i = 0, j; i < tc->sim_n; i = j) {
-      for (j = i + 1; j < tc->sim_n && tc->sim_lines[j] == tc->sim_lines[j - 1] + PH_LINE; j++) {
-      }
+      for (j = i + 1; j < tc->sim_n && tc->sim_lines[j] == tc->sim_lines[j - 1] + PH_LINE; j++) {}
       size_t len = (size_t)(j - i) * PH_LINE;
-      if (pwrite(ph->fd, ph->view.base + tc->sim_lines[i], len, (off_t)tc->sim_lines[i]) != (ssize_t)len)
+      if (pwrite(ph->fd, ph->view.base + tc->sim_lines[i], len, (off_t)tc->sim_lines[i]) !=
+          (ssize_t)len)
         keel_die("pheap sim", "pwrite failed");
     }
     tc->sim_n = 0;
   } else {
     switch (ph->flush_mode) {
-    case KEEL_FLUSH_CLWB:
-    case KEEL_FLUSH_CLFLUSHOPT:
-      __asm__ __volatile__("sfence" ::: "memory");
-      break;
-    case KEEL_FLUSH_CLFLUSH:
-      __asm__ __volatile__("" ::: "memory");
-      break;
-    case KEEL_FLUSH_MSYNC:
-      for (unsigned i = 0; i < tc->ms_n; i++)
-        if (msync(ph->view.base + tc->ms_lo[i], tc->ms_hi[i] - tc->ms_lo[i], MS_SYNC) != 0)
-          keel_die("keel_pheap persist", "msync failed on %s", ph->path);
-      tc->ms_n = 0;
-      break;
-    default:
-      break;
+      case KEEL_FLUSH_CLWB:
+      case KEEL_FLUSH_CLFLUSHOPT:
+        __asm__ __volatile__("sfence" ::: "memory");
+        break;
+      case KEEL_FLUSH_CLFLUSH:
+        __asm__ __volatile__("" ::: "memory");
+        break;
+      case KEEL_FLUSH_MSYNC:
+        for (unsigned i = 0; i < tc->ms_n; i++)
+          if (msync(ph->view.base + tc->ms_lo[i], tc->ms_hi[i] - tc->ms_lo[i], MS_SYNC) != 0)
+            keel_die("keel_pheap persist", "msync failed on %s", ph->path);
+        tc->ms_n = 0;
+        break;
+      default:
+        break;
     }
   }
 }

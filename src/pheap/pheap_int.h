@@ -36,28 +36,28 @@
 #include "base/atomic.h"
 #include "base/common.h"
 
-#define PH_MAGIC        "KEELPHP"
-#define PH_VERSION      1u
-#define PH_HDR_BYTES    4096u
-#define PH_CHUNK        ((uint64_t)256 << 10)
-#define PH_ZONE_CHUNKS  512u
-#define PH_ZONE_META    4096u
-#define PH_ZONE_BYTES   (PH_ZONE_META + PH_ZONE_CHUNKS * PH_CHUNK)
-#define PH_NLANES       16u
-#define PH_REDO_BYTES   (16u << 10)
-#define PH_LANE_BYTES   ((uint64_t)128 << 10)
-#define PH_UNDO_BYTES   (PH_LANE_BYTES - PH_REDO_BYTES)
-#define PH_OBJ_HDR      16u
-#define PH_RUN_HDR      64u
+#define PH_MAGIC          "KEELPHP"
+#define PH_VERSION        1u
+#define PH_HDR_BYTES      4096u
+#define PH_CHUNK          ((uint64_t)256 << 10)
+#define PH_ZONE_CHUNKS    512u
+#define PH_ZONE_META      4096u
+#define PH_ZONE_BYTES     (PH_ZONE_META + PH_ZONE_CHUNKS * PH_CHUNK)
+#define PH_NLANES         16u
+#define PH_REDO_BYTES     (16u << 10)
+#define PH_LANE_BYTES     ((uint64_t)128 << 10)
+#define PH_UNDO_BYTES     (PH_LANE_BYTES - PH_REDO_BYTES)
+#define PH_OBJ_HDR        16u
+#define PH_RUN_HDR        64u
 #define PH_MAX_RUN_CHUNKS 16u
-#define PH_LINE         64u
+#define PH_LINE           64u
 
 /* Chunk word: type in the top byte, length in chunks in the low 32 bits. */
-#define PH_CW_FREE 0u
-#define PH_CW_RUN  1u
-#define PH_CW_HUGE 2u
-#define PH_CW_TYPE(w)  ((unsigned)((w) >> 56))
-#define PH_CW_LEN(w)   ((uint32_t)(w))
+#define PH_CW_FREE       0u
+#define PH_CW_RUN        1u
+#define PH_CW_HUGE       2u
+#define PH_CW_TYPE(w)    ((unsigned)((w) >> 56))
+#define PH_CW_LEN(w)     ((uint32_t)(w))
 #define PH_CW_MAKE(t, n) (((uint64_t)(t) << 56) | (uint32_t)(n))
 
 /* The immutable header, covered by `csum`. */
@@ -68,10 +68,10 @@ typedef struct ph_header {
   char layout[KEEL_PHEAP_LAYOUT_MAX + 1];
   uint64_t nlanes, lane_bytes, lanes_off;
   uint64_t heap_off, chunk_bytes, zone_chunks;
-  uint64_t flags;    /* KEEL_PHEAP_FIXED */
+  uint64_t flags; /* KEEL_PHEAP_FIXED */
   uint64_t uuid[2];
   uint64_t reserved[12];
-  uint64_t csum;     /* over every byte before it */
+  uint64_t csum; /* over every byte before it */
   /* Mutable words, each checked on its own, on their own line. */
   uint64_t size_word KEEL_CACHE_ALIGNED; /* pool bytes/4096 (40 bits) | check (24 bits) */
   uint64_t root_off;                     /* set by an atomic alloc */
@@ -95,8 +95,8 @@ typedef struct ph_redo_entry {
   uint64_t val;
 } ph_redo_entry_t;
 typedef struct ph_redo {
-  uint64_t seq;  /* global order; valid only above the header's ckpt_seq */
-  uint64_t tx;   /* undo seq this log commits, or 0 */
+  uint64_t seq; /* global order; valid only above the header's ckpt_seq */
+  uint64_t tx;  /* undo seq this log commits, or 0 */
   uint64_t n;
   uint64_t dsum; /* over the bytes the CHK entries name, in order */
   uint64_t pad;
@@ -120,7 +120,7 @@ typedef struct ph_undo_entry {
 } ph_undo_entry_t;
 
 typedef struct ph_run_hdr {
-  uint32_t block;   /* block bytes including the object header */
+  uint32_t block; /* block bytes including the object header */
   uint32_t nblocks;
   uint32_t data_off; /* first block, from the run start */
   uint32_t magic;
@@ -148,12 +148,12 @@ int _keel_ph_class_of(uint64_t block) KEEL_HIDDEN;
 
 /* ---- volatile state ---- */
 typedef struct ph_run {
-  uint32_t chunk;   /* global chunk index of its first chunk */
+  uint32_t chunk; /* global chunk index of its first chunk */
   uint32_t cls;
-  uint32_t navail;  /* bits set in vfree */
-  bool listed;      /* on its class's partial list */
+  uint32_t navail; /* bits set in vfree */
+  bool listed;     /* on its class's partial list */
   struct ph_run *next;
-  uint64_t *vfree;  /* free and not handed to any cache */
+  uint64_t *vfree; /* free and not handed to any cache */
 } ph_run_t;
 
 typedef struct ph_classq {
@@ -174,7 +174,7 @@ typedef struct ph_lane {
   char *ring;
   ph_undo_t *undo;
   unsigned idx;
-  unsigned ring_pos;      /* next free line in the ring */
+  unsigned ring_pos;                  /* next free line in the ring */
   keel_atomic(uint64_t) ring_max_seq; /* highest seq of an atomic operation's log in the ring */
   keel_atomic(uint64_t) inflight;
   pthread_mutex_t dirty_lock;
@@ -207,22 +207,22 @@ struct keel_pheap {
   uint64_t reserve;             /* reserved address space */
   uint64_t id;
   int fd;
-  int flush_mode;               /* KEEL_FLUSH_* resolved */
-  bool sim;                     /* simulated media: private map, pwrite at drain */
+  int flush_mode; /* KEEL_FLUSH_* resolved */
+  bool sim;       /* simulated media: private map, pwrite at drain */
   bool fixed;
   char *path;
   ph_header_t *hdr;
   keel_atomic(uint64_t) seq;
-  pthread_mutex_t lock;         /* chunks, growth, caches list */
-  pthread_mutex_t root_lock;    /* first keel_pheap_root */
+  pthread_mutex_t lock;      /* chunks, growth, caches list */
+  pthread_mutex_t root_lock; /* first keel_pheap_root */
   ph_tcache_t *caches;
-  uint8_t *chunk_free;          /* per global chunk: 1 free (volatile) */
-  ph_run_t **chunk_run;         /* per global chunk: the run it heads */
+  uint8_t *chunk_free;           /* per global chunk: 1 free (volatile) */
+  ph_run_t **chunk_run;          /* per global chunk: the run it heads */
   keel_atomic(uint32_t) nchunks; /* chunks that exist now (grows under lock) */
-  uint32_t chunk_cap;           /* array capacity */
+  uint32_t chunk_cap;            /* array capacity */
   ph_classq_t *classq;
   ph_lane_t lanes[PH_NLANES];
-  pthread_mutex_t ckpt_lock;    /* one checkpoint at a time */
+  pthread_mutex_t ckpt_lock;      /* one checkpoint at a time */
   keel_atomic(uint64_t) ckpt_seq; /* volatile copy of hdr->ckpt_seq */
   keel_atomic(uint64_t) grows, tx_commits, tx_aborts;
   uint64_t recovered;
@@ -262,17 +262,17 @@ int _keel_ph_err(int err, const char *path, const char *fmt, ...) KEEL_PRINTF(3,
 /* Flush-site ids for fault injection (tests remove one site at a time). */
 enum ph_site {
   PH_S_NONE = 0,
-  PH_S_OBJHDR,     /* object header before its allocation is logged */
-  PH_S_REDO,       /* redo log before the barrier that commits it */
-  PH_S_APPLY,      /* redo entries applied */
-  PH_S_UNDO,       /* undo entry before the caller may store */
-  PH_S_UNDO_INV,   /* undo invalidation at commit */
-  PH_S_TXDATA,     /* snapshot ranges' new contents at commit */
-  PH_S_TXNEW,      /* objects allocated by the transaction at commit */
-  PH_S_ROLLBACK,   /* restored bytes at abort/recovery */
-  PH_S_RUN,        /* run header + bitmap before the chunk word */
-  PH_S_CKPT,       /* deferred lines at a checkpoint */
-  PH_S_SNAPSHOT,   /* not a flush: the snapshot copy in keel_tx_add_range */
+  PH_S_OBJHDR,   /* object header before its allocation is logged */
+  PH_S_REDO,     /* redo log before the barrier that commits it */
+  PH_S_APPLY,    /* redo entries applied */
+  PH_S_UNDO,     /* undo entry before the caller may store */
+  PH_S_UNDO_INV, /* undo invalidation at commit */
+  PH_S_TXDATA,   /* snapshot ranges' new contents at commit */
+  PH_S_TXNEW,    /* objects allocated by the transaction at commit */
+  PH_S_ROLLBACK, /* restored bytes at abort/recovery */
+  PH_S_RUN,      /* run header + bitmap before the chunk word */
+  PH_S_CKPT,     /* deferred lines at a checkpoint */
+  PH_S_SNAPSHOT, /* not a flush: the snapshot copy in keel_tx_add_range */
   PH_S_COUNT
 };
 extern int _keel_ph_fault KEEL_HIDDEN; /* site to skip, PH_S_NONE normally */
@@ -307,7 +307,8 @@ void _keel_ph_heap_fini(keel_pheap_t *ph) KEEL_HIDDEN;
 /* Takes a free block (volatile reservation) for `size` user bytes; writes
  * nothing persistent. *cls = class or -1 for huge (then the chunk word SET
  * is what publishes it). 0 or KEEL_ENOSPC/EINVAL. */
-int _keel_ph_take(keel_pheap_t *ph, ph_tcache_t *tc, size_t size, int *cls, keel_poff_t *off) KEEL_HIDDEN;
+int _keel_ph_take(keel_pheap_t *ph, ph_tcache_t *tc, size_t size, int *cls,
+                  keel_poff_t *off) KEEL_HIDDEN;
 /* Returns a volatile reservation (never published, or freed and durable). */
 void _keel_ph_give(keel_pheap_t *ph, ph_tcache_t *tc, int cls, keel_poff_t off) KEEL_HIDDEN;
 /* The redo entry that publishes (alloc) or frees a block. Aborts on a bad

@@ -64,7 +64,8 @@ static int map_tail(keel_pheap_t *ph, uint64_t from, uint64_t to, bool first) {
     p = mmap(want, to - from, PROT_READ | PROT_WRITE, MAP_SHARED_VALIDATE | MAP_SYNC | MAP_FIXED,
              ph->fd, (off_t)from);
   }
-  if (p == MAP_FAILED) p = mmap(want, to - from, PROT_READ | PROT_WRITE, flags, ph->fd, (off_t)from);
+  if (p == MAP_FAILED)
+    p = mmap(want, to - from, PROT_READ | PROT_WRITE, flags, ph->fd, (off_t)from);
   return p == MAP_FAILED ? -errno : 0;
 }
 
@@ -110,7 +111,8 @@ static keel_pheap_t *ph_start(const char *path, int fd, uint64_t size, unsigned 
   int opt = (int)_keel_option(KEEL_OPT_pheap_flush);
   ph->flush_mode = opt == KEEL_FLUSH_AUTO ? -1 : _keel_pm_mode(ph);
   ph->reserve = size * 4 > PH_RESERVE ? KEEL_ALIGN_UP(size * 4, PH_CHUNK) : PH_RESERVE;
-  void *base = mmap(NULL, ph->reserve, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  void *base =
+      mmap(NULL, ph->reserve, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
   int rc;
   if (base == MAP_FAILED) {
     rc = _keel_ph_err(KEEL_ENOMEM, path, "cannot reserve %llu bytes of address space",
@@ -199,8 +201,8 @@ keel_pheap_t *keel_pheap_create(const char *path, const char *layout, size_t siz
   if (path == NULL || layout == NULL)
     return fail_null(_keel_ph_err(KEEL_EINVAL, path, "path and layout are required"));
   if (strlen(layout) > KEEL_PHEAP_LAYOUT_MAX)
-    return fail_null(_keel_ph_err(KEEL_EINVAL, path, "layout name longer than %d bytes",
-                                  KEEL_PHEAP_LAYOUT_MAX));
+    return fail_null(
+        _keel_ph_err(KEEL_EINVAL, path, "layout name longer than %d bytes", KEEL_PHEAP_LAYOUT_MAX));
   if (size < KEEL_PHEAP_MIN_SIZE)
     return fail_null(_keel_ph_err(KEEL_EINVAL, path, "size %zu is below the minimum %zu", size,
                                   KEEL_PHEAP_MIN_SIZE));

@@ -28,6 +28,7 @@
 #include <unistd.h>
 
 #include "base/die.h"
+#include "base/tls.h"
 #include "pheap/pheap_int.h"
 
 uint64_t _keel_ph_stray_bytes;
@@ -64,6 +65,19 @@ typedef struct ph_tx {
 } ph_tx_t;
 
 static __thread ph_tx_t tx;
+static __thread keel_thread_hook_t tx_hook;
+
+/* Thread exit: the transaction's arrays (kept between transactions). */
+static void tx_thread_exit(void *arg) {
+  (void)arg;
+  free(tx.ranges);
+  free(tx.news);
+  free(tx.acts);
+  tx.ranges = NULL;
+  tx.news = NULL;
+  tx.acts = NULL;
+  tx.rcap = tx.ncap = tx.acap = 0;
+}
 
 static int grow(void **p, size_t *cap, size_t need, size_t elem) {
   if (need <= *cap) return 0;
@@ -119,6 +133,10 @@ int keel_tx_begin(keel_pheap_t *ph) {
   }
   ph_tcache_t *tc = _keel_ph_tcache(ph);
   if (tc == NULL) return KEEL_ENOMEM;
+  if (tx_hook.fn == NULL) {
+    tx_hook.fn = tx_thread_exit;
+    _keel_thread_hook_arm(&tx_hook);
+  }
   tx.ph = ph;
   tx.tc = tc;
   tx.lane = _keel_ph_lane_get(ph, tc);
@@ -131,7 +149,9 @@ int keel_tx_begin(keel_pheap_t *ph) {
   return 0;
 }
 
-int keel_tx_depth(void) { return tx.depth; }
+int keel_tx_depth(void) {
+  return tx.depth;
+}
 
 static bool in_new(uint64_t lo, uint64_t hi) {
   for (size_t i = 0; i < tx.nn; i++) {
@@ -177,7 +197,10 @@ int keel_tx_add_range(void *ptr, size_t size) {
   size_t a = 0, b = tx.nr;
   while (a < b) {
     size_t m = (a + b) / 2;
-    if (tx.ranges[m].hi <= lo) a = m + 1; else b = m;
+    if (tx.ranges[m].hi <= lo)
+      a = m + 1;
+    else
+      b = m;
   }
   uint64_t cur = lo;
   bool added = false;
@@ -199,7 +222,8 @@ int keel_tx_add_range(void *ptr, size_t size) {
   if (a < i && tx.ranges[a].lo < nlo) nlo = tx.ranges[a].lo;
   if (a < i && tx.ranges[i - 1].hi > nhi) nhi = tx.ranges[i - 1].hi;
   if (a == i) {
-    if (grow((void **)&tx.ranges, &tx.rcap, tx.nr + 1, sizeof *tx.ranges)) return tx_fail(KEEL_ENOMEM);
+    if (grow((void **)&tx.ranges, &tx.rcap, tx.nr + 1, sizeof *tx.ranges))
+      return tx_fail(KEEL_ENOMEM);
     memmove(tx.ranges + a + 1, tx.ranges + a, (tx.nr - a) * sizeof *tx.ranges);
     tx.nr++;
   } else if (i - a > 1) {
@@ -213,7 +237,8 @@ int keel_tx_add_range(void *ptr, size_t size) {
 
 static keel_poff_t tx_alloc_common(size_t size, uint64_t type, bool zero) {
   int rc = tx_check();
-  if (rc == 0 && grow((void **)&tx.news, &tx.ncap, tx.nn + 1, sizeof *tx.news)) rc = tx_fail(KEEL_ENOMEM);
+  if (rc == 0 && grow((void **)&tx.news, &tx.ncap, tx.nn + 1, sizeof *tx.news))
+    rc = tx_fail(KEEL_ENOMEM);
   int cls;
   keel_poff_t off = 0;
   if (rc == 0 && (rc = _keel_ph_take(tx.ph, tx.tc, size, &cls, &off)) != 0) tx_fail(rc);
@@ -226,8 +251,12 @@ static keel_poff_t tx_alloc_common(size_t size, uint64_t type, bool zero) {
   return off;
 }
 
-keel_poff_t keel_tx_alloc(size_t size, uint64_t type) { return tx_alloc_common(size, type, false); }
-keel_poff_t keel_tx_zalloc(size_t size, uint64_t type) { return tx_alloc_common(size, type, true); }
+keel_poff_t keel_tx_alloc(size_t size, uint64_t type) {
+  return tx_alloc_common(size, type, false);
+}
+keel_poff_t keel_tx_zalloc(size_t size, uint64_t type) {
+  return tx_alloc_common(size, type, true);
+}
 
 int keel_tx_free(keel_poff_t off) {
   int rc = tx_check();
@@ -266,7 +295,8 @@ static bool covered(uint64_t off) {
   for (size_t i = 0; i < tx.na; i++) {
     if (tx.acts[i].kind != PH_ACT_RESERVE) continue;
     uint64_t o = tx.acts[i].off - PH_OBJ_HDR;
-    if (off >= o && off < o + PH_OBJ_HDR + _keel_ph_usable(tx.ph, (int)tx.acts[i].cls, tx.acts[i].off))
+    if (off >= o &&
+        off < o + PH_OBJ_HDR + _keel_ph_usable(tx.ph, (int)tx.acts[i].cls, tx.acts[i].off))
       return true;
   }
   return false;
@@ -294,7 +324,8 @@ static int tx_commit_outer(void) {
   ph_redo_entry_t e[PH_REDO_MAX];
   size_t k = 0;
   if (tx.nn > PH_REDO_MAX) return tx_fail(KEEL_ENOSPC);
-  for (size_t i = 0; i < tx.nn; i++) e[k++] = _keel_ph_mark(ph, tx.news[i].cls, tx.news[i].off, true);
+  for (size_t i = 0; i < tx.nn; i++)
+    e[k++] = _keel_ph_mark(ph, tx.news[i].cls, tx.news[i].off, true);
   long m = _keel_ph_acts_entries(ph, tx.acts, tx.na, e + k, PH_REDO_MAX - k);
   if (m < 0) return tx_fail(KEEL_ENOSPC);
   k += (size_t)m;
@@ -309,9 +340,12 @@ static int tx_commit_outer(void) {
     bool data = false;
     for (size_t i = 0; i < tx.nn + tx.na; i++) {
       keel_poff_t off;
-      if (i < tx.nn) off = tx.news[i].off;
-      else if (tx.acts[i - tx.nn].kind == PH_ACT_RESERVE) off = tx.acts[i - tx.nn].off;
-      else continue;
+      if (i < tx.nn)
+        off = tx.news[i].off;
+      else if (tx.acts[i - tx.nn].kind == PH_ACT_RESERVE)
+        off = tx.acts[i - tx.nn].off;
+      else
+        continue;
       const ph_objhdr_t *h = (const ph_objhdr_t *)(ph->view.base + off - PH_OBJ_HDR);
       _keel_pm_flush(ph, tc, h, PH_OBJ_HDR + h->size, PH_S_TXNEW);
       data = true;
@@ -335,13 +369,17 @@ static int tx_commit_outer(void) {
     }
     for (size_t i = 0; i < tx.nn + tx.na; i++) {
       keel_poff_t off;
-      if (i < tx.nn) off = tx.news[i].off;
-      else if (tx.acts[i - tx.nn].kind == PH_ACT_RESERVE) off = tx.acts[i - tx.nn].off;
-      else continue;
+      if (i < tx.nn)
+        off = tx.news[i].off;
+      else if (tx.acts[i - tx.nn].kind == PH_ACT_RESERVE)
+        off = tx.acts[i - tx.nn].off;
+      else
+        continue;
       const ph_objhdr_t *h = (const ph_objhdr_t *)(ph->view.base + off - PH_OBJ_HDR);
       _keel_pm_flush(ph, tc, h, PH_OBJ_HDR + h->size, PH_S_TXNEW);
       if (vouched)
-        vouched = _keel_ph_chk_add(e, &k, PH_REDO_MAX, off - PH_OBJ_HDR, PH_OBJ_HDR + h->size, &chk);
+        vouched =
+            _keel_ph_chk_add(e, &k, PH_REDO_MAX, off - PH_OBJ_HDR, PH_OBJ_HDR + h->size, &chk);
     }
     if (!vouched) _keel_pm_drain(ph, tc);
     _keel_ph_log_write(ph, tc, tx.lane, tx.seq, e, k);
@@ -382,8 +420,20 @@ int keel_tx_end(void) {
   tx.ph = NULL;
   tx.lane = NULL;
   /* Keep the arrays for the next transaction unless one grew large. */
-  if (tx.rcap > 1024) { free(tx.ranges); tx.ranges = NULL; tx.rcap = 0; }
-  if (tx.ncap > 1024) { free(tx.news); tx.news = NULL; tx.ncap = 0; }
-  if (tx.acap > 1024) { free(tx.acts); tx.acts = NULL; tx.acap = 0; }
+  if (tx.rcap > 1024) {
+    free(tx.ranges);
+    tx.ranges = NULL;
+    tx.rcap = 0;
+  }
+  if (tx.ncap > 1024) {
+    free(tx.news);
+    tx.news = NULL;
+    tx.ncap = 0;
+  }
+  if (tx.acap > 1024) {
+    free(tx.acts);
+    tx.acts = NULL;
+    tx.acap = 0;
+  }
   return rc;
 }

@@ -385,8 +385,7 @@ static void test_full_pool_free_never_fails(void) {
   }
   /* Fill the rest with objects only the walk knows about. */
   keel_poff_t junk;
-  while ((rc = keel_pheap_alloc(ph, &junk, 20000, 9)) == 0) {
-  }
+  while ((rc = keel_pheap_alloc(ph, &junk, 20000, 9)) == 0) {}
   KT_EQ(rc, KEEL_ENOSPC);
   for (int i = 0; i < n; i++) KT_EQ(keel_pheap_free(ph, &r->slot[i]), 0);
   KT_EQ(keel_pheap_alloc(ph, &r->slot[0], 20000, 8), 0);
@@ -427,31 +426,31 @@ static double barriers_per(keel_pheap_t *ph, root_t *r, int kind, int n) {
   keel_pheap_stats(ph, &a);
   for (int i = 0; i < n; i++) {
     switch (kind) {
-    case 0:
-      keel_pheap_alloc(ph, &r->slot[i % NSLOTS], 64, 1);
-      break;
-    case 1:
-      keel_pheap_free(ph, &r->slot[i % NSLOTS]);
-      break;
-    case 2: /* tx with one alloc into an added destination */
-      keel_tx_begin(ph);
-      keel_tx_add_range(&r->slot[i % NSLOTS], 8);
-      r->slot[i % NSLOTS] = keel_tx_alloc(64, 1);
-      keel_tx_commit();
-      keel_tx_end();
-      break;
-    case 3: /* tx with one alloc only */
-      keel_tx_begin(ph);
-      keel_tx_alloc(64, 1);
-      keel_tx_commit();
-      keel_tx_end();
-      break;
-    default: {
-      keel_pheap_act_t act[2];
-      keel_pheap_reserve(ph, &act[0], 64, 1);
-      keel_pheap_set_value(ph, &act[1], &r->slot[i % NSLOTS], act[0].off);
-      keel_pheap_publish(ph, act, 2);
-    }
+      case 0:
+        keel_pheap_alloc(ph, &r->slot[i % NSLOTS], 64, 1);
+        break;
+      case 1:
+        keel_pheap_free(ph, &r->slot[i % NSLOTS]);
+        break;
+      case 2: /* tx with one alloc into an added destination */
+        keel_tx_begin(ph);
+        keel_tx_add_range(&r->slot[i % NSLOTS], 8);
+        r->slot[i % NSLOTS] = keel_tx_alloc(64, 1);
+        keel_tx_commit();
+        keel_tx_end();
+        break;
+      case 3: /* tx with one alloc only */
+        keel_tx_begin(ph);
+        keel_tx_alloc(64, 1);
+        keel_tx_commit();
+        keel_tx_end();
+        break;
+      default: {
+        keel_pheap_act_t act[2];
+        keel_pheap_reserve(ph, &act[0], 64, 1);
+        keel_pheap_set_value(ph, &act[1], &r->slot[i % NSLOTS], act[0].off);
+        keel_pheap_publish(ph, act, 2);
+      }
     }
   }
   keel_pheap_stats(ph, &b);
@@ -470,7 +469,8 @@ static void test_barrier_counts(void) {
   for (int i = 0; i < NSLOTS; i++) keel_pheap_free(ph, &r->slot[i]);
   double tx1 = barriers_per(ph, r, 3, NSLOTS), pub = barriers_per(ph, r, 4, NSLOTS);
   printf("  barriers per op: alloc %.2f, free %.2f, tx alloc %.2f (with add_range %.2f), "
-         "publish %.2f\n", alloc, fr, tx1, txr, pub);
+         "publish %.2f\n",
+         alloc, fr, tx1, txr, pub);
   KT_CHECK(alloc <= 1.2);
   KT_CHECK(fr <= 1.2);
   KT_CHECK(pub <= 1.2);
@@ -511,34 +511,40 @@ static void *stress_thread(void *p) {
     keel_poff_t *slot = &a->r->slot[a->id * per + (int)(s % (uint64_t)per)];
     size_t sz = 16 + (s >> 20) % 3000;
     switch ((s >> 8) % 4) {
-    case 0:
-      if (*slot) keel_pheap_free(a->ph, slot);
-      else keel_pheap_alloc(a->ph, slot, sz, 20);
-      break;
-    case 1: {
-      keel_tx_begin(a->ph);
-      keel_tx_add_range(slot, 8);
-      if (*slot) keel_tx_free(*slot), *slot = 0;
-      else *slot = keel_tx_alloc(sz, 20);
-      keel_tx_commit();
-      keel_tx_end();
-      break;
-    }
-    case 2: {
-      if (*slot) break;
-      keel_pheap_act_t act[2];
-      if (keel_pheap_reserve(a->ph, &act[0], sz, 20) != 0) break;
-      keel_pheap_set_value(a->ph, &act[1], slot, act[0].off);
-      if ((s >> 30) & 1) keel_pheap_publish(a->ph, act, 2);
-      else keel_pheap_cancel(a->ph, act, 2);
-      break;
-    }
-    default:
-      keel_tx_begin(a->ph);
-      keel_tx_add_range(&a->r->counter[a->id % 4], 8);
-      a->r->counter[a->id % 4]++;
-      keel_tx_abort(0);
-      keel_tx_end();
+      case 0:
+        if (*slot)
+          keel_pheap_free(a->ph, slot);
+        else
+          keel_pheap_alloc(a->ph, slot, sz, 20);
+        break;
+      case 1: {
+        keel_tx_begin(a->ph);
+        keel_tx_add_range(slot, 8);
+        if (*slot)
+          keel_tx_free(*slot), *slot = 0;
+        else
+          *slot = keel_tx_alloc(sz, 20);
+        keel_tx_commit();
+        keel_tx_end();
+        break;
+      }
+      case 2: {
+        if (*slot) break;
+        keel_pheap_act_t act[2];
+        if (keel_pheap_reserve(a->ph, &act[0], sz, 20) != 0) break;
+        keel_pheap_set_value(a->ph, &act[1], slot, act[0].off);
+        if ((s >> 30) & 1)
+          keel_pheap_publish(a->ph, act, 2);
+        else
+          keel_pheap_cancel(a->ph, act, 2);
+        break;
+      }
+      default:
+        keel_tx_begin(a->ph);
+        keel_tx_add_range(&a->r->counter[a->id % 4], 8);
+        a->r->counter[a->id % 4]++;
+        keel_tx_abort(0);
+        keel_tx_end();
     }
   }
   return NULL;
@@ -586,9 +592,10 @@ static void test_classes_fragmentation(void) {
   KT_CHECK(sum / n < 0.05);
 }
 
-KT_MAIN(KT_CASE(test_create_open_close), KT_CASE(test_bad_wrong_layout), KT_CASE(test_bad_truncated),
-        KT_CASE(test_bad_corrupt_header), KT_CASE(test_bad_below_minimum), KT_CASE(test_bad_version),
-        KT_CASE(test_bad_already_open), KT_CASE(test_alloc_free_sizes), KT_CASE(test_misuse_aborts),
+KT_MAIN(KT_CASE(test_create_open_close), KT_CASE(test_bad_wrong_layout),
+        KT_CASE(test_bad_truncated), KT_CASE(test_bad_corrupt_header),
+        KT_CASE(test_bad_below_minimum), KT_CASE(test_bad_version), KT_CASE(test_bad_already_open),
+        KT_CASE(test_alloc_free_sizes), KT_CASE(test_misuse_aborts),
         KT_CASE(test_reserve_publish_cancel), KT_CASE(test_tx_commit_abort_nested),
         KT_CASE(test_tx_out_of_space_aborts), KT_CASE(test_full_pool_free_never_fails),
         KT_CASE(test_grow), KT_CASE(test_barrier_counts), KT_CASE(test_check_detects_corruption),

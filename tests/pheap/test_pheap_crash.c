@@ -63,81 +63,90 @@ static void op(int j, keel_pheap_t *ph, root_t *r, model_t *m) {
   tag_t t = {i, gen};
   if (!ph) {
     switch (kind) {
-    case 0: m->gen[i] = full ? 0 : gen; break;
-    case 1: m->c[0] += 1, m->c[1] -= 1, m->gen[i] = full ? 0 : gen; break;
-    case 2:
-      for (unsigned k = 0, n = 0; k < NS && n < 2; k++)
-        if (!m->gen[(i + k) % NS]) m->gen[(i + k) % NS] = gen, n++;
-      break;
-    case 5: m->c[0] += 2, m->c[1] -= 2, m->gen[i] = full ? 0 : gen; break;
-    default: break;
+      case 0:
+        m->gen[i] = full ? 0 : gen;
+        break;
+      case 1:
+        m->c[0] += 1, m->c[1] -= 1, m->gen[i] = full ? 0 : gen;
+        break;
+      case 2:
+        for (unsigned k = 0, n = 0; k < NS && n < 2; k++)
+          if (!m->gen[(i + k) % NS]) m->gen[(i + k) % NS] = gen, n++;
+        break;
+      case 5:
+        m->c[0] += 2, m->c[1] -= 2, m->gen[i] = full ? 0 : gen;
+        break;
+      default:
+        break;
     }
     return;
   }
   switch (kind) {
-  case 0:
-    if (full) keel_pheap_free(ph, &r->slot[i]);
-    else if ((j & 1 ? keel_pheap_zalloc : keel_pheap_alloc)(ph, &r->slot[i], size, TYPE) == 0) {
-      memcpy(keel_pheap_ptr(ph, r->slot[i]), &t, sizeof t);
-      keel_pheap_persist(ph, keel_pheap_ptr(ph, r->slot[i]), sizeof t);
+    case 0:
+      if (full)
+        keel_pheap_free(ph, &r->slot[i]);
+      else if ((j & 1 ? keel_pheap_zalloc : keel_pheap_alloc)(ph, &r->slot[i], size, TYPE) == 0) {
+        memcpy(keel_pheap_ptr(ph, r->slot[i]), &t, sizeof t);
+        keel_pheap_persist(ph, keel_pheap_ptr(ph, r->slot[i]), sizeof t);
+      }
+      break;
+    case 1:
+    case 5:
+      keel_tx_begin(ph);
+      keel_tx_add_range(r->c, sizeof r->c);
+      r->c[0] += kind == 1 ? 1 : 2;
+      r->c[1] -= kind == 1 ? 1 : 2;
+      if (kind == 5) keel_tx_begin(ph);
+      keel_tx_add_range(&r->slot[i], 8);
+      if (full) {
+        keel_tx_free(r->slot[i]);
+        r->slot[i] = 0;
+      } else {
+        keel_poff_t o = keel_tx_alloc(size, TYPE);
+        if (o) memcpy(keel_pheap_ptr(ph, o), &t, sizeof t);
+        r->slot[i] = o;
+      }
+      if (kind == 5) keel_tx_commit(), keel_tx_end();
+      keel_tx_commit();
+      keel_tx_end();
+      break;
+    case 2: {
+      keel_pheap_act_t a[4];
+      unsigned n = 0;
+      for (unsigned k = 0; k < NS && n < 4; k++) {
+        unsigned s = (i + k) % NS;
+        if (r->slot[s]) continue;
+        keel_pheap_reserve(ph, &a[n], size, TYPE);
+        tag_t ts = {s, gen};
+        memcpy(keel_pheap_ptr(ph, a[n].off), &ts, sizeof ts);
+        keel_pheap_persist(ph, keel_pheap_ptr(ph, a[n].off),
+                           sizeof ts); /* contents: the caller's */
+        keel_pheap_set_value(ph, &a[n + 1], &r->slot[s], a[n].off);
+        n += 2;
+      }
+      keel_pheap_publish(ph, a, n);
+      break;
     }
-    break;
-  case 1:
-  case 5:
-    keel_tx_begin(ph);
-    keel_tx_add_range(r->c, sizeof r->c);
-    r->c[0] += kind == 1 ? 1 : 2;
-    r->c[1] -= kind == 1 ? 1 : 2;
-    if (kind == 5) keel_tx_begin(ph);
-    keel_tx_add_range(&r->slot[i], 8);
-    if (full) {
-      keel_tx_free(r->slot[i]);
-      r->slot[i] = 0;
-    } else {
-      keel_poff_t o = keel_tx_alloc(size, TYPE);
-      if (o) memcpy(keel_pheap_ptr(ph, o), &t, sizeof t);
-      r->slot[i] = o;
+    case 3: {
+      keel_pheap_act_t a;
+      keel_pheap_reserve(ph, &a, size, TYPE);
+      memcpy(keel_pheap_ptr(ph, a.off), &t, sizeof t);
+      keel_pheap_cancel(ph, &a, 1);
+      break;
     }
-    if (kind == 5) keel_tx_commit(), keel_tx_end();
-    keel_tx_commit();
-    keel_tx_end();
-    break;
-  case 2: {
-    keel_pheap_act_t a[4];
-    unsigned n = 0;
-    for (unsigned k = 0; k < NS && n < 4; k++) {
-      unsigned s = (i + k) % NS;
-      if (r->slot[s]) continue;
-      keel_pheap_reserve(ph, &a[n], size, TYPE);
-      tag_t ts = {s, gen};
-      memcpy(keel_pheap_ptr(ph, a[n].off), &ts, sizeof ts);
-      keel_pheap_persist(ph, keel_pheap_ptr(ph, a[n].off), sizeof ts); /* contents: the caller's */
-      keel_pheap_set_value(ph, &a[n + 1], &r->slot[s], a[n].off);
-      n += 2;
-    }
-    keel_pheap_publish(ph, a, n);
-    break;
-  }
-  case 3: {
-    keel_pheap_act_t a;
-    keel_pheap_reserve(ph, &a, size, TYPE);
-    memcpy(keel_pheap_ptr(ph, a.off), &t, sizeof t);
-    keel_pheap_cancel(ph, &a, 1);
-    break;
-  }
-  case 4:
-    keel_tx_begin(ph);
-    keel_tx_add_range(r->c, sizeof r->c);
-    r->c[0] += 100;
-    keel_tx_add_range(&r->slot[i], 8);
-    if (full) {
-      keel_tx_free(r->slot[i]);
-      r->slot[i] = 0;
-    } else
-      r->slot[i] = keel_tx_alloc(size, TYPE);
-    keel_tx_abort(0);
-    keel_tx_end();
-    break;
+    case 4:
+      keel_tx_begin(ph);
+      keel_tx_add_range(r->c, sizeof r->c);
+      r->c[0] += 100;
+      keel_tx_add_range(&r->slot[i], 8);
+      if (full) {
+        keel_tx_free(r->slot[i]);
+        r->slot[i] = 0;
+      } else
+        r->slot[i] = keel_tx_alloc(size, TYPE);
+      keel_tx_abort(0);
+      keel_tx_end();
+      break;
   }
 }
 
@@ -200,8 +209,12 @@ static char g_base[256], g_trial[256];
 static bool g_sim;
 static int g_fault;
 static long g_rec_crash;
-static void fn_workload(void) { child_workload(g_trial, g_sim, g_fault); }
-static void fn_recovery(void) { child_recovery(g_trial, g_rec_crash, g_seed ^ 0x55); }
+static void fn_workload(void) {
+  child_workload(g_trial, g_sim, g_fault);
+}
+static void fn_recovery(void) {
+  child_recovery(g_trial, g_rec_crash, g_seed ^ 0x55);
+}
 
 static void copy_file(const char *from, const char *to) {
   int a = open(from, O_RDONLY), b = open(to, O_WRONLY | O_CREAT | O_TRUNC, 0644);
@@ -257,14 +270,17 @@ static const char *verify(int done) {
   if (!state_is(ph, r, &a, -1) && !state_is(ph, r, &b, exempt)) {
     bad = "state is neither before nor after the op in flight";
     if (getenv("KEEL_TEST_DEBUG")) {
-      fprintf(stderr, "done %d kind %u slot %u\n", done, (unsigned)(rnd % 6), (unsigned)((rnd >> 8) % NS));
-      fprintf(stderr, "c %lld %lld | a %lld %lld | b %lld %lld\n", (long long)r->c[0], (long long)r->c[1],
-              (long long)a.c[0], (long long)a.c[1], (long long)b.c[0], (long long)b.c[1]);
+      fprintf(stderr, "done %d kind %u slot %u\n", done, (unsigned)(rnd % 6),
+              (unsigned)((rnd >> 8) % NS));
+      fprintf(stderr, "c %lld %lld | a %lld %lld | b %lld %lld\n", (long long)r->c[0],
+              (long long)r->c[1], (long long)a.c[0], (long long)a.c[1], (long long)b.c[0],
+              (long long)b.c[1]);
       for (int i = 0; i < NS; i++) {
         tag_t t = {0, 0};
         if (r->slot[i]) memcpy(&t, keel_pheap_ptr(ph, r->slot[i]), sizeof t);
-        fprintf(stderr, "  slot %d off %llx tag %llu/%llu a %llu b %llu\n", i, (unsigned long long)r->slot[i],
-                (unsigned long long)t.slot, (unsigned long long)t.gen, (unsigned long long)a.gen[i],
+        fprintf(stderr, "  slot %d off %llx tag %llu/%llu a %llu b %llu\n", i,
+                (unsigned long long)r->slot[i], (unsigned long long)t.slot,
+                (unsigned long long)t.gen, (unsigned long long)a.gen[i],
                 (unsigned long long)b.gen[i]);
       }
     }
@@ -278,7 +294,8 @@ static const char *verify(int done) {
     bool live = false;
     for (int k = 0; k < s.n && k < 4 * NS; k++) live |= s.o[k] == r->slot[i];
     if (!live && !bad) bad = "a referenced object is not live";
-    if (!live && getenv("KEEL_TEST_DEBUG")) fprintf(stderr, "slot %d off %llx not live\n", i, (unsigned long long)r->slot[i]);
+    if (!live && getenv("KEEL_TEST_DEBUG"))
+      fprintf(stderr, "slot %d off %llx not live\n", i, (unsigned long long)r->slot[i]);
     if (live && keel_pheap_type(ph, r->slot[i]) != TYPE && !bad) bad = "object header (type) lost";
   }
   if (s.n != reach && !bad) {
@@ -287,7 +304,8 @@ static const char *verify(int done) {
   }
   if (bad && getenv("KEEL_TEST_DEBUG")) {
     fprintf(stderr, "done %d; walk:", done);
-    for (int k = 0; k < s.n && k < 4 * NS; k++) fprintf(stderr, " %llx", (unsigned long long)s.o[k]);
+    for (int k = 0; k < s.n && k < 4 * NS; k++)
+      fprintf(stderr, " %llx", (unsigned long long)s.o[k]);
     fprintf(stderr, "\nslots:");
     for (int i = 0; i < NS; i++) fprintf(stderr, " %llx", (unsigned long long)r->slot[i]);
     fprintf(stderr, "\n");
@@ -354,8 +372,8 @@ static long sweep(bool sim, bool torn, int seeds, int fault, bool stop_at_first,
   long n = count_barriers(sim), bad = 0;
   if (getenv("KEEL_TEST_ONLY_K")) {
     long k = atol(getenv("KEEL_TEST_ONLY_K"));
-    const char *why = trial(k, sim, torn, (uint64_t)(k * 131 + kt_env_int("KEEL_TEST_SEED", 0)), fault,
-                            kt_env_int("KEEL_TEST_REC", 0));
+    const char *why = trial(k, sim, torn, (uint64_t)(k * 131 + kt_env_int("KEEL_TEST_SEED", 0)),
+                            fault, kt_env_int("KEEL_TEST_REC", 0));
     if (why) kt_fail(__FILE__, __LINE__, "k %ld: %s", k, why);
     *tried = 1;
     return why != NULL;
@@ -370,8 +388,9 @@ static long sweep(bool sim, bool torn, int seeds, int fault, bool stop_at_first,
       if (why) {
         bad++;
         if (fault == PH_S_NONE)
-          kt_fail(__FILE__, __LINE__, "crash at barrier %ld/%ld (%s, seed %d, recovery crash %ld): %s",
-                  k, n, sim ? (torn ? "torn media" : "media") : "mmap", s, rec, why);
+          kt_fail(__FILE__, __LINE__,
+                  "crash at barrier %ld/%ld (%s, seed %d, recovery crash %ld): %s", k, n,
+                  sim ? (torn ? "torn media" : "media") : "mmap", s, rec, why);
         if (stop_at_first) return bad;
       }
     }
@@ -408,10 +427,14 @@ static void test_mutation_removing_a_flush_fails(void) {
     bool must;
   } sites[] = {
       /* zalloc's zeroed body: the workload overwrites it before reading. */
-      {PH_S_OBJHDR, "zalloc body", false}, {PH_S_REDO, "redo log", true},
-      {PH_S_APPLY, "tx commit apply", true},     {PH_S_UNDO, "undo snapshot", true},
-      {PH_S_UNDO_INV, "undo emptying", true}, {PH_S_TXDATA, "tx ranges at commit", true},
-      {PH_S_TXNEW, "tx new objects", true}, {PH_S_RUN, "run header", true},
+      {PH_S_OBJHDR, "zalloc body", false},
+      {PH_S_REDO, "redo log", true},
+      {PH_S_APPLY, "tx commit apply", true},
+      {PH_S_UNDO, "undo snapshot", true},
+      {PH_S_UNDO_INV, "undo emptying", true},
+      {PH_S_TXDATA, "tx ranges at commit", true},
+      {PH_S_TXNEW, "tx new objects", true},
+      {PH_S_RUN, "run header", true},
       {PH_S_SNAPSHOT, "snapshot copy", true},
       {PH_S_CKPT, "checkpoint", true},
       /* Needs recovery itself to run on simulated media and crash again. */

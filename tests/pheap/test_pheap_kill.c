@@ -52,42 +52,44 @@ static void *worker(void *arg) {
     keel_poff_t *slot = &g_root->slot[t][k];
     tag_t tag = {t, k, MAGIC};
     switch ((s >> 40) % 4) {
-    case 0: /* transfer */
-      keel_tx_begin(g_ph);
-      keel_tx_add_range(&g_root->acc[t][a], 8);
-      keel_tx_add_range(&g_root->acc[t][b], 8);
-      g_root->acc[t][a] -= 7;
-      g_root->acc[t][b] += 7;
-      keel_tx_commit();
-      keel_tx_end();
-      break;
-    case 1: /* tx alloc or free */
-      keel_tx_begin(g_ph);
-      keel_tx_add_range(slot, 8);
-      if (*slot) {
-        keel_tx_free(*slot);
-        *slot = 0;
-      } else {
-        keel_poff_t o = keel_tx_alloc(size, T_TX);
-        if (o) memcpy(keel_pheap_ptr(g_ph, o), &tag, sizeof tag);
-        *slot = o;
+      case 0: /* transfer */
+        keel_tx_begin(g_ph);
+        keel_tx_add_range(&g_root->acc[t][a], 8);
+        keel_tx_add_range(&g_root->acc[t][b], 8);
+        g_root->acc[t][a] -= 7;
+        g_root->acc[t][b] += 7;
+        keel_tx_commit();
+        keel_tx_end();
+        break;
+      case 1: /* tx alloc or free */
+        keel_tx_begin(g_ph);
+        keel_tx_add_range(slot, 8);
+        if (*slot) {
+          keel_tx_free(*slot);
+          *slot = 0;
+        } else {
+          keel_poff_t o = keel_tx_alloc(size, T_TX);
+          if (o) memcpy(keel_pheap_ptr(g_ph, o), &tag, sizeof tag);
+          *slot = o;
+        }
+        keel_tx_commit();
+        keel_tx_end();
+        break;
+      case 2: { /* publish */
+        if (*slot) break;
+        keel_pheap_act_t act[2];
+        if (keel_pheap_reserve(g_ph, &act[0], size, T_PUB) != 0) break;
+        memcpy(keel_pheap_ptr(g_ph, act[0].off), &tag, sizeof tag);
+        keel_pheap_persist(g_ph, keel_pheap_ptr(g_ph, act[0].off), sizeof tag);
+        keel_pheap_set_value(g_ph, &act[1], slot, act[0].off);
+        keel_pheap_publish(g_ph, act, 2);
+        break;
       }
-      keel_tx_commit();
-      keel_tx_end();
-      break;
-    case 2: { /* publish */
-      if (*slot) break;
-      keel_pheap_act_t act[2];
-      if (keel_pheap_reserve(g_ph, &act[0], size, T_PUB) != 0) break;
-      memcpy(keel_pheap_ptr(g_ph, act[0].off), &tag, sizeof tag);
-      keel_pheap_persist(g_ph, keel_pheap_ptr(g_ph, act[0].off), sizeof tag);
-      keel_pheap_set_value(g_ph, &act[1], slot, act[0].off);
-      keel_pheap_publish(g_ph, act, 2);
-      break;
-    }
-    default: /* atomic alloc or free */
-      if (*slot) keel_pheap_free(g_ph, slot);
-      else keel_pheap_alloc(g_ph, slot, size, T_ATOM);
+      default: /* atomic alloc or free */
+        if (*slot)
+          keel_pheap_free(g_ph, slot);
+        else
+          keel_pheap_alloc(g_ph, slot, size, T_ATOM);
     }
   }
   return NULL;

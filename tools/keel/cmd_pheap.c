@@ -14,7 +14,8 @@ static int cmd_pheap(int argc, char **argv) {
     fprintf(stderr, "usage: keel pheap check|info FILE\n");
     return 2;
   }
-  int rc = strcmp(argv[1], "check") == 0 ? keel_pheap_check(argv[2]) : _keel_ph_info_file(argv[2], stdout);
+  int rc = strcmp(argv[1], "check") == 0 ? keel_pheap_check(argv[2])
+                                         : _keel_ph_info_file(argv[2], stdout);
   if (rc != 0) {
     fprintf(stderr, "keel pheap %s: %s (%s)\n", argv[1], keel_pheap_errmsg(), keel_strerror(rc));
     return 1;
