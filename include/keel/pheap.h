@@ -14,8 +14,15 @@
  * not locked: two threads changing the same bytes must synchronise.
  *
  * Durability costs (persist barriers = fence or msync, see KEEL_OPTIONS
- * pheap_flush): atomic alloc/free/publish 2; transaction commit 2, abort 2,
- * plus 1 per keel_tx_add_range that snapshots new bytes.
+ * pheap_flush): atomic alloc/free/publish 1, plus a 2-barrier checkpoint
+ * shared by every lane about once per 100 operations of a lane; zalloc 1
+ * more; transaction commit 2 (1 extra when it snapshot more than 64 KiB),
+ * abort 2, plus 1 per keel_tx_add_range that snapshots new bytes.
+ *
+ * Sizes: one atomic publish or one transaction may change at most about
+ * 1000 allocation words (a reservation or tx allocation takes 1-3), and a
+ * transaction may snapshot at most 112 KiB (KEEL_ENOSPC, rolled back,
+ * beyond). Calls use up to 32 KiB of the caller's stack.
  *
  * Errors: int functions return 0 or a negative KEEL_E*; functions returning a
  * pointer return NULL and set errno; offset-returning ones return 0 and set
@@ -91,7 +98,7 @@ static inline keel_poff_t keel_pheap_off(const keel_pheap_t *ph, const void *p) 
 /* Allocates `size` bytes tagged with `type` and stores its offset in *dest in
  * the same failure-atomic step (dest may be inside the pool or not; only one
  * inside is crash-atomic). 0, KEEL_ENOSPC (pool full and cannot grow),
- * KEEL_EINVAL. 2 persist barriers; may block on growth. */
+ * KEEL_EINVAL. 1 persist barrier; may block on growth or a checkpoint. */
 KEEL_API int keel_pheap_alloc(keel_pheap_t *ph, keel_poff_t *dest, size_t size, uint64_t type);
 
 /* As keel_pheap_alloc, with the object's bytes zeroed and persisted. */
@@ -131,8 +138,10 @@ KEEL_API void keel_pheap_set_value(keel_pheap_t *ph, keel_pheap_act_t *act, uint
 /* Queues the free of a live object for a publish. */
 KEEL_API void keel_pheap_defer_free(keel_pheap_t *ph, keel_pheap_act_t *act, keel_poff_t off);
 
-/* Makes n actions durable atomically (2 barriers). At most 240 actions per
- * call (KEEL_ENOSPC beyond; nothing is published then). */
+/* Makes n actions durable atomically (1 barrier). A reservation takes 3 log
+ * entries, a value or free 1, of about 1000 per call (KEEL_ENOSPC beyond;
+ * nothing is published then). The contents written into a reservation are
+ * the caller's to persist (keel_pheap_persist) before publishing. */
 KEEL_API int keel_pheap_publish(keel_pheap_t *ph, keel_pheap_act_t *acts, size_t n);
 
 /* Drops n unpublished actions (reservations go back to the heap). */
@@ -171,7 +180,9 @@ KEEL_API int keel_pheap_print_info(keel_pheap_t *ph, FILE *out);
  * / another open error with keel_pheap_errmsg() naming the first problem. */
 KEEL_API int keel_pheap_check(const char *path);
 
-/* Makes [p, p+len) durable (flush + barrier), for plain stores outside tx. */
+/* Makes [p, p+len) durable (flush + barrier), for plain stores outside tx;
+ * also checkpoints pending atomic operations, so a plain store to a word an
+ * earlier alloc/free/publish set is never undone by that log's replay. */
 KEEL_API void keel_pheap_persist(keel_pheap_t *ph, const void *p, size_t len);
 
 /* Transactions (per thread, flat nesting: an inner begin/commit only counts
@@ -204,7 +215,8 @@ KEEL_API int keel_tx_free(keel_poff_t off);
 /* Publishes reservations and queued actions with the transaction. */
 KEEL_API int keel_tx_publish(keel_pheap_act_t *acts, size_t n);
 
-/* Commits the outermost transaction (inner: no-op). 2 persist barriers. */
+/* Commits the outermost transaction (inner: no-op). 2 persist barriers (0 if
+ * it changed nothing). */
 KEEL_API int keel_tx_commit(void);
 
 /* Aborts and rolls back the whole transaction; err (<0) is what keel_tx_end

@@ -3,8 +3,8 @@
  *
  * The checksum is a word-at-a-time multiply-rotate hash (not cryptographic):
  * it only has to catch torn and stale log bytes and random corruption, and
- * it runs on every redo log write (a few dozen bytes) and undo snapshot (up
- * to the snapshot's size), so it must cost about a cycle per byte.
+ * it runs on every redo log write (a few dozen bytes), undo snapshot and
+ * commit (the snapshot's size), so it runs four lanes at once past 64 bytes.
  */
 #define _GNU_SOURCE
 #include <stdarg.h>
@@ -37,6 +37,19 @@ uint64_t _keel_ph_csum(const void *p, size_t len, uint64_t seed) {
   const unsigned char *b = p;
   uint64_t h = seed ^ 0x9e3779b97f4a7c15ull ^ (len * 0xff51afd7ed558ccdull);
   size_t i = 0;
+  if (len >= 64) {
+    /* Four independent lanes: the multiply chains overlap, about 1 cycle
+     * per 8 bytes instead of 4 (undo snapshots and commit data of KiBs). */
+    uint64_t l[4] = {h, h ^ 0x632be59bd9b4e019ull, h ^ 0x8cb92ba72f3d8dd7ull,
+                     h ^ 0x52dce729da3ed2b5ull};
+    for (; i + 32 <= len; i += 32)
+      for (int k = 0; k < 4; k++) {
+        uint64_t w;
+        memcpy(&w, b + i + 8 * k, 8);
+        l[k] = rotl(l[k] ^ (w * 0x87c37b91114253d5ull), 31) * 0x4cf5ad432745937full;
+      }
+    h = l[0] ^ rotl(l[1], 17) ^ rotl(l[2], 29) ^ rotl(l[3], 43);
+  }
   for (; i + 8 <= len; i += 8) {
     uint64_t w;
     memcpy(&w, b + i, 8);

@@ -4,11 +4,11 @@
  *
  *   [0, 4 KiB)         pool header: the immutable part (magic, version,
  *                      layout, geometry) under one checksum, then on its own
- *                      cache line the mutable words (size, root, epoch), each
- *                      an independently checked 64-bit value.
- *   [4 KiB, heap_off)  NLANES lanes of LANE_BYTES: a redo log (4 KiB) and an
- *                      undo log. A thread holds a lane for one atomic
- *                      operation or one whole transaction.
+ *                      cache line the mutable words (size, root, epoch,
+ *                      checkpoint watermark), each one 64-bit store.
+ *   [4 KiB, heap_off)  NLANES lanes of LANE_BYTES: a redo log ring (16 KiB)
+ *                      and an undo log (112 KiB). A thread holds a lane for
+ *                      one atomic operation or one whole transaction.
  *   [heap_off, size)   zones: a 4 KiB page of 512 chunk words, then up to 512
  *                      chunks of 256 KiB. A chunk word of 0 is a free chunk,
  *                      so extending the file (zero fill) adds free chunks with
@@ -23,7 +23,7 @@
  *
  * Seq numbers order logs for recovery: seq = epoch << 40 | counter, where the
  * epoch is bumped (and persisted) at every open, so seqs never repeat across
- * sessions and stale log bytes can never pass a checksum for a live seq.
+ * sessions and every new seq is above the watermark recovery left.
  */
 #ifndef KEEL_PHEAP_INT_H
 #define KEEL_PHEAP_INT_H

@@ -168,17 +168,23 @@ static int undo_append(uint64_t off, uint64_t len) {
   uint64_t need = sizeof(ph_undo_entry_t) + KEEL_ALIGN_UP(len, (uint64_t)8);
   if (tx.undo_pos + need > sizeof u->data) return KEEL_ENOSPC;
   if (!tx.undo_started) {
-    u->seq = tx.seq;
-    _keel_pm_flush(ph, tx.tc, u, 8, PH_S_UNDO);
+    uint64_t seq = tx.seq;
+    _keel_pm_write_nt(ph, tx.tc, &u->seq, &seq, 8, PH_S_UNDO);
     tx.undo_started = true;
   }
   if (keel_unlikely(_keel_ph_fault == PH_S_SNAPSHOT)) return 0;
+  /* Entry header and data go out with non-temporal stores where the mode
+   * allows (no flush, no cache pollution by the copy); the last partial
+   * word of the data is padded through a bounce word. */
   ph_undo_entry_t *e = (ph_undo_entry_t *)(u->data + tx.undo_pos);
-  e->off = off;
-  e->len = len;
-  memcpy(e + 1, ph->view.base + off, len);
-  e->csum = _keel_ph_undo_csum(tx.seq, e);
-  _keel_pm_flush(ph, tx.tc, e, sizeof *e + len, PH_S_UNDO);
+  ph_undo_entry_t h = {off, len, 0};
+  uint64_t body = len & ~(uint64_t)7, tail = 0;
+  memcpy(&tail, ph->view.base + off + body, len - body);
+  /* The checksum covers exactly len bytes, as rollback reads them. */
+  h.csum = _keel_ph_csum(ph->view.base + off, len, tx.seq * 0xc2b2ae3d27d4eb4full ^ off * 31 ^ len);
+  _keel_pm_write_nt(ph, tx.tc, e, &h, sizeof h, PH_S_UNDO);
+  if (body) _keel_pm_write_nt(ph, tx.tc, e + 1, ph->view.base + off, body, PH_S_UNDO);
+  if (len > body) _keel_pm_write_nt(ph, tx.tc, (char *)(e + 1) + body, &tail, 8, PH_S_UNDO);
   tx.undo_pos += need;
   return 0;
 }
