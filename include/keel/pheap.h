@@ -16,7 +16,7 @@
  * Durability costs (persist barriers = fence or msync, see KEEL_OPTIONS
  * pheap_flush): atomic alloc/free/publish 1, plus a 2-barrier checkpoint
  * shared by every lane about once per 100 operations of a lane; zalloc 1
- * more; transaction commit 2 (1 extra when it snapshot more than 64 KiB),
+ * more; transaction commit 2 (1 extra when it snapshot more than 1 KiB),
  * abort 2, plus 1 per keel_tx_add_range that snapshots new bytes.
  *
  * Sizes: one atomic publish or one transaction may change at most about

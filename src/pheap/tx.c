@@ -95,8 +95,8 @@ static void tx_rollback(void) {
   if (tx.undo_started) {
     _keel_ph_undo_rollback(ph, tx.tc, tx.lane->undo);
     _keel_pm_drain(ph, tx.tc);
-    tx.lane->undo->seq = 0;
-    _keel_pm_flush(ph, tx.tc, tx.lane->undo, 8, PH_S_UNDO_INV);
+    uint64_t zero = 0;
+    _keel_pm_write_nt(ph, tx.tc, &tx.lane->undo->seq, &zero, 8, PH_S_UNDO_INV);
     _keel_pm_drain(ph, tx.tc);
     tx.undo_started = false;
   }
@@ -393,8 +393,8 @@ static int tx_commit_outer(void) {
     /* Applied, flushed and the undo log emptied before commit returns: from
      * then on recovery replays this log whatever its data (log.c). */
     _keel_ph_log_apply(ph, tc, tx.lane, e, k, false);
-    tx.lane->undo->seq = 0;
-    _keel_pm_flush(ph, tc, tx.lane->undo, 8, PH_S_UNDO_INV);
+    uint64_t zero = 0; /* non-temporal: the line is not re-read until the next tx */
+    _keel_pm_write_nt(ph, tc, &tx.lane->undo->seq, &zero, 8, PH_S_UNDO_INV);
     _keel_pm_drain(ph, tc);
   }
   tx.undo_started = false;
