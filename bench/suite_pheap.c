@@ -8,7 +8,7 @@
  * call msync. libpmemobj is linked only when pkg-config finds it; otherwise
  * its impl prints a note and is skipped.
  *
- * Throughput cases run for a fixed window (0.3 s x scale). Where an
+ * Throughput cases run for a fixed window (0.25 s x scale). Where an
  * operation leaves objects behind (tx-alloc, publish), they are freed in
  * untimed gaps between timed batches of 64, so the heap stays small and only
  * the measured operation is charged; seconds are the mean per-thread timed
@@ -115,7 +115,7 @@ PB_MEMF(pmem_memset, int)
 static int pb_open(pb_t *b, const kb_params_t *p, bool force) {
   snprintf(b->path, sizeof b->path, "/dev/shm/keel-bench-pheap-%d", (int)getpid());
   unlink(b->path);
-  b->window = 0.3 * p->scale;
+  b->window = 0.25 * p->scale;
   b->threads = p->threads;
   if (strcmp(p->impl, "keel") == 0) {
     b->impl = PB_KEEL;
