@@ -11,12 +11,14 @@
  * tx_alloc only reserves (volatile); tx_free and tx_publish only queue. A
  * transaction that snapshot nothing commits like an atomic operation after a
  * barrier that orders its new objects' bytes (2 barriers). Otherwise, at
- * commit: (1) flush the snapshot ranges and the new objects, write the redo
- * log (bit sets for allocations, clears for frees, queued value stores) whose
- * seq equals the undo log's seq: barrier 1, after which the transaction is
- * committed (recovery sees a valid redo log of the same seq and discards the
- * undo log instead of rolling back); (2) apply the redo entries, flush them
- * and empty the undo log: barrier 2. The commit log stays in the lane's ring
+ * commit: (1) flush the snapshot ranges and the new objects, write the commit
+ * log (bit sets for allocations, clears for frees, queued value stores; its
+ * `tx` names the undo log) with CHK entries whose checksum vouches for those
+ * new bytes, so they need no barrier of their own (past 1 KiB a barrier
+ * orders them first instead): barrier 1, after which the transaction is
+ * committed (recovery finds a commit log for the undo log, with its data
+ * intact, and discards the undo log instead of rolling back); (2) apply the
+ * entries, flush them and empty the undo log: barrier 2. The commit log stays in the lane's ring
  * until a checkpoint passes it (log.c). A transaction that snapshot nothing
  * and allocated nothing commits with no barrier.
  * Abort: restore snapshots newest first, barrier, empty the undo log,
