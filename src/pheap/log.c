@@ -51,6 +51,8 @@
 
 #define ATOMIC64(p) ((keel_atomic(uint64_t) *)(void *)(p))
 
+unsigned _keel_ph_ring_limit = PH_RING_LINES;
+
 uint64_t _keel_ph_next_seq(keel_pheap_t *ph) {
   return keel_fetch_add_relaxed(&ph->seq, 1) + 1;
 }
@@ -117,7 +119,10 @@ static unsigned log_lines(size_t n) {
 uint64_t _keel_ph_log_write(keel_pheap_t *ph, ph_tcache_t *tc, ph_lane_t *l, uint64_t tx,
                             const ph_redo_entry_t *e, size_t n) {
   unsigned lines = log_lines(n);
-  if (l->ring_pos + lines > PH_RING_LINES) {
+  unsigned limit = _keel_ph_ring_limit > lines && _keel_ph_ring_limit <= PH_RING_LINES
+                       ? _keel_ph_ring_limit
+                       : PH_RING_LINES;
+  if (l->ring_pos + lines > limit) {
     /* Reuse the ring only once the watermark covers every log in it, so no
      * log above the watermark is ever overwritten (see the file comment). */
     uint64_t need = keel_load_relaxed(&l->ring_max_seq);

@@ -337,6 +337,9 @@ uint64_t _keel_ph_log_write(keel_pheap_t *ph, ph_tcache_t *tc, ph_lane_t *l, uin
  * caller drains). Ends the lane's in-flight state. */
 void _keel_ph_log_apply(keel_pheap_t *ph, ph_tcache_t *tc, ph_lane_t *l, const ph_redo_entry_t *e,
                         size_t n, bool deferred) KEEL_HIDDEN;
+/* Lines of the ring a lane uses before it wraps (PH_RING_LINES; tests
+ * shrink it to make wraps and checkpoints frequent). */
+extern unsigned _keel_ph_ring_limit KEEL_HIDDEN;
 /* Flushes every deferred line and raises the durable watermark (2 barriers). */
 /* True if some atomic operation's effects still wait for a checkpoint. */
 bool _keel_ph_deferred(keel_pheap_t *ph) KEEL_HIDDEN;
