@@ -21,7 +21,7 @@
  *
  * Sizes: one atomic publish or one transaction may change at most about
  * 1000 allocation words (a reservation or tx allocation takes 1-3), and a
- * transaction may snapshot at most 112 KiB (KEEL_ENOSPC, rolled back,
+ * transaction may snapshot at most 48 KiB (KEEL_ENOSPC, rolled back,
  * beyond). Calls use up to 32 KiB of the caller's stack.
  *
  * Errors: int functions return 0 or a negative KEEL_E*; functions returning a
@@ -44,7 +44,7 @@ typedef uint64_t keel_poff_t;
 
 typedef struct keel_pheap keel_pheap_t;
 
-/* The smallest pool keel_pheap_create accepts (the per-thread logs take 2 MiB). */
+/* The smallest pool keel_pheap_create accepts (the 64 log lanes take 4 MiB). */
 #define KEEL_PHEAP_MIN_SIZE   ((size_t)8 << 20)
 /* Longest layout name, without its NUL. */
 #define KEEL_PHEAP_LAYOUT_MAX 63
