@@ -338,6 +338,40 @@ static void test_tx_commit_abort_nested(void) {
   unlink(p);
 }
 
+/* Reservations handed to a transaction are published by its commit and
+ * cancelled by its abort; tx_zalloc zeroes. */
+static void test_tx_publish_and_zalloc(void) {
+  char p[256];
+  tp_path(p, sizeof p, "txpub");
+  keel_pheap_t *ph = keel_pheap_create(p, LAYOUT, KEEL_PHEAP_MIN_SIZE, 0);
+  root_t *r = keel_pheap_root(ph, sizeof *r);
+  keel_pheap_act_t a[2];
+  for (int round = 0; round < 2; round++) {
+    KT_EQ(keel_pheap_reserve(ph, &a[0], 200, 30 + round), 0);
+    keel_pheap_set_value(ph, &a[1], &r->slot[round], a[0].off);
+    KT_EQ(keel_tx_begin(ph), 0);
+    KT_EQ(keel_tx_publish(a, 2), 0);
+    KT_EQ(a[0].kind, 0); /* the transaction owns the actions now */
+    keel_poff_t z = keel_tx_zalloc(500, 40);
+    KT_REQUIRE(z != 0);
+    for (int i = 0; i < 500; i++) KT_EQ(((unsigned char *)keel_pheap_ptr(ph, z))[i], 0);
+    if (round == 0) {
+      KT_EQ(keel_tx_commit(), 0);
+      KT_EQ(keel_tx_end(), 0);
+    } else {
+      KT_EQ(keel_tx_end(), KEEL_ECANCELED); /* not committed: aborted */
+    }
+  }
+  KT_EQ(count_type(ph, 30), 1);
+  KT_EQ(count_type(ph, 31), 0);
+  KT_EQ(count_type(ph, 40), 1);
+  KT_CHECK(r->slot[0] != 0);
+  KT_EQ(r->slot[1], 0);
+  keel_pheap_close(ph);
+  KT_EQ(keel_pheap_check(p), 0);
+  unlink(p);
+}
+
 static void test_tx_out_of_space_aborts(void) {
   char p[256];
   tp_path(p, sizeof p, "txfull");
@@ -597,6 +631,7 @@ KT_MAIN(KT_CASE(test_create_open_close), KT_CASE(test_bad_wrong_layout),
         KT_CASE(test_bad_below_minimum), KT_CASE(test_bad_version), KT_CASE(test_bad_already_open),
         KT_CASE(test_alloc_free_sizes), KT_CASE(test_misuse_aborts),
         KT_CASE(test_reserve_publish_cancel), KT_CASE(test_tx_commit_abort_nested),
-        KT_CASE(test_tx_out_of_space_aborts), KT_CASE(test_full_pool_free_never_fails),
-        KT_CASE(test_grow), KT_CASE(test_barrier_counts), KT_CASE(test_check_detects_corruption),
-        KT_CASE(test_stress_threads), KT_CASE(test_classes_fragmentation))
+        KT_CASE(test_tx_publish_and_zalloc), KT_CASE(test_tx_out_of_space_aborts),
+        KT_CASE(test_full_pool_free_never_fails), KT_CASE(test_grow), KT_CASE(test_barrier_counts),
+        KT_CASE(test_check_detects_corruption), KT_CASE(test_stress_threads),
+        KT_CASE(test_classes_fragmentation))
