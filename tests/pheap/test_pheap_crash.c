@@ -14,7 +14,10 @@
  * contents, and the heap walk counts exactly the reachable objects.
  *
  * KEEL_TEST_CRASH_SEEDS (default 3) torn-media seeds per crash point; under
- * sanitizers crash points are sampled (every 5th, seeded).
+ * sanitizers crash points are sampled (every 5th, seeded). To study one
+ * failure: KEEL_TEST_ONLY_K=k (one crash point), KEEL_TEST_REC=j (crash
+ * recovery at its barrier j), KEEL_TEST_SEED, KEEL_TEST_DEBUG=1 (print the
+ * recovered state beside the two models).
  */
 #define _GNU_SOURCE
 #include <errno.h>
