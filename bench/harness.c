@@ -32,6 +32,7 @@
 #include <poll.h>
 #include <pthread.h>
 #include <signal.h>
+#include <stdatomic.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -42,7 +43,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "harness.h"
+#include "harness_internal.h"
 
 extern char **environ;
 
@@ -222,9 +223,31 @@ static int kb_self_skip(const kb_params_t *p, kb_result_t *r) {
   return 1;
 }
 
+/* Every one of p->threads workers must run exactly once, also 256 on 2
+ * cores; a miss is a crash, which the test sees. */
+static void kb_self_worker(int i, void *arg) {
+  atomic_fetch_add((_Atomic int *)arg + i, 1);
+}
+
+static int kb_self_threads(const kb_params_t *p, kb_result_t *r) {
+  _Atomic int *ran = calloc((size_t)p->threads, sizeof(*ran));
+  if (ran == NULL) abort();
+  r->seconds = kb_run_threads(p->threads, kb_self_worker, ran);
+  for (int i = 0; i < p->threads; i++)
+    if (atomic_load(&ran[i]) != 1) {
+      fprintf(stderr, "selftest: worker %d ran %d times\n", i, atomic_load(&ran[i]));
+      abort();
+    }
+  r->ops = p->threads;
+  free(ran);
+  return 0;
+}
+
 static const kb_impl_t kb_self_impls[] = {{"a", NULL}, {"b", NULL}, {NULL, NULL}};
 static const kb_case_t kb_self_cases[] = {
     {"ok", "finishes", kb_self_ok, kb_self_impls, true, NULL, false},
+    {"threads", "kb_run_threads runs each worker once", kb_self_threads, kb_self_impls, true, NULL,
+     false},
     {"crash", "dies of SIGSEGV", kb_self_crash, kb_self_impls, false, NULL, false},
     {"hang", "never returns", kb_self_hang, kb_self_impls, false, NULL, false},
     {"skip", "cannot run here", kb_self_skip, kb_self_impls, false, NULL, false},

@@ -4,7 +4,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "harness.h"
+#include "harness_internal.h"
 
 static void usage(FILE *f) {
   fprintf(f, "usage: keel-bench SUITE|all [options]\n"
