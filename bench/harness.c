@@ -599,6 +599,7 @@ static kb_status_t kb_spawn(char **argv, char **env, double timeout_s, kb_sample
   char fdarg[16];
   snprintf(fdarg, sizeof(fdarg), "%d", pfd[1]);
   argv[2] = fdarg;
+  const char *exe = kb_exe_path(); /* resolved here: the child may only exec */
   fflush(NULL);
   pid_t pid = fork();
   if (pid < 0) {
@@ -613,7 +614,7 @@ static kb_status_t kb_spawn(char **argv, char **env, double timeout_s, kb_sample
     setpgid(0, 0);
     fcntl(pfd[1], F_SETFD, 0);
     dup2(STDERR_FILENO, STDOUT_FILENO);
-    execve(kb_exe_path(), argv, env);
+    execve(exe, argv, env);
     _exit(127);
   }
   setpgid(pid, pid); /* also here: whichever runs first, the group exists */
@@ -1101,7 +1102,7 @@ int kb_suite_run(const kb_suite_t *s, const kb_opts_t *o) {
     fprintf(stderr, "keel-bench: --reps must be 1..%d\n", KB_MAX_REPS);
     return 2;
   }
-  if (o->cases)
+  if (o->cases && !o->all_suites)
     for (const char *p = o->cases; *p;) {
       size_t len = strcspn(p, ",");
       char name[64];

@@ -21,6 +21,7 @@ typedef struct kb_opts {
   int reps;            /* repetitions per (case, threads, impl) */
   bool json;           /* JSON lines on stdout instead of tables */
   const char *cases;   /* comma list of case names to run; NULL = all */
+  bool all_suites;     /* `keel-bench all`: a suite may lack a --case name */
   const char *impls;   /* comma list of impl names to run; NULL = all */
   FILE *out_fp;        /* --out FILE: JSON lines also go here; NULL = no */
   double timeout_s;    /* per child run; killed and reported past it */

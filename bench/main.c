@@ -93,6 +93,7 @@ int main(int argc, char **argv) {
   int rc = parse_options(argc, argv, &o);
   if (rc != 0) return rc;
   if (strcmp(argv[1], "all") == 0) {
+    o.all_suites = true;
     for (const kb_suite_t *s = kb_suite_first(); s; s = s->next) {
       int r = kb_suite_run(s, &o);
       if (r > rc) rc = r;
