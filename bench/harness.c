@@ -806,50 +806,75 @@ static int kb_ref_column(const kb_cell_t *cells, int n_impl, int n_threads) {
   return 0;
 }
 
-/* Prints one table: rows = thread counts, columns = impls; each value but
- * the reference column's is followed by its ratio against that column in
- * the same row. */
+/* The best value among the columns other than rc in one row, in `best`;
+ * returns its column or -1. */
+static int kb_best_peer(const kb_cell_t *row, int n_impl, int rc, const char *metric, bool lower,
+                        double *best) {
+  int bj = -1;
+  for (int j = 0; j < n_impl; j++) {
+    double x = row[j].n ? kb_cell_metric(&row[j], metric) : NAN;
+    if (j == rc || !isfinite(x)) continue;
+    if (bj < 0 || (lower ? x < *best : x > *best)) bj = j, *best = x;
+  }
+  return bj;
+}
+
+/* One row's cells: each value but the reference column's followed by its
+ * ratio against the reference, then (when there are 2 or more peers) the
+ * best peer and its ratio, which is what keel's targets are stated
+ * against. */
+static void kb_table_row(char (*txt)[KB_CELL_LEN], const kb_impl_t *impls, int n_impl,
+                         const kb_cell_t *row, int rc, const char *metric, bool lower,
+                         int threads) {
+  snprintf(txt[0], KB_CELL_LEN, "%d", threads);
+  double ref = row[rc].n ? kb_cell_metric(&row[rc], metric) : NAN;
+  for (int j = 0; j < n_impl; j++) {
+    char v[KB_CELL_LEN / 2];
+    if (row[j].n == 0) {
+      snprintf(txt[j + 1], KB_CELL_LEN, "%s", kb_status_word(row[j].worst));
+      continue;
+    }
+    double x = kb_cell_metric(&row[j], metric);
+    kb_format(v, sizeof(v), metric, x);
+    if (j == rc || !(ref > 0) || !isfinite(x))
+      snprintf(txt[j + 1], KB_CELL_LEN, "%s", v);
+    else
+      snprintf(txt[j + 1], KB_CELL_LEN, "%s (%.2fx)", v, x / ref);
+  }
+  double best = NAN;
+  int bj = kb_best_peer(row, n_impl, rc, metric, lower, &best);
+  if (bj >= 0 && ref > 0)
+    snprintf(txt[n_impl + 1], KB_CELL_LEN, "%s %.2fx", impls[bj].name, best / ref);
+  else
+    snprintf(txt[n_impl + 1], KB_CELL_LEN, "-");
+}
+
+/* Prints one table: rows = thread counts, columns = impls (plus the best
+ * peer when there are two or more peers). */
 static void kb_table(const char *title, const char *metric, bool lower, const kb_impl_t *impls,
                      int n_impl, const int *threads, int n_threads, kb_cell_t *cells) {
-  char(*txt)[KB_CELL_LEN] = calloc((size_t)(n_threads + 1) * (size_t)(n_impl + 1), KB_CELL_LEN);
-  int *width = calloc((size_t)n_impl + 1, sizeof(int));
+  int cols = n_impl + 2, shown = n_impl >= 3 ? cols : cols - 1;
+  char(*txt)[KB_CELL_LEN] = calloc((size_t)(n_threads + 1) * (size_t)cols, KB_CELL_LEN);
+  int *width = calloc((size_t)cols, sizeof(int));
   if (txt == NULL || width == NULL) abort();
-#define KB_TXT(r, c) txt[(r) * (n_impl + 1) + (c)]
-  snprintf(KB_TXT(0, 0), KB_CELL_LEN, "threads");
-  for (int j = 0; j < n_impl; j++) snprintf(KB_TXT(0, j + 1), KB_CELL_LEN, "%s", impls[j].name);
   int rc = kb_ref_column(cells, n_impl, n_threads);
-  for (int t = 0; t < n_threads; t++) {
-    snprintf(KB_TXT(t + 1, 0), KB_CELL_LEN, "%d", threads[t]);
-    kb_cell_t *rcell = &cells[t * n_impl + rc];
-    double ref = rcell->n ? kb_cell_metric(rcell, metric) : NAN;
-    for (int j = 0; j < n_impl; j++) {
-      kb_cell_t *c = &cells[t * n_impl + j];
-      char v[KB_CELL_LEN / 2];
-      if (c->n == 0) {
-        snprintf(KB_TXT(t + 1, j + 1), KB_CELL_LEN, "%s", kb_status_word(c->worst));
-        continue;
-      }
-      double x = kb_cell_metric(c, metric);
-      kb_format(v, sizeof(v), metric, x);
-      if (j == rc || !(ref > 0) || !isfinite(x))
-        snprintf(KB_TXT(t + 1, j + 1), KB_CELL_LEN, "%s", v);
-      else
-        snprintf(KB_TXT(t + 1, j + 1), KB_CELL_LEN, "%s (%.2fx)", v, x / ref);
-    }
-  }
+  snprintf(txt[0], KB_CELL_LEN, "threads");
+  for (int j = 0; j < n_impl; j++) snprintf(txt[j + 1], KB_CELL_LEN, "%s", impls[j].name);
+  snprintf(txt[n_impl + 1], KB_CELL_LEN, "best peer");
+  for (int t = 0; t < n_threads; t++)
+    kb_table_row(&txt[(t + 1) * cols], impls, n_impl, &cells[t * n_impl], rc, metric, lower,
+                 threads[t]);
   for (int r = 0; r <= n_threads; r++)
-    for (int j = 0; j <= n_impl; j++) {
-      int w = (int)strlen(KB_TXT(r, j));
+    for (int j = 0; j < cols; j++) {
+      int w = (int)strlen(txt[r * cols + j]);
       if (w > width[j]) width[j] = w;
     }
   printf("%s (%s, %s is better; (x) = value / %s's)\n", title, metric, lower ? "lower" : "higher",
          impls[rc].name);
   for (int r = 0; r <= n_threads; r++) {
-    printf("  %*s", width[0], KB_TXT(r, 0));
-    for (int j = 0; j < n_impl; j++) printf("  %*s", width[j + 1], KB_TXT(r, j + 1));
+    for (int j = 0; j < shown; j++) printf("  %*s", width[j], txt[r * cols + j]);
     printf("\n");
   }
-#undef KB_TXT
   free(width);
   free(txt);
 }
