@@ -761,12 +761,12 @@ static void kb_json_line(FILE *f, const char *suite, const char *cname, const ch
 }
 
 /* A value in the unit its metric name implies: *_kb in MiB, *_s in seconds,
- * ns_per_op in ns, rates with an SI suffix. */
+ * *ns_per_op in ns, rates with an SI suffix. */
 static void kb_format(char *buf, size_t len, const char *metric, double v) {
   size_t m = strlen(metric);
   if (!isfinite(v)) {
     snprintf(buf, len, "-");
-  } else if (strcmp(metric, "ns_per_op") == 0) {
+  } else if (m >= 9 && strcmp(metric + m - 9, "ns_per_op") == 0) {
     snprintf(buf, len, "%.*f ns", v < 100 ? 2 : 0, v);
   } else if (m > 3 && strcmp(metric + m - 3, "_kb") == 0) {
     snprintf(buf, len, "%.1f MiB", v / 1024);

@@ -105,7 +105,7 @@ static void test_list(void) {
   KT_CONTAINS(out, "impls: keel glibc jemalloc mimalloc tcmalloc");
   KT_CHECK(strstr(out, "selftest") == NULL); /* hidden */
   KT_EQ(bench("--list-tsv"), 0);
-  KT_CONTAINS(out, "heap\tpairs\t1\tns_per_op\t1\n");
+  KT_CONTAINS(out, "heap\tpairs\t1\tcpu_ns_per_op\t1\n");
   KT_CONTAINS(out, "heap\tsquid\t0\tpeak_rss_kb\t1\n");
 }
 
