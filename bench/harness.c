@@ -368,7 +368,7 @@ static bool kb_dir_find(const char *soname, char *path, size_t len) {
   return false;
 }
 
-/* The directory keel-bench runs from, without a trailing slash. */
+/* The absolute path of the running keel-bench. */
 static const char *kb_exe_path(void) {
   static char exe[PATH_MAX];
   if (exe[0] == '\0') {
@@ -385,8 +385,7 @@ static const char *kb_exe_path(void) {
 /* Resolves an impl's preload to a library path. Returns true with path[0]
  * == '\0' for "glibc" (no preload); false with a note in `why` when the
  * library is not here. */
-static bool kb_preload_resolve(const char *preload, char *path, size_t len, char *why,
-                               size_t wlen) {
+static bool kb_preload_lookup(const char *preload, char *path, size_t len, char *why, size_t wlen) {
   path[0] = '\0';
   if (strcmp(preload, "glibc") == 0) return true;
   char env[64];
@@ -424,6 +423,28 @@ static bool kb_preload_resolve(const char *preload, char *path, size_t len, char
   }
   snprintf(why, wlen, "unknown preload '%s'", preload);
   return false;
+}
+
+/* kb_preload_lookup, once per preload name per process (every case asks). */
+static bool kb_preload_resolve(const char *preload, char *path, size_t len, char *why,
+                               size_t wlen) {
+  static struct {
+    char name[32], path[PATH_MAX], why[PATH_MAX + 64];
+    bool ok;
+  } cache[KB_MAX_IMPLS];
+  static int n;
+  int i = 0;
+  while (i < n && strcmp(cache[i].name, preload) != 0) i++;
+  if (i == n) {
+    if (n == KB_MAX_IMPLS) return kb_preload_lookup(preload, path, len, why, wlen);
+    snprintf(cache[i].name, sizeof(cache[i].name), "%s", preload);
+    cache[i].ok = kb_preload_lookup(preload, cache[i].path, sizeof(cache[i].path), cache[i].why,
+                                    sizeof(cache[i].why));
+    n++;
+  }
+  snprintf(path, len, "%s", cache[i].path);
+  snprintf(why, wlen, "%s", cache[i].why);
+  return cache[i].ok;
 }
 
 /* ---------------------------------------------------------------------------
