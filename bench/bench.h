@@ -1,7 +1,13 @@
 /* keel-bench: the benchmark harness's contract with its suites.
  *
- *   keel-bench SUITE [--threads LIST] [--size S] [--reps N] [--json] [--case NAME]
- *   keel-bench --list
+ *   keel-bench SUITE|all [--threads LIST] [--size S] [--reps N] [--json] [--case NAME]
+ *              [--impl LIST] [--out FILE] [--timeout S]
+ *   keel-bench --list | --list-tsv
+ *
+ * (--case and --impl take comma lists; --out writes the JSON lines to FILE
+ * while the tables still go to stdout; --timeout, default 300 s, kills a run
+ * that takes longer. Exit status 0, or 1 when some run crashed or timed out:
+ * the others still ran and were reported. `keel-bench --help` has the rest.)
  *
  * A suite (one file, bench/suite_<name>.c) registers itself with
  * KB_SUITE(...). It has cases; a case has implementations ("impls": keel and

@@ -32,6 +32,7 @@
 #include <poll.h>
 #include <pthread.h>
 #include <signal.h>
+#include <stdatomic.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -42,7 +43,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "harness.h"
+#include "harness_internal.h"
 
 extern char **environ;
 
@@ -222,9 +223,31 @@ static int kb_self_skip(const kb_params_t *p, kb_result_t *r) {
   return 1;
 }
 
+/* Every one of p->threads workers must run exactly once, also 256 on 2
+ * cores; a miss is a crash, which the test sees. */
+static void kb_self_worker(int i, void *arg) {
+  atomic_fetch_add((_Atomic int *)arg + i, 1);
+}
+
+static int kb_self_threads(const kb_params_t *p, kb_result_t *r) {
+  _Atomic int *ran = calloc((size_t)p->threads, sizeof(*ran));
+  if (ran == NULL) abort();
+  r->seconds = kb_run_threads(p->threads, kb_self_worker, ran);
+  for (int i = 0; i < p->threads; i++)
+    if (atomic_load(&ran[i]) != 1) {
+      fprintf(stderr, "selftest: worker %d ran %d times\n", i, atomic_load(&ran[i]));
+      abort();
+    }
+  r->ops = p->threads;
+  free(ran);
+  return 0;
+}
+
 static const kb_impl_t kb_self_impls[] = {{"a", NULL}, {"b", NULL}, {NULL, NULL}};
 static const kb_case_t kb_self_cases[] = {
     {"ok", "finishes", kb_self_ok, kb_self_impls, true, NULL, false},
+    {"threads", "kb_run_threads runs each worker once", kb_self_threads, kb_self_impls, true, NULL,
+     false},
     {"crash", "dies of SIGSEGV", kb_self_crash, kb_self_impls, false, NULL, false},
     {"hang", "never returns", kb_self_hang, kb_self_impls, false, NULL, false},
     {"skip", "cannot run here", kb_self_skip, kb_self_impls, false, NULL, false},
@@ -345,7 +368,7 @@ static bool kb_dir_find(const char *soname, char *path, size_t len) {
   return false;
 }
 
-/* The directory keel-bench runs from, without a trailing slash. */
+/* The absolute path of the running keel-bench. */
 static const char *kb_exe_path(void) {
   static char exe[PATH_MAX];
   if (exe[0] == '\0') {
@@ -362,8 +385,7 @@ static const char *kb_exe_path(void) {
 /* Resolves an impl's preload to a library path. Returns true with path[0]
  * == '\0' for "glibc" (no preload); false with a note in `why` when the
  * library is not here. */
-static bool kb_preload_resolve(const char *preload, char *path, size_t len, char *why,
-                               size_t wlen) {
+static bool kb_preload_lookup(const char *preload, char *path, size_t len, char *why, size_t wlen) {
   path[0] = '\0';
   if (strcmp(preload, "glibc") == 0) return true;
   char env[64];
@@ -401,6 +423,28 @@ static bool kb_preload_resolve(const char *preload, char *path, size_t len, char
   }
   snprintf(why, wlen, "unknown preload '%s'", preload);
   return false;
+}
+
+/* kb_preload_lookup, once per preload name per process (every case asks). */
+static bool kb_preload_resolve(const char *preload, char *path, size_t len, char *why,
+                               size_t wlen) {
+  static struct {
+    char name[32], path[PATH_MAX], why[PATH_MAX + 64];
+    bool ok;
+  } cache[KB_MAX_IMPLS];
+  static int n;
+  int i = 0;
+  while (i < n && strcmp(cache[i].name, preload) != 0) i++;
+  if (i == n) {
+    if (n == KB_MAX_IMPLS) return kb_preload_lookup(preload, path, len, why, wlen);
+    snprintf(cache[i].name, sizeof(cache[i].name), "%s", preload);
+    cache[i].ok = kb_preload_lookup(preload, cache[i].path, sizeof(cache[i].path), cache[i].why,
+                                    sizeof(cache[i].why));
+    n++;
+  }
+  snprintf(path, len, "%s", cache[i].path);
+  snprintf(why, wlen, "%s", cache[i].why);
+  return cache[i].ok;
 }
 
 /* ---------------------------------------------------------------------------
@@ -576,6 +620,7 @@ static kb_status_t kb_spawn(char **argv, char **env, double timeout_s, kb_sample
   char fdarg[16];
   snprintf(fdarg, sizeof(fdarg), "%d", pfd[1]);
   argv[2] = fdarg;
+  const char *exe = kb_exe_path(); /* resolved here: the child may only exec */
   fflush(NULL);
   pid_t pid = fork();
   if (pid < 0) {
@@ -590,7 +635,7 @@ static kb_status_t kb_spawn(char **argv, char **env, double timeout_s, kb_sample
     setpgid(0, 0);
     fcntl(pfd[1], F_SETFD, 0);
     dup2(STDERR_FILENO, STDOUT_FILENO);
-    execve(kb_exe_path(), argv, env);
+    execve(exe, argv, env);
     _exit(127);
   }
   setpgid(pid, pid); /* also here: whichever runs first, the group exists */
@@ -737,12 +782,12 @@ static void kb_json_line(FILE *f, const char *suite, const char *cname, const ch
 }
 
 /* A value in the unit its metric name implies: *_kb in MiB, *_s in seconds,
- * ns_per_op in ns, rates with an SI suffix. */
+ * *ns_per_op in ns, rates with an SI suffix. */
 static void kb_format(char *buf, size_t len, const char *metric, double v) {
   size_t m = strlen(metric);
   if (!isfinite(v)) {
     snprintf(buf, len, "-");
-  } else if (strcmp(metric, "ns_per_op") == 0) {
+  } else if (m >= 9 && strcmp(metric + m - 9, "ns_per_op") == 0) {
     snprintf(buf, len, "%.*f ns", v < 100 ? 2 : 0, v);
   } else if (m > 3 && strcmp(metric + m - 3, "_kb") == 0) {
     snprintf(buf, len, "%.1f MiB", v / 1024);
@@ -782,50 +827,75 @@ static int kb_ref_column(const kb_cell_t *cells, int n_impl, int n_threads) {
   return 0;
 }
 
-/* Prints one table: rows = thread counts, columns = impls; each value but
- * the reference column's is followed by its ratio against that column in
- * the same row. */
+/* The best value among the columns other than rc in one row, in `best`;
+ * returns its column or -1. */
+static int kb_best_peer(const kb_cell_t *row, int n_impl, int rc, const char *metric, bool lower,
+                        double *best) {
+  int bj = -1;
+  for (int j = 0; j < n_impl; j++) {
+    double x = row[j].n ? kb_cell_metric(&row[j], metric) : NAN;
+    if (j == rc || !isfinite(x)) continue;
+    if (bj < 0 || (lower ? x < *best : x > *best)) bj = j, *best = x;
+  }
+  return bj;
+}
+
+/* One row's cells: each value but the reference column's followed by its
+ * ratio against the reference, then (when there are 2 or more peers) the
+ * best peer and its ratio, which is what keel's targets are stated
+ * against. */
+static void kb_table_row(char (*txt)[KB_CELL_LEN], const kb_impl_t *impls, int n_impl,
+                         const kb_cell_t *row, int rc, const char *metric, bool lower,
+                         int threads) {
+  snprintf(txt[0], KB_CELL_LEN, "%d", threads);
+  double ref = row[rc].n ? kb_cell_metric(&row[rc], metric) : NAN;
+  for (int j = 0; j < n_impl; j++) {
+    char v[KB_CELL_LEN / 2];
+    if (row[j].n == 0) {
+      snprintf(txt[j + 1], KB_CELL_LEN, "%s", kb_status_word(row[j].worst));
+      continue;
+    }
+    double x = kb_cell_metric(&row[j], metric);
+    kb_format(v, sizeof(v), metric, x);
+    if (j == rc || !(ref > 0) || !isfinite(x))
+      snprintf(txt[j + 1], KB_CELL_LEN, "%s", v);
+    else
+      snprintf(txt[j + 1], KB_CELL_LEN, "%s (%.2fx)", v, x / ref);
+  }
+  double best = NAN;
+  int bj = kb_best_peer(row, n_impl, rc, metric, lower, &best);
+  if (bj >= 0 && ref > 0)
+    snprintf(txt[n_impl + 1], KB_CELL_LEN, "%s %.2fx", impls[bj].name, best / ref);
+  else
+    snprintf(txt[n_impl + 1], KB_CELL_LEN, "-");
+}
+
+/* Prints one table: rows = thread counts, columns = impls (plus the best
+ * peer when there are two or more peers). */
 static void kb_table(const char *title, const char *metric, bool lower, const kb_impl_t *impls,
                      int n_impl, const int *threads, int n_threads, kb_cell_t *cells) {
-  char(*txt)[KB_CELL_LEN] = calloc((size_t)(n_threads + 1) * (size_t)(n_impl + 1), KB_CELL_LEN);
-  int *width = calloc((size_t)n_impl + 1, sizeof(int));
+  int cols = n_impl + 2, shown = n_impl >= 3 ? cols : cols - 1;
+  char(*txt)[KB_CELL_LEN] = calloc((size_t)(n_threads + 1) * (size_t)cols, KB_CELL_LEN);
+  int *width = calloc((size_t)cols, sizeof(int));
   if (txt == NULL || width == NULL) abort();
-#define KB_TXT(r, c) txt[(r) * (n_impl + 1) + (c)]
-  snprintf(KB_TXT(0, 0), KB_CELL_LEN, "threads");
-  for (int j = 0; j < n_impl; j++) snprintf(KB_TXT(0, j + 1), KB_CELL_LEN, "%s", impls[j].name);
   int rc = kb_ref_column(cells, n_impl, n_threads);
-  for (int t = 0; t < n_threads; t++) {
-    snprintf(KB_TXT(t + 1, 0), KB_CELL_LEN, "%d", threads[t]);
-    kb_cell_t *rcell = &cells[t * n_impl + rc];
-    double ref = rcell->n ? kb_cell_metric(rcell, metric) : NAN;
-    for (int j = 0; j < n_impl; j++) {
-      kb_cell_t *c = &cells[t * n_impl + j];
-      char v[KB_CELL_LEN / 2];
-      if (c->n == 0) {
-        snprintf(KB_TXT(t + 1, j + 1), KB_CELL_LEN, "%s", kb_status_word(c->worst));
-        continue;
-      }
-      double x = kb_cell_metric(c, metric);
-      kb_format(v, sizeof(v), metric, x);
-      if (j == rc || !(ref > 0) || !isfinite(x))
-        snprintf(KB_TXT(t + 1, j + 1), KB_CELL_LEN, "%s", v);
-      else
-        snprintf(KB_TXT(t + 1, j + 1), KB_CELL_LEN, "%s (%.2fx)", v, x / ref);
-    }
-  }
+  snprintf(txt[0], KB_CELL_LEN, "threads");
+  for (int j = 0; j < n_impl; j++) snprintf(txt[j + 1], KB_CELL_LEN, "%s", impls[j].name);
+  snprintf(txt[n_impl + 1], KB_CELL_LEN, "best peer");
+  for (int t = 0; t < n_threads; t++)
+    kb_table_row(&txt[(t + 1) * cols], impls, n_impl, &cells[t * n_impl], rc, metric, lower,
+                 threads[t]);
   for (int r = 0; r <= n_threads; r++)
-    for (int j = 0; j <= n_impl; j++) {
-      int w = (int)strlen(KB_TXT(r, j));
+    for (int j = 0; j < cols; j++) {
+      int w = (int)strlen(txt[r * cols + j]);
       if (w > width[j]) width[j] = w;
     }
   printf("%s (%s, %s is better; (x) = value / %s's)\n", title, metric, lower ? "lower" : "higher",
          impls[rc].name);
   for (int r = 0; r <= n_threads; r++) {
-    printf("  %*s", width[0], KB_TXT(r, 0));
-    for (int j = 0; j < n_impl; j++) printf("  %*s", width[j + 1], KB_TXT(r, j + 1));
+    for (int j = 0; j < shown; j++) printf("  %*s", width[j], txt[r * cols + j]);
     printf("\n");
   }
-#undef KB_TXT
   free(width);
   free(txt);
 }
@@ -1078,7 +1148,7 @@ int kb_suite_run(const kb_suite_t *s, const kb_opts_t *o) {
     fprintf(stderr, "keel-bench: --reps must be 1..%d\n", KB_MAX_REPS);
     return 2;
   }
-  if (o->cases)
+  if (o->cases && !o->all_suites)
     for (const char *p = o->cases; *p;) {
       size_t len = strcspn(p, ",");
       char name[64];

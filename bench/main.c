@@ -4,7 +4,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "harness.h"
+#include "harness_internal.h"
 
 static void usage(FILE *f) {
   fprintf(f, "usage: keel-bench SUITE|all [options]\n"
@@ -89,21 +89,18 @@ int main(int argc, char **argv) {
     kb_list(strcmp(argv[1], "--list-tsv") == 0);
     return 0;
   }
-  kb_opts_t o = {.size = "default", .scale = 1.0, .reps = 3, .timeout_s = 300};
+  bool all = strcmp(argv[1], "all") == 0;
+  const kb_suite_t *s = all ? kb_suite_first() : kb_suite_find(argv[1]);
+  if (s == NULL) {
+    fprintf(stderr, "keel-bench: no suite '%s' (see keel-bench --list)\n", argv[1]);
+    return 2;
+  }
+  kb_opts_t o = {.size = "default", .scale = 1.0, .reps = 3, .timeout_s = 300, .all_suites = all};
   int rc = parse_options(argc, argv, &o);
   if (rc != 0) return rc;
-  if (strcmp(argv[1], "all") == 0) {
-    for (const kb_suite_t *s = kb_suite_first(); s; s = s->next) {
-      int r = kb_suite_run(s, &o);
-      if (r > rc) rc = r;
-    }
-  } else {
-    const kb_suite_t *s = kb_suite_find(argv[1]);
-    if (s == NULL) {
-      fprintf(stderr, "keel-bench: no suite '%s' (see keel-bench --list)\n", argv[1]);
-      return 2;
-    }
-    rc = kb_suite_run(s, &o);
+  for (; s; s = all ? s->next : NULL) {
+    int r = kb_suite_run(s, &o);
+    if (r > rc) rc = r;
   }
   if (o.out_fp) fclose(o.out_fp);
   return rc;

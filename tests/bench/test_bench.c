@@ -1,8 +1,10 @@
 /* keel-bench, run as a user would: --list, a tiny heap run whose JSON lines
  * are checked field by field, the hidden selftest suite (a child that
  * crashes, one that hangs past --timeout and one that cannot run are
- * reported and the others still report), and usage errors.
- * KB_BIN is the keel-bench under test (set by CTest). */
+ * reported and the others still report; 256 barrier-started threads), and
+ * usage errors. KB_BIN is the keel-bench under test (set by CTest).
+ * bench/harness.c is also linked in, so the helpers suites use (kb_extra,
+ * kb_rand, kb_run_threads, ...) are checked in-process. */
 #define _GNU_SOURCE
 #include <ctype.h>
 #include <stdio.h>
@@ -11,7 +13,9 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include "bench.h"
 #include "harness.h"
+#include "harness_internal.h"
 
 #define OUT_MAX (256 * 1024)
 
@@ -101,7 +105,7 @@ static void test_list(void) {
   KT_CONTAINS(out, "impls: keel glibc jemalloc mimalloc tcmalloc");
   KT_CHECK(strstr(out, "selftest") == NULL); /* hidden */
   KT_EQ(bench("--list-tsv"), 0);
-  KT_CONTAINS(out, "heap\tpairs\t1\tns_per_op\t1\n");
+  KT_CONTAINS(out, "heap\tpairs\t1\tcpu_ns_per_op\t1\n");
   KT_CONTAINS(out, "heap\tsquid\t0\tpeak_rss_kb\t1\n");
 }
 
@@ -123,7 +127,7 @@ static void test_heap_json(void) {
 static void test_failures_reported(void) {
   /* crash, hang (1 s timeout) and skip each fail for both impls; ok still
    * reports 2 impls x 2 thread counts, and the exit status says 1. */
-  KT_EQ(bench("selftest --json --reps 2 --timeout 1"), 1);
+  KT_EQ(bench("selftest --case ok,crash,hang,skip --json --reps 2 --timeout 1"), 1);
   KT_CONTAINS(err, "note: selftest/crash a threads=1 rep 1: killed by signal 11");
   KT_CONTAINS(err, "note: selftest/crash b threads=1 rep 2: killed by signal 11");
   KT_CONTAINS(err, "note: selftest/hang a threads=1 rep 1: timed out after 1 s; killed");
@@ -135,6 +139,49 @@ static void test_failures_reported(void) {
   KT_CONTAINS(out, "selftest/crash");
   KT_CONTAINS(out, "failed");
   KT_CONTAINS(out, "x)");
+}
+
+static void test_threads_256(void) {
+  KT_EQ(bench("selftest --case threads --threads 1,256 --reps 1 --json"), 0);
+  KT_CONTAINS(out, "\"impl\":\"b\",\"threads\":256,");
+  KT_EQ(json_lines_check("selftest", "threads"), 4);
+}
+
+static void test_helpers(void) {
+  kb_result_t r = {0};
+  kb_extra(&r, "a", 1);
+  kb_extra(&r, "b", 2);
+  kb_extra(&r, "a", 3); /* replaces */
+  KT_EQ(r.n_extra, 2);
+  KT_CHECK(r.extra[0].value == 3 && strcmp(r.extra[0].key, "a") == 0);
+  char key[16];
+  kt_stderr_begin();
+  for (int i = 0; i < KB_EXTRA_MAX + 2; i++)
+    snprintf(key, sizeof(key), "k%d", i), kb_extra(&r, key, i);
+  kt_stderr_end(err, sizeof(err));
+  KT_EQ(r.n_extra, KB_EXTRA_MAX);
+  KT_CONTAINS(err, "more than 16 extras");
+
+  uint64_t s1 = 7, s2 = 7, s0 = 0;
+  for (int i = 0; i < 100; i++) KT_CHECK(kb_rand(&s1) == kb_rand(&s2));
+  KT_CHECK(kb_rand(&s0) != 0 && kb_rand(&s0) != kb_rand(&s0)); /* seed 0 still moves */
+
+  double scale;
+  KT_CHECK(kb_parse_size("small", &scale) && scale == 0.1);
+  KT_CHECK(kb_parse_size("large", &scale) && scale == 10);
+  KT_CHECK(kb_parse_size("2.5", &scale) && scale == 2.5);
+  KT_CHECK(!kb_parse_size("0", &scale) && !kb_parse_size("-1", &scale));
+  KT_CHECK(!kb_parse_size("3x", &scale) && !kb_parse_size("", &scale));
+
+  size_t rss0 = kb_rss_kb();
+  char *big = malloc(64 << 20);
+  KT_REQUIRE(big != NULL);
+  memset(big, 1, 64 << 20);
+  kb_escape(big);
+  KT_CHECK(kb_rss_kb() >= rss0 + 60 * 1024);
+  free(big);
+  double t0 = kb_now();
+  KT_CHECK(kb_now() >= t0);
 }
 
 static void test_usage_errors(void) {
@@ -151,4 +198,4 @@ static void test_usage_errors(void) {
 }
 
 KT_MAIN(KT_CASE(test_list), KT_CASE(test_heap_json), KT_CASE(test_failures_reported),
-        KT_CASE(test_usage_errors))
+        KT_CASE(test_threads_256), KT_CASE(test_helpers), KT_CASE(test_usage_errors))

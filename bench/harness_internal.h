@@ -5,8 +5,8 @@
  * child per (case, threads, impl, repetition) and keeps only the numbers that
  * come back, so its own footprint (a few MiB) is all that the children's peak
  * RSS can inherit from it (Linux carries the pre-exec RSS into ru_maxrss). */
-#ifndef KEEL_BENCH_HARNESS_H
-#define KEEL_BENCH_HARNESS_H
+#ifndef KEEL_BENCH_HARNESS_INTERNAL_H
+#define KEEL_BENCH_HARNESS_INTERNAL_H
 
 #include <stdbool.h>
 #include <stdio.h>
@@ -21,6 +21,7 @@ typedef struct kb_opts {
   int reps;            /* repetitions per (case, threads, impl) */
   bool json;           /* JSON lines on stdout instead of tables */
   const char *cases;   /* comma list of case names to run; NULL = all */
+  bool all_suites;     /* `keel-bench all`: a suite may lack a --case name */
   const char *impls;   /* comma list of impl names to run; NULL = all */
   FILE *out_fp;        /* --out FILE: JSON lines also go here; NULL = no */
   double timeout_s;    /* per child run; killed and reported past it */
@@ -49,4 +50,4 @@ int kb_suite_run(const kb_suite_t *s, const kb_opts_t *o);
  * to FD; returns the process exit status. */
 int kb_child_main(int argc, char **argv);
 
-#endif /* KEEL_BENCH_HARNESS_H */
+#endif /* KEEL_BENCH_HARNESS_INTERNAL_H */
