@@ -1,0 +1,67 @@
+/* Lockspaces: the resource directory (a keel table of keel_res), the timer
+ * that expires asynchronous requests with KEEL_LOCK_TIMEOUT, and the checks
+ * that turn use after release into KEEL_ESHUTDOWN. Never installed. */
+#ifndef KEEL_LOCK_LOCKSPACE_H
+#define KEEL_LOCK_LOCKSPACE_H
+
+#include <pthread.h>
+
+#include "lock_internal.h"
+
+#define KEEL_LS_MAGIC 0x6c73706bu /* "lspk": live lockspace */
+#define KEEL_LS_DEAD  0x6c736464u /* released (header kept, see lockspace.c) */
+
+typedef struct keel_timer_ent {
+  uint64_t deadline_ns;
+  keel_res_t *res; /* referenced while queued */
+} keel_timer_ent_t;
+
+/* Timeouts of asynchronous requests (blocking ones time their own waits). A
+ * binary min-heap of (deadline, resource) under tmu; the thread is started on
+ * first use. An entry holds a reference on its resource, never a pointer to
+ * the lkb, which may be granted and freed meanwhile: on expiry the thread
+ * scans that resource's queues for requests past their deadline. */
+typedef struct keel_ls_timer {
+  pthread_mutex_t mu;
+  pthread_cond_t cv; /* CLOCK_MONOTONIC */
+  keel_timer_ent_t *heap;
+  size_t n, cap;
+  bool started, stop;
+  pthread_t thread;
+} keel_ls_timer_t;
+
+struct keel_lockspace {
+  uint32_t magic;         /* KEEL_LS_MAGIC while live */
+  keel_table_t *table;    /* NULL once released */
+  keel_ls_timer_t *timer; /* allocated on first timed asynchronous request */
+  pthread_mutex_t timer_once;
+};
+
+/* 0, or KEEL_EINVAL (NULL) / KEEL_ESHUTDOWN (released). */
+KEEL_INLINE int _keel_ls_check(const keel_lockspace_t *ls) {
+  if (keel_unlikely(ls == NULL)) return KEEL_EINVAL;
+  if (keel_unlikely(__atomic_load_n(&ls->magic, __ATOMIC_RELAXED) != KEEL_LS_MAGIC))
+    return KEEL_ESHUTDOWN;
+  return 0;
+}
+
+/* The resource named name, referenced (created if absent); NULL if out of
+ * memory. Lock-free unless it allocates. */
+keel_res_t *_keel_dir_get(keel_lockspace_t *ls, const void *name, size_t namelen) KEEL_HIDDEN;
+
+/* Drops a reference taken by _keel_dir_get (or _keel_dir_ref). */
+void _keel_dir_put(keel_res_t *res) KEEL_HIDDEN;
+
+/* Queues an expiry check of lkb's deadline (res->mu held; lkb has an AST).
+ * Aborts if out of memory: a timeout that silently never fires is worse. */
+void _keel_ls_timer_add(keel_lockspace_t *ls, keel_lkb_t *lkb) KEEL_HIDDEN;
+
+/* Frees an lkb that is on no queue and drops its resource reference. */
+void _keel_lkb_free(keel_lkb_t *lkb) KEEL_HIDDEN;
+
+/* keel_lock_convert with the option of replacing ast, bast and arg (keel_lock
+ * with KEEL_LOCK_CONVERT). */
+int _keel_lock_convert(keel_lksb_t *lksb, int mode, unsigned flags, bool set_cb,
+                       keel_lock_ast_t ast, keel_lock_bast_t bast, void *arg) KEEL_HIDDEN;
+
+#endif /* KEEL_LOCK_LOCKSPACE_H */
