@@ -180,7 +180,6 @@ void __keel_res_unlock(keel_res_t *res, keel_lkb_t *lkb, unsigned flags, keel_di
 
 void __keel_res_cancel(keel_res_t *res, keel_lkb_t *lkb, int status, keel_dispatch_t *d) {
   KEEL_ASSERT(lkb->queue == KEEL_Q_CONVERT || lkb->queue == KEEL_Q_WAIT);
-  bool was_head = res->convertq.next == &lkb->q || res->waitq.next == &lkb->q;
   lkb->rq = -1;
   if (lkb->queue == KEEL_Q_CONVERT) {
     lkb->queue = KEEL_Q_GRANT;
@@ -190,20 +189,23 @@ void __keel_res_cancel(keel_res_t *res, keel_lkb_t *lkb, int status, keel_dispat
     cds_list_del(&lkb->q);
   }
   notify(lkb, status, d);
-  /* Only a departing head can unblock the requests behind it. */
-  if (was_head) __keel_res_grant_pending(res, d);
+  __keel_res_grant_pending(res, d);
 }
 
+/* Grants heads while compatible. The head left blocked (if any) has its
+ * blockers told with a BAST: they may be locks granted in this pass, or
+ * conversions granted at once since the head was queued. */
 void __keel_res_grant_pending(keel_res_t *res, keel_dispatch_t *d) {
   for (;;) {
     keel_lkb_t *h;
-    if (!keel_q_empty(&res->convertq)) {
+    if (!keel_q_empty(&res->convertq))
       h = cds_list_first_entry(&res->convertq, keel_lkb_t, q);
-      if (!__keel_res_compat(res, h->rq, h->gr)) return;
-    } else if (!keel_q_empty(&res->waitq)) {
+    else if (!keel_q_empty(&res->waitq))
       h = cds_list_first_entry(&res->waitq, keel_lkb_t, q);
-      if (!__keel_res_compat(res, h->rq, -1)) return;
-    } else {
+    else
+      return;
+    if (!__keel_res_compat(res, h->rq, h->gr)) {
+      send_basts(res, h, d);
       return;
     }
     grant(res, h, d);

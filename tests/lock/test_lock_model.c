@@ -93,19 +93,23 @@ static void m_grant(tlock_t *t) {
   expect('A', t->id, 0);
 }
 
+static void m_basts(int r, tlock_t *req);
+
+/* Grant heads while compatible; the head left blocked BASTs its blockers. */
 static void m_pass(int r) {
   for (;;) {
-    if (convq[r].n) {
-      tlock_t *h = &L[convq[r].v[0]];
-      if (!m_compat(r, h->id, h->rq)) return;
-      m_grant(h);
-    } else if (waitq[r].n) {
-      tlock_t *h = &L[waitq[r].v[0]];
-      if (!m_compat(r, h->id, h->rq)) return;
-      m_grant(h);
-    } else {
+    tlock_t *h;
+    if (convq[r].n)
+      h = &L[convq[r].v[0]];
+    else if (waitq[r].n)
+      h = &L[waitq[r].v[0]];
+    else
+      return;
+    if (!m_compat(r, h->id, h->rq)) {
+      m_basts(r, h);
       return;
     }
+    m_grant(h);
   }
 }
 
