@@ -227,11 +227,11 @@ KEEL_API size_t keel_table_shrink(keel_table_t *table, size_t n);
 
 /* A snapshot of a table's state (each field read separately). */
 typedef struct keel_table_stats {
-  size_t entries;       /* as keel_table_count */
-  size_t lru_entries;   /* entries on the LRU (unreferenced, or referenced since) */
-  size_t buckets;       /* rculfhash's current bucket count */
-  size_t evicted;       /* entries removed by shrink and the limit since creation */
-  size_t charged_bytes; /* bytes counted against max_bytes (0 without one) */
+  size_t entries;            /* as keel_table_count */
+  size_t lru_entries;        /* entries on the LRU (unreferenced, or referenced since) */
+  size_t removed_referenced; /* removed entries not yet released (freed after their last put) */
+  size_t evicted;            /* entries removed by shrink and the limit since creation */
+  size_t charged_bytes;      /* bytes counted against max_bytes (0 without one) */
 } keel_table_stats_t;
 
 /* Fills *stats. Lock-free. */
