@@ -53,6 +53,10 @@ typedef struct keel_res keel_res_t;
  *   queue == WAIT     <=> gr < 0  && rq >= 0      (new request, holds nothing)
  * and every lkb with gr >= 0 is counted once in res->granted[gr]. */
 struct keel_lkb {
+  /* First, so that the magic lies past the 16 bytes that glibc's (and most
+   * allocators') free lists overwrite: a stale handle then usually still
+   * reads KEEL_LKB_DEAD and the abort can say "already released". */
+  struct cds_list_head q; /* link in res's grant, convert or wait queue */
   uint32_t magic;         /* KEEL_LKB_MAGIC while the lkb exists */
   int8_t gr;              /* granted mode, -1 if none */
   int8_t rq;              /* requested mode while a request waits, else -1 */
@@ -60,7 +64,6 @@ struct keel_lkb {
   int8_t bast_mode;       /* mode of the last BAST sent since gr changed, -1 none */
   unsigned flags;         /* flags of the request in progress */
   uint32_t wake;          /* blocking request's futex word: 0 pending, 2 asleep, 1 done */
-  struct cds_list_head q; /* link in res's grant, convert or wait queue */
   keel_res_t *res;        /* the resource; the lkb holds a reference on it */
   keel_lksb_t *lksb;      /* the owner's status block */
   keel_lock_ast_t ast;    /* NULL: requests block the caller */

@@ -23,15 +23,16 @@ typedef struct rec {
   int *nlog;
 } rec_t;
 
+/* Atomic counts: a callback may run on any thread (the one that granted). */
 static void rec_ast(void *arg) {
   rec_t *r = arg;
-  r->asts++;
+  __atomic_fetch_add(&r->asts, 1, __ATOMIC_SEQ_CST);
   if (r->log) r->log[(*r->nlog)++] = r->id;
 }
 static void rec_bast(void *arg, int mode) {
   rec_t *r = arg;
-  r->basts++;
-  r->last_bast = mode;
+  __atomic_store_n(&r->last_bast, mode, __ATOMIC_SEQ_CST);
+  __atomic_fetch_add(&r->basts, 1, __ATOMIC_SEQ_CST);
 }
 
 static keel_lockspace_t *new_ls(void) {
@@ -79,7 +80,7 @@ static void fifo_no_barging(void) {
   KT_EQ(r[0].last_bast, KEEL_LOCK_EX);
   KT_EQ(keel_unlock(&s[0], 0), 0);
   KT_EQ(nlog, 2);
-  KT_EQ(log[1], 1); /* EX next */
+  KT_EQ(log[1], 1);     /* EX next */
   KT_EQ(r[1].basts, 1); /* told that the PR behind it waits */
   KT_EQ(keel_unlock(&s[1], 0), 0);
   KT_EQ(nlog, 3);
@@ -99,7 +100,7 @@ static void conversion_deadlock(void) {
   KT_EQ(keel_lock(ls, NAME("d"), KEEL_LOCK_PR, 0, &b, rec_ast, NULL, &rb), 0);
   KT_EQ(keel_lock(ls, NAME("d"), KEEL_LOCK_NL, 0, &c, rec_ast, NULL, &rc_), 0);
   KT_EQ(keel_lock_convert(&a, KEEL_LOCK_EX, 0), 0);
-  KT_EQ(ra.asts, 1); /* queued: no AST yet */
+  KT_EQ(ra.asts, 1);                                /* queued: no AST yet */
   KT_EQ(keel_lock_convert(&c, KEEL_LOCK_EX, 0), 0); /* NL blocks nobody: waits */
   KT_EQ(keel_lock_convert(&b, KEEL_LOCK_EX, 0), KEEL_EDEADLK);
   KT_EQ(rb.asts, 1); /* no AST for a failure returned at once */
@@ -116,7 +117,8 @@ static void conversion_deadlock(void) {
   /* Three-way: PR, PR, PR; each converts to PW. The second closes a cycle
    * with the first. */
   keel_lksb_t s[3] = {{0}};
-  for (int i = 0; i < 3; i++) KT_EQ(keel_lock(ls, NAME("d3"), KEEL_LOCK_PR, 0, &s[i], rec_ast, NULL, &ra), 0);
+  for (int i = 0; i < 3; i++)
+    KT_EQ(keel_lock(ls, NAME("d3"), KEEL_LOCK_PR, 0, &s[i], rec_ast, NULL, &ra), 0);
   KT_EQ(keel_lock_convert(&s[0], KEEL_LOCK_PW, 0), 0);
   KT_EQ(keel_lock_convert(&s[1], KEEL_LOCK_PW, 0), KEEL_EDEADLK);
   KT_EQ(keel_lock_convert(&s[2], KEEL_LOCK_NL, 0), 0); /* a down-conversion never deadlocks */
@@ -137,7 +139,7 @@ static void quecvt(void) {
   KT_EQ(keel_lock_convert(&a, KEEL_LOCK_PW, 0), 0); /* blocked by PR: waits */
   KT_EQ(a.lock->queue, KEEL_Q_CONVERT);
   KT_EQ(keel_lock_convert(&c, KEEL_LOCK_CR, KEEL_LOCK_QUECVT), 0);
-  KT_EQ(c.lock->queue, KEEL_Q_CONVERT); /* queued behind a */
+  KT_EQ(c.lock->queue, KEEL_Q_CONVERT);             /* queued behind a */
   KT_EQ(keel_lock_convert(&b, KEEL_LOCK_NL, 0), 0); /* unblocks a, then c */
   KT_EQ(a.lock->gr, KEEL_LOCK_PW);
   KT_EQ(c.lock->gr, KEEL_LOCK_CR);
@@ -297,8 +299,8 @@ static void blocking_wait(void) {
     pthread_join(t[i], NULL);
     KT_EQ(w[i].rc, 0);
   }
-  KT_EQ(r.basts, 1);
-  KT_EQ(r.last_bast, KEEL_LOCK_EX);
+  KT_EQ(__atomic_load_n(&r.basts, __ATOMIC_SEQ_CST), 1);
+  KT_EQ(__atomic_load_n(&r.last_bast, __ATOMIC_SEQ_CST), KEEL_LOCK_EX);
   KT_EQ(keel_lockspace_release(ls, 0), 0);
 }
 
@@ -410,6 +412,6 @@ static void mutex_stress(void) {
 }
 
 KT_MAIN(KT_CASE(compat_matrix), KT_CASE(fifo_no_barging), KT_CASE(conversion_deadlock),
-        KT_CASE(quecvt), KT_CASE(value_blocks), KT_CASE(timeouts_blocking),
-        KT_CASE(timeouts_async), KT_CASE(blocking_wait), KT_CASE(cancel), KT_CASE(convert_flag),
-        KT_CASE(resource_cache), KT_CASE(mutex_basic), KT_CASE(mutex_stress))
+        KT_CASE(quecvt), KT_CASE(value_blocks), KT_CASE(timeouts_blocking), KT_CASE(timeouts_async),
+        KT_CASE(blocking_wait), KT_CASE(cancel), KT_CASE(convert_flag), KT_CASE(resource_cache),
+        KT_CASE(mutex_basic), KT_CASE(mutex_stress))
