@@ -54,13 +54,15 @@ static void res_count(keel_res_t *res, int mode, int delta) {
     res->gmask &= (uint8_t) ~(1u << mode);
 }
 
-/* Notifies the owner of lkb that its request completed with status. */
-static void notify(keel_lkb_t *lkb, int status, keel_dispatch_t *d) {
+/* Notifies the owner of lkb that its request completed with status. `now`:
+ * during the owner's own call (granted at once), where a blocking caller is
+ * not waiting and needs no wake: it saves a locked exchange on the fast path. */
+static void notify(keel_lkb_t *lkb, int status, bool now, keel_dispatch_t *d) {
   lkb->lksb->status = status;
   if (lkb->ast != NULL) {
     keel_delivery_t e = {.kind = KEEL_DELIVER_AST, .fn.ast = lkb->ast, .arg = lkb->arg};
     _keel_dispatch_push(d, &e);
-  } else {
+  } else if (!now) {
     /* Release: the waiter's acquire load of wake sees status (and the whole
      * grant) once it sees 1. A FUTEX_WAKE only if the waiter announced its
      * sleep (2): a request granted at once costs no system call. */
@@ -84,7 +86,7 @@ static void lvb_on_grant(keel_res_t *res, keel_lkb_t *lkb, int from, int to) {
 }
 
 /* Grants lkb's pending request (it is on the convert or wait queue). */
-static void grant(keel_res_t *res, keel_lkb_t *lkb, keel_dispatch_t *d) {
+static void grant(keel_res_t *res, keel_lkb_t *lkb, bool now, keel_dispatch_t *d) {
   int from = lkb->gr, to = lkb->rq;
   if (from >= 0) res_count(res, from, -1);
   res_count(res, to, +1);
@@ -94,7 +96,7 @@ static void grant(keel_res_t *res, keel_lkb_t *lkb, keel_dispatch_t *d) {
   lkb->queue = KEEL_Q_GRANT;
   keel_q_move_tail(&lkb->q, &res->grantq);
   lvb_on_grant(res, lkb, from, to);
-  notify(lkb, 0, d);
+  notify(lkb, 0, now, d);
 }
 
 static void bast_queue(keel_res_t *res, struct cds_list_head *q, const keel_lkb_t *req,
@@ -122,7 +124,7 @@ int __keel_res_request(keel_res_t *res, keel_lkb_t *lkb, keel_dispatch_t *d) {
   if (keel_q_empty(&res->convertq) && keel_q_empty(&res->waitq) &&
       __keel_res_compat(res, lkb->rq, -1)) {
     cds_list_add_tail(&lkb->q, &res->waitq); /* grant() moves it */
-    grant(res, lkb, d);
+    grant(res, lkb, true, d);
     return 0;
   }
   if (lkb->flags & KEEL_LOCK_NOQUEUE) return KEEL_EAGAIN;
@@ -149,7 +151,7 @@ int __keel_res_convert(keel_res_t *res, keel_lkb_t *lkb, int mode, unsigned flag
   if ((!(flags & KEEL_LOCK_QUECVT) || !cvt_waiting) && __keel_res_compat(res, mode, lkb->gr)) {
     lkb->flags = flags;
     lkb->rq = (int8_t)mode;
-    grant(res, lkb, d);
+    grant(res, lkb, true, d);
     /* A weaker mode may unblock the heads; checking them costs two loads. */
     if (!keel_q_empty(&res->convertq) || !keel_q_empty(&res->waitq))
       __keel_res_grant_pending(res, d);
@@ -188,7 +190,7 @@ void __keel_res_cancel(keel_res_t *res, keel_lkb_t *lkb, int status, keel_dispat
     lkb->queue = KEEL_Q_NONE;
     cds_list_del(&lkb->q);
   }
-  notify(lkb, status, d);
+  notify(lkb, status, false, d);
   __keel_res_grant_pending(res, d);
 }
 
@@ -208,7 +210,7 @@ void __keel_res_grant_pending(keel_res_t *res, keel_dispatch_t *d) {
       send_basts(res, h, d);
       return;
     }
-    grant(res, h, d);
+    grant(res, h, false, d);
   }
 }
 
