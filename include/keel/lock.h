@@ -132,7 +132,8 @@ typedef void (*keel_lock_bast_t)(void *arg, int mode);
 
 typedef struct keel_lockspace_config {
   /* Unused resources (no locks) stay cached for fast re-locking; at most this
-   * many (0: 1M); the oldest are dropped beyond it, and under pressure by
+   * many (0: the lock_cache_max option, default 1M); the oldest are dropped
+   * beyond it, and under pressure by
    * keel_lockspace_shrink. A dropped resource loses its value block. */
   size_t cache_max;
   size_t size_hint; /* expected number of live resources (0: small) */
@@ -174,6 +175,11 @@ KEEL_API int keel_lock(keel_lockspace_t *ls, const void *name, size_t namelen, i
  * lock's AST and BAST from keel_lock are kept; otherwise as keel_lock.
  * KEEL_ENOENT if lksb holds no lock, KEEL_EBUSY if a request is pending. */
 KEEL_API int keel_lock_convert(keel_lksb_t *lksb, int mode, unsigned flags);
+
+/* Note on KEEL_LOCK_CANCEL: a new request that can also fail by itself (one
+ * with KEEL_LOCK_TIMEOUT) frees its lkb when it fails; cancelling it from
+ * another thread at that moment would race with the free, so cancel requests
+ * without a timeout, or let the timeout do the cancelling. */
 
 /* Releases the lock held in lksb (with VALBLK and a PW/EX lock: storing
  * lksb->valblk as the resource's value block) and sets lksb->lock = NULL. No

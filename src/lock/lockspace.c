@@ -13,10 +13,10 @@
 
 #include "base/clock.h"
 #include "base/die.h"
+#include "base/options.h"
 #include "lockspace.h"
 
-#define KEEL_LS_GRAVEYARD     1024
-#define KEEL_LS_CACHE_DEFAULT (1u << 20)
+#define KEEL_LS_GRAVEYARD 1024
 
 static pthread_mutex_t graveyard_mu = PTHREAD_MUTEX_INITIALIZER;
 static keel_lockspace_t *graveyard[KEEL_LS_GRAVEYARD];
@@ -88,7 +88,7 @@ keel_lockspace_t *keel_lockspace_create(const keel_lockspace_config_t *config) {
       .key_type = KEEL_TABLE_KEY_BYTES,
       .key_max = KEEL_LOCK_NAME_MAX,
       .size_hint = c.size_hint,
-      .max_entries = c.cache_max ? c.cache_max : KEEL_LS_CACHE_DEFAULT,
+      .max_entries = c.cache_max ? c.cache_max : (size_t)_keel_option(KEEL_OPT_lock_cache_max),
       .entry_size = sizeof(keel_res_t),
       .free_fn = res_free,
       .name = "keel lockspace",

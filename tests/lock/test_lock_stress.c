@@ -155,14 +155,20 @@ static void *worker(void *arg) {
         }
         keel_lock_convert(&nl[r], KEEL_LOCK_NL, KEEL_LOCK_VALBLK);
         break;
-      default: { /* asynchronous, sometimes cancelled */
+      default: { /* asynchronous: sometimes cancelled, sometimes with a timeout */
         int done = 0;
-        rc = keel_lock(ls, name, strlen(name), mode, KEEL_LOCK_VALBLK, &s, async_ast, NULL, &done);
+        unsigned v = rnd(&seed, 3), flags = KEEL_LOCK_VALBLK;
+        if (v == 1) {
+          flags |= KEEL_LOCK_TIMEOUT; /* expired by the lockspace's timer thread */
+          s.timeout_ms = 1;
+        }
+        rc = keel_lock(ls, name, strlen(name), mode, flags, &s, async_ast, NULL, &done);
         if (rc != 0) kt_fail(__FILE__, __LINE__, "async keel_lock: %d", rc);
-        if (rnd(&seed, 4) == 0 && keel_unlock(&s, KEEL_LOCK_CANCEL) == 0) count(4);
+        if (v == 0 && keel_unlock(&s, KEEL_LOCK_CANCEL) == 0) count(4);
         while (!__atomic_load_n(&done, __ATOMIC_ACQUIRE)) sched_yield();
-        if (s.status == KEEL_ECANCELED) {
-          if (s.lock != NULL) kt_fail(__FILE__, __LINE__, "cancelled but holds a lock");
+        if (s.status == KEEL_ECANCELED || s.status == KEEL_ETIMEDOUT) {
+          if (s.lock != NULL) kt_fail(__FILE__, __LINE__, "failed but holds a lock");
+          if (s.status == KEEL_ETIMEDOUT) count(6);
           break;
         }
         section(r, mode, &s);
@@ -177,7 +183,7 @@ static void *worker(void *arg) {
 
 static void hot_resources(void) {
   int nt = (int)kt_env_int("KEEL_TEST_THREADS", 64);
-  iters = kt_env_int("KEEL_TEST_ITERS", kt_scale(4000));
+  iters = kt_env_int("KEEL_TEST_ITERS", kt_scale(8000));
   ls = keel_lockspace_create(NULL);
   KT_REQUIRE(ls != NULL && nt <= 1024);
   memset(hot, 0, sizeof(hot));
@@ -187,8 +193,8 @@ static void hot_resources(void) {
   for (long i = 0; i < nt; i++) pthread_create(&t[i], NULL, worker, (void *)i);
   for (int i = 0; i < nt; i++) pthread_join(t[i], NULL);
   printf("  %d threads x %ld: %ld grants, %ld EAGAIN, %ld timeouts, %ld deadlocks, %ld cancels, "
-         "%ld async\n",
-         nt, iters, stats[0], stats[1], stats[2], stats[3], stats[4], stats[5]);
+         "%ld async grants, %ld async timeouts\n",
+         nt, iters, stats[0], stats[1], stats[2], stats[3], stats[4], stats[5], stats[6]);
   for (int r = 0; r < NRES; r++) {
     KT_EQ(hot[r].counter, hot[r].writes);
     keel_lksb_t s = {0};
