@@ -213,8 +213,12 @@ void _keel_table_enforce_limit(keel_table_t *t) {
     keel_table_shrink(t, charge - limit);
     return;
   }
-  /* Bytes: entries differ in size; evict a few at a time until under. */
-  while (keel_load_relaxed(&t->charge) > t->cfg.max_bytes) {
-    if (keel_table_shrink(t, 8) == 0) break;
+  /* Bytes: entries differ in size; evict what the average entry says is
+   * over, and again while still over (a short key list overshoots by less
+   * than one entry). */
+  while ((charge = keel_load_relaxed(&t->charge)) > limit) {
+    size_t count = keel_table_count(t);
+    size_t avg = count ? charge / count : charge;
+    if (keel_table_shrink(t, (charge - limit) / (avg ? avg : 1) + 1) == 0) break;
   }
 }
