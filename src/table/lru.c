@@ -40,8 +40,8 @@ static void gc_free_batch(keel_table_t *t, keel_table_node_t *n) {
  * batch was taken, so no reader can still hold them. */
 static void gc_callback(struct rcu_head *head) {
   keel_table_t *t = caa_container_of(head, keel_table_t, gc_head);
+  _keel_rcu_tsan_handoff_acquire(head);
   gc_free_batch(t, t->gc_batch);
-  t->gc_batch = NULL;
   uintptr_t g = GRAVE_INFLIGHT;
   /* Going idle is one CAS from "in flight, empty" to 0, the callback's last
    * access to the table: destroy waits for the grave to read 0. */
@@ -54,6 +54,7 @@ static void gc_launch(keel_table_t *t) {
   uintptr_t g = keel_xchg_acq_rel(&t->grave, GRAVE_INFLIGHT);
   t->gc_batch = (keel_table_node_t *)(g & ~GRAVE_INFLIGHT);
   KEEL_ASSERT(t->gc_batch != NULL);
+  _keel_rcu_tsan_handoff_release(&t->gc_head);
   urcu_memb_call_rcu(&t->gc_head, gc_callback);
 }
 
@@ -147,8 +148,20 @@ static bool shrink_step(keel_table_t *t, table_shard_t *s, keel_table_node_t *n)
       return false;
     }
     if (v & REF_COUNT) {
-      if (!keel_cas_weak_acq_rel(ref, &v, v & ~REF_ON_LRU)) continue;
+      /* Unlink first, then clear ON_LRU only if still referenced and alive:
+       * once ON_LRU is clear a removal owner may bury the node and reuse
+       * its links, so the links must be ours no longer. If the last
+       * reference went meanwhile (its put saw ON_LRU and left the entry to
+       * us) or a remover marked it DEAD (it will unlink it after us), the
+       * node goes back on the list. */
       lru_unlink(s, n);
+      do {
+        if (!(v & REF_COUNT) || (v & REF_DEAD)) {
+          cds_list_add_tail(node_lru(n), &s->lru);
+          keel_store_relaxed(&s->lru_len, keel_load_relaxed(&s->lru_len) + 1);
+          return false;
+        }
+      } while (!keel_cas_weak_acq_rel(ref, &v, v & ~REF_ON_LRU));
       return false;
     }
     if (v & REF_ACCESSED) {
@@ -213,8 +226,12 @@ void _keel_table_enforce_limit(keel_table_t *t) {
     keel_table_shrink(t, charge - limit);
     return;
   }
-  /* Bytes: entries differ in size; evict a few at a time until under. */
-  while (keel_load_relaxed(&t->charge) > t->cfg.max_bytes) {
-    if (keel_table_shrink(t, 8) == 0) break;
+  /* Bytes: entries differ in size; evict what the average entry says is
+   * over, and again while still over (a short key list overshoots by less
+   * than one entry). */
+  while ((charge = keel_load_relaxed(&t->charge)) > limit) {
+    size_t count = keel_table_count(t);
+    size_t avg = count ? charge / count : charge;
+    if (keel_table_shrink(t, (charge - limit) / (avg ? avg : 1) + 1) == 0) break;
   }
 }

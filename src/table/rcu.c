@@ -8,13 +8,20 @@
  * twice, and arms a keel thread-exit hook that unregisters it only if keel
  * registered it.
  *
- * This file is compiled with _LGPL_SOURCE so that read_lock/unlock are
- * liburcu's inline versions (a TLS load, an increment and a compiler
- * barrier) instead of a call; the inlined code is under the ten-line LGPL
- * allowance liburcu documents for this purpose.
+ * Outside TSan builds this file is compiled with _LGPL_SOURCE so that
+ * read_lock/unlock are liburcu's inline versions (a TLS load, an increment
+ * and a compiler barrier) instead of a call; the inlined code is under the
+ * ten-line LGPL allowance liburcu documents for this purpose.
  */
+#if !defined(__SANITIZE_THREAD__)
 #define _LGPL_SOURCE
+#endif
 #include <urcu/urcu-memb.h>
+/* For the per-thread `registered` flag, without pulling in the inline
+ * read-side code in TSan builds: inlined there, liburcu's grace-period
+ * wake-up word would be instrumented while its writers in the library are
+ * not, and TSan would report liburcu against itself. */
+#include <urcu/static/urcu-memb.h>
 
 #include "base/die.h"
 #include "base/tls.h"
@@ -55,8 +62,20 @@ void _keel_rcu_tsan_gp_acquire(void) {
   __tsan_acquire(&rcu_tsan_gp_token);
 }
 #define rcu_tsan_section_end() __tsan_release(&rcu_tsan_gp_token)
+void _keel_rcu_tsan_handoff_release(void *head) {
+  __tsan_release(head);
+}
+void _keel_rcu_tsan_handoff_acquire(void *head) {
+  __tsan_acquire(head);
+}
 #else
 void _keel_rcu_tsan_gp_acquire(void) {}
+void _keel_rcu_tsan_handoff_release(void *head) {
+  (void)head;
+}
+void _keel_rcu_tsan_handoff_acquire(void *head) {
+  (void)head;
+}
 #define rcu_tsan_section_end() ((void)0)
 #endif
 

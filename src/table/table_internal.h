@@ -170,6 +170,13 @@ void _keel_rcu_read_unlock(void) KEEL_HIDDEN;
  * before what follows it (liburcu's own ordering is invisible to TSan). */
 void _keel_rcu_tsan_gp_acquire(void) KEEL_HIDDEN;
 
+/* The same for call_rcu's queue: what the caller did before call_rcu(head)
+ * happens before the callback (TSan checks an atomic access before the
+ * acquire it performs, so a callback's first access to memory allocated
+ * since its thread last synchronised would otherwise be reported). */
+void _keel_rcu_tsan_handoff_release(void *head) KEEL_HIDDEN;
+void _keel_rcu_tsan_handoff_acquire(void *head) KEEL_HIDDEN;
+
 /* --- LRU, eviction and deferred free (lru.c) ------------------------------- */
 
 /* The put that dropped the last reference; v is the state it left. */
