@@ -151,10 +151,13 @@ int _keel_lock_convert(keel_lksb_t *lksb, int mode, unsigned flags, bool set_cb,
   set_deadline(lkb, flags);
   int rc = __keel_res_convert(res, lkb, mode, flags, &d);
   bool waiting = lkb->queue == KEEL_Q_CONVERT;
-  if (waiting && lkb->ast != NULL && (flags & KEEL_LOCK_TIMEOUT)) _keel_ls_timer_add(res->ls, lkb);
+  /* Read under the mutex: once it is dropped, a queued asynchronous
+   * conversion may be granted, notified and unlocked by other threads. */
+  bool blocking = lkb->ast == NULL;
+  if (waiting && !blocking && (flags & KEEL_LOCK_TIMEOUT)) _keel_ls_timer_add(res->ls, lkb);
   __keel_mutex_unlock(&res->mu);
   keel_dispatch(&d);
-  if (rc == 0 && waiting && lkb->ast == NULL) return wait_blocking(lkb);
+  if (rc == 0 && waiting && blocking) return wait_blocking(lkb);
   return rc;
 }
 
