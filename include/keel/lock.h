@@ -21,9 +21,9 @@
  *    modes of every other lock (with KEEL_LOCK_QUECVT: and the convert queue
  *    is empty); otherwise it waits at the tail of the convert queue, keeping
  *    its granted mode;
- *  - when locks are released or modes drop, the head of the convert queue is
- *    granted while it is compatible, then (convert queue empty) the head of
- *    the wait queue, and so on: strict FIFO within each queue;
+ *  - after every release, conversion or cancel, the head of the convert queue
+ *    is granted while it is compatible, then (convert queue empty) the head
+ *    of the wait queue, and so on: strict FIFO within each queue;
  *  - a conversion that would wait behind a converting lock whose requested
  *    mode its own granted mode blocks closes a wait-for cycle: it fails with
  *    KEEL_EDEADLK and keeps its granted mode. Only the request that closes
@@ -34,12 +34,21 @@
  * with lksb->status set (0, KEEL_ETIMEDOUT, KEEL_ECANCELED). Without an AST
  * the call blocks until it completes and returns that status. A BAST,
  * bast(arg, mode), tells a lock's holder that a request for `mode` is blocked
- * by its granted mode. keel's scheduler is not in this build, so callbacks are
- * delivered inline: by the thread whose call caused them (the one that
- * released, down-converted, requested or timed out), after it has dropped the
- * resource's lock, in the order the grants were made. A callback may call
- * keel_lock/convert/unlock (no lock is held while it runs) but should be
- * short: it runs on a caller's thread.
+ * by its granted mode: sent when the request is queued and when a grant pass
+ * leaves it at a queue's head, once per holder and mode until the holder's
+ * mode changes.
+ * keel's scheduler is not in this build, so callbacks are delivered inline:
+ * by the thread whose call caused them (the one that released, converted,
+ * requested or cancelled), after it has dropped the resource's lock, in the
+ * order the grants were made; asynchronous timeouts are expired by one timer
+ * thread per lockspace, started on the first such request. A callback may
+ * call keel_lock/convert/unlock (no lock is held while it runs) but should be
+ * short: it runs on a caller's thread. Callbacks caused by calls on different
+ * threads are not ordered with each other.
+ *
+ * Memory: a resource is 168 bytes plus its name (and the table's share); a
+ * lock 80 bytes. A by-name keel_lock allocates the lock, and the resource on
+ * first use; by-handle conversions and unlocks allocate nothing.
  *
  * Concurrency: every call may run concurrently with every other call, except
  * that calls on one lksb are serialised by the caller (one lksb is one lock),

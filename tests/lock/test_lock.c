@@ -8,6 +8,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "base/options.h"
 #include "harness.h"
 #include "lock/lockspace.h"
 #include "lock_test_util.h"
@@ -374,6 +375,69 @@ static void resource_cache(void) {
   KT_EQ(keel_lockspace_release(ls, 0), 0);
 }
 
+/* The cache limit's default comes from the lock_cache_max option. */
+static void cache_option(void) {
+  _keel_option_set(KEEL_OPT_lock_cache_max, 50);
+  keel_lockspace_t *ls = new_ls();
+  _keel_options_reset();
+  char name[32];
+  keel_lksb_t s = {0};
+  for (int i = 0; i < 200; i++) {
+    int n = snprintf(name, sizeof(name), "opt-%d", i);
+    KT_EQ(keel_lock(ls, name, (size_t)n, KEEL_LOCK_EX, 0, &s, NULL, NULL, NULL), 0);
+    KT_EQ(keel_unlock(&s, 0), 0);
+  }
+  KT_CHECK(keel_table_count(ls->table) <= 51);
+  KT_EQ(keel_lockspace_release(ls, 0), 0);
+}
+
+/* Callbacks run with no resource lock held: an AST may unlock its own lock
+ * and request another on the same resource without deadlocking. */
+typedef struct reenter {
+  keel_lksb_t first, second;
+  int second_rc, second_asts;
+} reenter_t;
+
+static void reenter_second_ast(void *arg) {
+  reenter_t *r = arg;
+  r->second_asts++;
+}
+static void reenter_ast(void *arg) {
+  reenter_t *r = arg;
+  KT_EQ(keel_unlock(&r->first, 0), 0);
+  r->second_rc = keel_lock(NULL, NULL, 0, 0, 0, NULL, NULL, NULL, NULL); /* EINVAL, no harm */
+  KT_EQ(r->second_rc, KEEL_EINVAL);
+}
+static keel_lockspace_t *reenter_ls;
+static void reenter_request_ast(void *arg) {
+  reenter_t *r = arg;
+  r->second_rc =
+      keel_lock(reenter_ls, NAME("re"), KEEL_LOCK_EX, 0, &r->second, reenter_second_ast, NULL, r);
+}
+
+static void callbacks_reenter(void) {
+  keel_lockspace_t *ls = reenter_ls = new_ls();
+  reenter_t r = {0};
+  keel_lksb_t h = {0};
+  /* Granted at once: the AST runs before keel_lock returns and unlocks. */
+  KT_EQ(keel_lock(ls, NAME("re"), KEEL_LOCK_EX, 0, &r.first, reenter_ast, NULL, &r), 0);
+  KT_CHECK(r.first.lock == NULL);
+  /* Granted by another call's release: that AST requests on the same
+   * resource, which is granted at once (its own AST runs nested). */
+  KT_EQ(keel_lock(ls, NAME("re"), KEEL_LOCK_PR, 0, &h, NULL, NULL, NULL), 0);
+  KT_EQ(keel_lock(ls, NAME("re"), KEEL_LOCK_PR, 0, &r.first, NULL, NULL, NULL), 0);
+  KT_EQ(keel_unlock(&r.first, 0), 0);
+  keel_lksb_t w = {0};
+  KT_EQ(keel_lock(ls, NAME("re"), KEEL_LOCK_CW, 0, &w, reenter_request_ast, NULL, &r), 0);
+  KT_EQ(keel_unlock(&h, 0), 0); /* grants w; its AST asks for EX, which waits on w */
+  KT_EQ(r.second_rc, 0);
+  KT_EQ(r.second_asts, 0);
+  KT_EQ(keel_unlock(&w, 0), 0); /* grants the EX */
+  KT_EQ(r.second_asts, 1);
+  KT_EQ(keel_unlock(&r.second, 0), 0);
+  KT_EQ(keel_lockspace_release(ls, 0), 0);
+}
+
 /* ---- keel_mutex ---- */
 
 static keel_mutex_t mtx = KEEL_MUTEX_INIT;
@@ -414,4 +478,5 @@ static void mutex_stress(void) {
 KT_MAIN(KT_CASE(compat_matrix), KT_CASE(fifo_no_barging), KT_CASE(conversion_deadlock),
         KT_CASE(quecvt), KT_CASE(value_blocks), KT_CASE(timeouts_blocking), KT_CASE(timeouts_async),
         KT_CASE(blocking_wait), KT_CASE(cancel), KT_CASE(convert_flag), KT_CASE(resource_cache),
-        KT_CASE(mutex_basic), KT_CASE(mutex_stress))
+        KT_CASE(cache_option), KT_CASE(callbacks_reenter), KT_CASE(mutex_basic),
+        KT_CASE(mutex_stress))
