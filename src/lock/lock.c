@@ -34,10 +34,8 @@ static keel_lkb_t *lksb_lock(keel_lksb_t *lksb, const char *call) {
 }
 
 void _keel_lkb_free(keel_lkb_t *lkb) {
-  keel_res_t *res = lkb->res;
   lkb->magic = KEEL_LKB_DEAD;
   free(lkb);
-  _keel_dir_put(res);
 }
 
 static void set_deadline(keel_lkb_t *lkb, unsigned flags) {
@@ -64,11 +62,15 @@ static KEEL_NOINLINE int wait_blocking(keel_lkb_t *lkb) {
         keel_res_t *res = lkb->res;
         keel_dispatch_t d;
         keel_dispatch_init(&d);
+        bool last = false;
         __keel_mutex_lock(&res->mu);
-        if (__atomic_load_n(&lkb->wake, __ATOMIC_RELAXED) != 1)
+        if (__atomic_load_n(&lkb->wake, __ATOMIC_RELAXED) != 1) {
           __keel_res_cancel(res, lkb, KEEL_ETIMEDOUT, &d);
+          if (lkb->queue == KEEL_Q_NONE) last = __keel_dir_detach(res);
+        }
         __keel_mutex_unlock(&res->mu);
         keel_dispatch(&d);
+        if (last) _keel_dir_put(res);
         break;
       }
     }
@@ -76,7 +78,7 @@ static KEEL_NOINLINE int wait_blocking(keel_lkb_t *lkb) {
   }
   keel_lksb_t *lksb = lkb->lksb;
   int status = lksb->status;
-  if (lkb->gr < 0) { /* a new request that was never granted */
+  if (lkb->gr < 0) { /* a new request that timed out: detached above */
     lksb->lock = NULL;
     _keel_lkb_free(lkb);
   }
@@ -94,7 +96,7 @@ int keel_lock(keel_lockspace_t *ls, const void *name, size_t namelen, int mode, 
     return KEEL_EINVAL;
   keel_lkb_t *lkb = malloc(sizeof(*lkb));
   if (keel_unlikely(lkb == NULL)) return KEEL_ENOMEM;
-  keel_res_t *res = _keel_dir_get(ls, name, namelen);
+  keel_res_t *res = _keel_dir_attach(ls, name, namelen); /* res->mu held */
   if (keel_unlikely(res == NULL)) {
     free(lkb);
     return KEEL_ENOMEM;
@@ -115,15 +117,17 @@ int keel_lock(keel_lockspace_t *ls, const void *name, size_t namelen, int mode, 
 
   keel_dispatch_t d;
   keel_dispatch_init(&d);
-  __keel_mutex_lock(&res->mu);
+  bool last = false;
   rc = __keel_res_request(res, lkb, &d);
   bool waiting = lkb->queue == KEEL_Q_WAIT;
+  if (keel_unlikely(rc != 0)) last = __keel_dir_detach(res);
   if (waiting && ast != NULL && (flags & KEEL_LOCK_TIMEOUT)) _keel_ls_timer_add(ls, lkb);
   __keel_mutex_unlock(&res->mu);
   keel_dispatch(&d);
   if (keel_unlikely(rc != 0)) {
     lksb->lock = NULL;
     _keel_lkb_free(lkb);
+    if (last) _keel_dir_put(res);
     return rc;
   }
   if (waiting && ast == NULL) return wait_blocking(lkb);
@@ -183,11 +187,15 @@ int keel_unlock(keel_lksb_t *lksb, unsigned flags) {
       return KEEL_EBUSY;
     }
     __keel_res_cancel(res, lkb, KEEL_ECANCELED, &d);
-    bool gone = lkb->queue == KEEL_Q_NONE;
-    if (gone) lksb->lock = NULL; /* before the AST sees it */
+    bool gone = lkb->queue == KEEL_Q_NONE, last = false;
+    if (gone) {
+      lksb->lock = NULL; /* before the AST sees it */
+      last = __keel_dir_detach(res);
+    }
     __keel_mutex_unlock(&res->mu);
     keel_dispatch(&d);
     if (gone) _keel_lkb_free(lkb);
+    if (last) _keel_dir_put(res);
     return 0;
   }
   if (keel_unlikely(flags & KEEL_LOCK_CANCEL)) {
@@ -195,10 +203,12 @@ int keel_unlock(keel_lksb_t *lksb, unsigned flags) {
     return KEEL_ENOENT; /* granted: no request to cancel */
   }
   __keel_res_unlock(res, lkb, flags, &d);
+  bool last = __keel_dir_detach(res);
   lksb->lock = NULL;
   __keel_mutex_unlock(&res->mu);
   keel_dispatch(&d);
   _keel_lkb_free(lkb);
+  if (last) _keel_dir_put(res);
   return 0;
 }
 

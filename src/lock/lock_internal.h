@@ -82,6 +82,7 @@ struct keel_res {
   uint8_t gmask;          /* modes with granted[m] > 0 */
   bool lvb_set;           /* a value block was written */
   uint8_t namelen;        /* bytes in name */
+  uint32_t nlkb;          /* lkbs attached; > 0 => one table reference held */
   uint32_t granted[KEEL_LOCK_MODES];
   struct cds_list_head grantq;    /* granted, nothing pending */
   struct cds_list_head convertq;  /* granted, converting: FIFO */

@@ -48,32 +48,52 @@ static void res_free(keel_table_node_t *node, void *arg) {
   free(res);
 }
 
-KEEL_NOINLINE static keel_res_t *dir_create(keel_lockspace_t *ls, const void *name,
-                                            size_t namelen) {
+/* Creates and inserts the resource, returned locked with nlkb = 1 and the
+ * reference insert gives; NULL on EEXIST (someone else created it first: the
+ * caller looks again) or, with errno set, when out of memory. */
+KEEL_NOINLINE static keel_res_t *dir_create(keel_lockspace_t *ls, const void *name, size_t namelen,
+                                            bool *retry) {
+  keel_res_t *res = malloc(sizeof(*res) + namelen);
+  if (res == NULL) return NULL;
+  _keel_res_init(res, name, namelen);
+  res->ls = ls;
+  res->nlkb = 1;
+  __keel_mutex_lock(&res->mu); /* before it is visible: uncontended */
+  int rc = keel_table_insert(ls->table, &res->node);
+  if (rc == 0) return res;
+  __keel_mutex_unlock(&res->mu);
+  free(res);
+  if (rc == KEEL_EEXIST) {
+    *retry = true;
+  } else {
+    errno = -rc;
+  }
+  return NULL;
+}
+
+keel_res_t *_keel_dir_attach(keel_lockspace_t *ls, const void *name, size_t namelen) {
   for (;;) {
-    keel_res_t *res = malloc(sizeof(*res) + namelen);
-    if (res == NULL) return NULL;
-    _keel_res_init(res, name, namelen);
-    res->ls = ls;
-    int rc = keel_table_insert(ls->table, &res->node);
-    if (rc == 0) return res; /* with the reference insert gives */
-    free(res);
-    if (rc != KEEL_EEXIST) {
-      errno = -rc;
-      return NULL;
+    keel_table_read_lock();
+    keel_table_node_t *n = keel_table_lookup(ls->table, name, namelen);
+    if (keel_likely(n != NULL)) {
+      keel_res_t *res = keel_table_entry(n, keel_res_t, node);
+      __keel_mutex_lock(&res->mu);
+      if (keel_likely(res->nlkb > 0) || keel_table_ref(n)) {
+        res->nlkb++;
+        keel_table_read_unlock();
+        return res;
+      }
+      /* Dropped by the table since the lookup: find or make its successor. */
+      __keel_mutex_unlock(&res->mu);
+      keel_table_read_unlock();
+      continue;
     }
-    /* Another thread created it first: take theirs. */
-    keel_table_node_t *n = keel_table_get(ls->table, name, namelen);
-    if (n != NULL) return keel_table_entry(n, keel_res_t, node);
+    keel_table_read_unlock();
+    bool retry = false;
+    keel_res_t *res = dir_create(ls, name, namelen, &retry);
+    if (res != NULL || !retry) return res;
   }
 }
-
-keel_res_t *_keel_dir_get(keel_lockspace_t *ls, const void *name, size_t namelen) {
-  keel_table_node_t *n = keel_table_get(ls->table, name, namelen);
-  if (keel_likely(n != NULL)) return keel_table_entry(n, keel_res_t, node);
-  return dir_create(ls, name, namelen);
-}
-
 void _keel_dir_put(keel_res_t *res) {
   keel_table_put(res->ls->table, &res->node);
 }
@@ -158,6 +178,7 @@ static void expire(keel_res_t *res) {
   keel_dispatch_t d;
   keel_dispatch_init(&d);
   CDS_LIST_HEAD(gone);
+  bool last = false;
   uint64_t now = keel_clock_ns();
   __keel_mutex_lock(&res->mu);
   keel_lkb_t *l;
@@ -167,12 +188,14 @@ static void expire(keel_res_t *res) {
     if (l->queue == KEEL_Q_NONE) {
       l->lksb->lock = NULL;
       cds_list_add(&l->q, &gone);
+      last = __keel_dir_detach(res);
     }
   }
   __keel_mutex_unlock(&res->mu);
   keel_dispatch(&d);
   keel_lkb_t *tmp;
   cds_list_for_each_entry_safe(l, tmp, &gone, q) _keel_lkb_free(l);
+  if (last) _keel_dir_put(res);
 }
 
 static void *timer_main(void *arg) {
@@ -292,12 +315,15 @@ static void cancel_queue(struct cds_list_head *q, cancel_ctx_t *c) {
 static int cancel_fn(keel_table_node_t *node, void *arg) {
   keel_res_t *res = keel_table_entry(node, keel_res_t, node);
   __keel_mutex_lock(&res->mu);
+  bool held = res->nlkb > 0;
   cancel_queue(&res->grantq, arg);
   cancel_queue(&res->convertq, arg);
   cancel_queue(&res->waitq, arg);
   memset(res->granted, 0, sizeof(res->granted));
   res->gmask = 0;
+  res->nlkb = 0;
   __keel_mutex_unlock(&res->mu);
+  if (held) _keel_dir_put(res); /* the reference the lkbs shared */
   return 0;
 }
 

@@ -45,18 +45,39 @@ KEEL_INLINE int _keel_ls_check(const keel_lockspace_t *ls) {
   return 0;
 }
 
-/* The resource named name, referenced (created if absent); NULL if out of
- * memory. Lock-free unless it allocates. */
-keel_res_t *_keel_dir_get(keel_lockspace_t *ls, const void *name, size_t namelen) KEEL_HIDDEN;
+/* Resource references. The resources' table counts references with an atomic
+ * per entry; bumping it for every lock would make two extra atomic operations
+ * on a shared line per lock and unlock by name. Instead a resource counts its
+ * lkbs in res->nlkb under res->mu (which those paths take anyway) and holds a
+ * single table reference while nlkb > 0: taken on 0 -> 1, dropped (outside
+ * the mutex) after 1 -> 0. A lookup that finds nlkb == 0 takes the reference
+ * with keel_table_ref, which fails only if the table dropped the resource
+ * meanwhile; the lookup then retries and creates a new one. The lookup, the
+ * mutex acquisition and that check run in one RCU read-side section, so the
+ * memory stays valid throughout (no grace period is ever awaited under
+ * res->mu, so blocking on it there cannot stall a grace period's waiter). */
 
-/* Drops a reference taken by _keel_dir_get (or _keel_dir_ref). */
+/* Finds or creates the resource named name and attaches one lkb to it:
+ * returns it with res->mu held and nlkb counting the caller. NULL if out of
+ * memory. Lock-free lookup; allocates on first use. */
+keel_res_t *_keel_dir_attach(keel_lockspace_t *ls, const void *name, size_t namelen) KEEL_HIDDEN;
+
+/* Detaches one lkb (res->mu held). True if it was the last: the caller calls
+ * _keel_dir_put(res) once it has unlocked res->mu. */
+KEEL_INLINE bool __keel_dir_detach(keel_res_t *res) {
+  KEEL_ASSERT(res->nlkb > 0);
+  return --res->nlkb == 0;
+}
+
+/* Drops a table reference: the one the last detach leaves, or one taken with
+ * keel_table_ref (the timer's). */
 void _keel_dir_put(keel_res_t *res) KEEL_HIDDEN;
 
 /* Queues an expiry check of lkb's deadline (res->mu held; lkb has an AST).
  * Aborts if out of memory: a timeout that silently never fires is worse. */
 void _keel_ls_timer_add(keel_lockspace_t *ls, keel_lkb_t *lkb) KEEL_HIDDEN;
 
-/* Frees an lkb that is on no queue and drops its resource reference. */
+/* Frees an lkb that is on no queue and was detached from its resource. */
 void _keel_lkb_free(keel_lkb_t *lkb) KEEL_HIDDEN;
 
 /* keel_lock_convert with the option of replacing ast, bast and arg (keel_lock

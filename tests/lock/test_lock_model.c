@@ -209,14 +209,14 @@ static bool check_state(keel_lockspace_t *ls, long step) {
     ok = false;
   }
   for (int r = 0; r < NRES && ok; r++) {
-    keel_res_t *res = _keel_dir_get(ls, names[r], strlen(names[r]));
+    keel_res_t *res = _keel_dir_attach(ls, names[r], strlen(names[r])); /* locked */
     KT_REQUIRE(res != NULL);
-    __keel_mutex_lock(&res->mu);
+    bool last = __keel_dir_detach(res);
     bool same = same_queue(&res->grantq, &grantq[r], KEEL_Q_GRANT) &&
                 same_queue(&res->convertq, &convq[r], KEEL_Q_CONVERT) &&
                 same_queue(&res->waitq, &waitq[r], KEEL_Q_WAIT) && __keel_res_validate(res);
     __keel_mutex_unlock(&res->mu);
-    _keel_dir_put(res);
+    if (last) _keel_dir_put(res);
     if (!same) {
       kt_fail(__FILE__, __LINE__, "step %ld: queues of %s differ from the model", step, names[r]);
       ok = false;

@@ -27,7 +27,7 @@
 #define NRES 4
 
 typedef struct hot {
-  char name[16];
+  char name[24];
   int held[KEEL_LOCK_MODES]; /* atomic: holders in each mode */
   uint64_t counter;          /* plain: changed only under PW/EX */
   long writes;               /* atomic: write sections done */
@@ -215,4 +215,74 @@ static void hot_resources(void) {
   KT_EQ(keel_lockspace_release(ls, 0), 0); /* nothing left held */
 }
 
-KT_MAIN(KT_CASE(hot_resources))
+/* Churn: many names, a cache of 8 resources and a thread shrinking all the
+ * time, so resources are dropped and re-created while others look them up.
+ * If a name ever had two live resources, two EX holders would meet in the
+ * per-name counters (and the plain counter would lose updates). */
+#define NCHURN 64
+static hot_t churn[NCHURN];
+static int churn_stop; /* atomic */
+
+static void churn_section(int i, int mode) {
+  hot_t *h = &churn[i];
+  __atomic_fetch_add(&h->held[mode], 1, __ATOMIC_SEQ_CST);
+  for (int m = 0; m < KEEL_LOCK_MODES; m++) {
+    int n = __atomic_load_n(&h->held[m], __ATOMIC_SEQ_CST) - (m == mode);
+    if (n > 0 && !kt_compat[m][mode])
+      kt_fail(__FILE__, __LINE__, "%s: %s granted while %d hold %s", h->name,
+              keel_lock_mode_name(mode), n, keel_lock_mode_name(m));
+  }
+  if (mode == KEEL_LOCK_EX) {
+    h->counter++;
+    __atomic_fetch_add(&h->writes, 1, __ATOMIC_RELAXED);
+  }
+  __atomic_fetch_sub(&h->held[mode], 1, __ATOMIC_SEQ_CST);
+}
+
+static void *churn_worker(void *arg) {
+  uint64_t seed = 0x51afd7ed558ccd25ull * ((uintptr_t)arg + 1);
+  for (long k = 0; k < iters; k++) {
+    int i = (int)rnd(&seed, NCHURN), mode = rnd(&seed, 2) ? KEEL_LOCK_EX : KEEL_LOCK_PR;
+    keel_lksb_t s = {0};
+    int rc = keel_lock(ls, churn[i].name, strlen(churn[i].name), mode, 0, &s, NULL, NULL, NULL);
+    if (rc != 0) kt_fail(__FILE__, __LINE__, "keel_lock: %d", rc);
+    churn_section(i, mode);
+    keel_unlock(&s, 0);
+  }
+  return NULL;
+}
+
+static void *shrinker(void *arg) {
+  (void)arg;
+  while (!__atomic_load_n(&churn_stop, __ATOMIC_ACQUIRE)) {
+    keel_lockspace_shrink(ls, 1000);
+    sched_yield();
+  }
+  return NULL;
+}
+
+static void churn_resources(void) {
+  int nt = (int)kt_env_int("KEEL_TEST_THREADS", 64) / 4 + 1;
+  iters = kt_env_int("KEEL_TEST_ITERS", kt_scale(8000));
+  keel_lockspace_config_t cfg = {.cache_max = 8};
+  ls = keel_lockspace_create(&cfg);
+  KT_REQUIRE(ls != NULL && nt <= 1024);
+  memset(churn, 0, sizeof(churn));
+  for (int i = 0; i < NCHURN; i++) snprintf(churn[i].name, sizeof(churn[i].name), "churn-%d", i);
+  __atomic_store_n(&churn_stop, 0, __ATOMIC_RELAXED);
+  pthread_t t[1024], sh;
+  pthread_create(&sh, NULL, shrinker, NULL);
+  for (long i = 0; i < nt; i++) pthread_create(&t[i], NULL, churn_worker, (void *)i);
+  for (int i = 0; i < nt; i++) pthread_join(t[i], NULL);
+  __atomic_store_n(&churn_stop, 1, __ATOMIC_RELEASE);
+  pthread_join(sh, NULL);
+  keel_table_stats_t st;
+  keel_table_stats(ls->table, &st);
+  printf("  %d threads x %ld on %d names, cache 8: %zu resources dropped\n", nt, iters, NCHURN,
+         st.evicted);
+  KT_CHECK(st.evicted > 0);
+  for (int i = 0; i < NCHURN; i++) KT_EQ(churn[i].counter, churn[i].writes);
+  KT_EQ(keel_lockspace_release(ls, 0), 0);
+}
+
+KT_MAIN(KT_CASE(hot_resources), KT_CASE(churn_resources))
