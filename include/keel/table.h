@@ -72,7 +72,8 @@ typedef struct keel_table keel_table_t;
  * until the free callback runs). For byte-string keys the node points at the
  * caller's key bytes, which must stay valid and unchanged as long. */
 typedef struct keel_table_node {
-  void *_lru[2];     /* LRU links while cached; free-list link once removed */
+  /* What a lookup touches comes first and fits in 32 bytes, so a node
+   * in a 16-aligned struct spans one cache line on the lookup path. */
   void *_lfht[2];    /* liburcu's struct cds_lfht_node (next, reverse hash) */
   uint32_t _ref;     /* reference count and state bits */
   uint16_t _tag;     /* tag of the table the entry was inserted into */
@@ -81,6 +82,7 @@ typedef struct keel_table_node {
     uint64_t u64;      /* KEEL_TABLE_KEY_U64 */
     const void *bytes; /* KEEL_TABLE_KEY_BYTES: the caller's key bytes */
   } key;
+  void *_lru[2]; /* LRU links while cached; free-list link once removed */
 } keel_table_node_t;
 
 /* The caller's struct from a pointer to its embedded node. */
