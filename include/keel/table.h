@@ -72,7 +72,8 @@ typedef struct keel_table keel_table_t;
  * until the free callback runs). For byte-string keys the node points at the
  * caller's key bytes, which must stay valid and unchanged as long. */
 typedef struct keel_table_node {
-  void *_lru[2];     /* LRU links while cached; free-list link once removed */
+  /* What a lookup touches comes first and fits in 32 bytes, so a node
+   * in a 16-aligned struct spans one cache line on the lookup path. */
   void *_lfht[2];    /* liburcu's struct cds_lfht_node (next, reverse hash) */
   uint32_t _ref;     /* reference count and state bits */
   uint16_t _tag;     /* tag of the table the entry was inserted into */
@@ -81,6 +82,7 @@ typedef struct keel_table_node {
     uint64_t u64;      /* KEEL_TABLE_KEY_U64 */
     const void *bytes; /* KEEL_TABLE_KEY_BYTES: the caller's key bytes */
   } key;
+  void *_lru[2]; /* LRU links while cached; free-list link once removed */
 } keel_table_node_t;
 
 /* The caller's struct from a pointer to its embedded node. */
@@ -132,24 +134,28 @@ static inline void keel_table_node_init_bytes(keel_table_node_t *node, const voi
   if (len > KEEL_TABLE_KEY_MAX) node->_tag = 0xffff;
 }
 
-/* Creates a table. Allocates; may block briefly (registers the calling
- * thread with RCU). NULL with errno EINVAL (bad config) or ENOMEM. */
+/* Creates a table. Allocates (about 70 KiB: 4,096 buckets at least, plus
+ * 32 LRU shards) and, with liburcu 0.13, starts rculfhash's resize worker
+ * thread for this table. NULL with errno EINVAL (bad config) or ENOMEM. */
 KEEL_API keel_table_t *keel_table_create(const keel_table_config_t *config);
 
-/* Destroys an empty-of-references table: every entry still in it must have a
- * count of zero, or KEEL_EBUSY is returned and nothing changes. Otherwise
- * every entry is removed and passed to free_fn, and the call waits for those
- * callbacks (and liburcu's pending ones) to finish before freeing the table.
- * Blocks for grace periods; must not run inside a read-side section, from a
- * free callback, or concurrently with any other call on this table. NULL is
- * a no-op returning 0. */
+/* Destroys a table that no one references: if an entry in it has a count
+ * above zero, or a removed entry has not had its last put yet, returns
+ * KEEL_EBUSY and changes nothing. Otherwise every entry is removed and
+ * passed to free_fn, and the call waits for those callbacks and the table's
+ * pending deferred frees before freeing the table. Blocks for grace periods;
+ * inside a read-side section it would wait for itself and returns
+ * KEEL_EINVAL instead. Must not run from a free callback or concurrently
+ * with any other call on this table. NULL is a no-op returning 0. */
 KEEL_API int keel_table_destroy(keel_table_t *table);
 
 /* Inserts an initialised node; on success the caller holds one reference.
  * KEEL_EEXIST if the key is present (table and node unchanged), KEEL_EINVAL
  * if the key is longer than key_max or the node is already in a table.
- * Lock-free; never allocates except when rculfhash grows its bucket array,
- * which happens in the background. May run inside a read-side section. */
+ * Lock-free and allocation-free: growing the bucket array is signalled to
+ * rculfhash's worker and never waited for. On a table over its limit it
+ * also evicts (LRU shard locks, see keel_table_shrink). May run inside a
+ * read-side section. */
 KEEL_API int keel_table_insert(keel_table_t *table, keel_table_node_t *node);
 
 /* Enters / leaves an RCU read-side section (nestable; registers the thread

@@ -3,8 +3,8 @@
  * The index is liburcu's rculfhash (split-ordered lists, Shalev & Shavit
  * 2006, with Desnoyers' lock-free resize): a lookup reads the bucket array
  * and walks one sorted chain comparing full hashes, so the key is read
- * only on a full-hash match; resizes run in liburcu's call_rcu thread and
- * never block readers. Its auto-resize with accounting keeps 1 to 8 entries
+ * only on a full-hash match; resizes run in rculfhash's own worker thread
+ * (liburcu 0.13: one per table) and never block readers or writers. Its auto-resize with accounting keeps 1 to 8 entries
  * per 16-byte bucket (growth at a power-of-two count above 8 per bucket), so
  * the bucket array costs 2 to 16 bytes per entry (3.4 at 10M entries, 2.1 at
  * 16M). What keel adds on a lookup is one acquire load of the entry's state
