@@ -126,7 +126,10 @@ typedef struct keel_lkb keel_lkb_t; /* keel's lock object; opaque */
 
 /* The lock status block: the caller's handle on one lock. The caller owns the
  * memory and keeps it alive and unmoved while the lock exists; keel writes
- * status, lock and (with VALBLK on grant) valblk. */
+ * status, lock and (with VALBLK on grant) valblk. A new keel_lock overwrites
+ * lock without reading it, so an lksb that holds a lock is converted or
+ * unlocked, never passed to a new keel_lock (its lock could no longer be
+ * released). */
 typedef struct keel_lksb {
   int status;                        /* out: result of the last request (valid once it completed) */
   uint32_t timeout_ms;               /* in: with KEEL_LOCK_TIMEOUT, how long a request may wait */
