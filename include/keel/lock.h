@@ -72,8 +72,8 @@ extern "C" {
  * keel_mutex: a three-state futex mutex with a brief adaptive spin.
  *
  * State 0 = free, 1 = held, 2 = held and someone may sleep on it. lock() is
- * one CAS when free; otherwise it spins at most ~100 PAUSEs while the holder
- * is running (state 1) and sleeps in FUTEX_WAIT as soon as anyone else sleeps
+ * one CAS when free; otherwise it polls at most 32 times (PAUSE between,
+ * ~2 us) while the state is 1 and sleeps in FUTEX_WAIT as soon as anyone sleeps
  * (state 2) or the spin runs out, so hundreds of threads on a few cores sleep
  * rather than burn the CPU the holder needs (the pthread_spinlock failure).
  * unlock() is one atomic exchange, plus FUTEX_WAKE only if state was 2.
