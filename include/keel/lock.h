@@ -46,7 +46,7 @@
  * short: it runs on a caller's thread. Callbacks caused by calls on different
  * threads are not ordered with each other.
  *
- * Memory: a resource is 168 bytes plus its name (and the table's share); a
+ * Memory: a resource is 176 bytes plus its name (and the table's share); a
  * lock 80 bytes. A by-name keel_lock allocates the lock, and the resource on
  * first use; by-handle conversions and unlocks allocate nothing.
  *

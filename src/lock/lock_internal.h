@@ -80,7 +80,6 @@ struct keel_res {
   keel_lockspace_t *ls;   /* constant */
   keel_mutex_t mu;        /* guards everything below but name */
   uint8_t gmask;          /* modes with granted[m] > 0 */
-  bool lvb_set;           /* a value block was written */
   uint8_t namelen;        /* bytes in name */
   uint32_t nlkb;          /* lkbs attached; > 0 => one table reference held */
   uint32_t granted[KEEL_LOCK_MODES];

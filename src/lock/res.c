@@ -79,7 +79,6 @@ static void lvb_on_grant(keel_res_t *res, keel_lkb_t *lkb, int from, int to) {
   if (!(lkb->flags & KEEL_LOCK_VALBLK)) return;
   if (from >= KEEL_LOCK_PW && to < from) {
     memcpy(res->lvb, lkb->lksb->valblk, KEEL_LOCK_LVB_LEN);
-    res->lvb_set = true;
   } else {
     memcpy(lkb->lksb->valblk, res->lvb, KEEL_LOCK_LVB_LEN);
   }
@@ -99,8 +98,7 @@ static void grant(keel_res_t *res, keel_lkb_t *lkb, bool now, keel_dispatch_t *d
   notify(lkb, 0, now, d);
 }
 
-static void bast_queue(keel_res_t *res, struct cds_list_head *q, const keel_lkb_t *req,
-                       keel_dispatch_t *d) {
+static void bast_queue(struct cds_list_head *q, const keel_lkb_t *req, keel_dispatch_t *d) {
   keel_lkb_t *l;
   cds_list_for_each_entry(l, q, q) {
     if (l == req || l->bast == NULL || l->bast_mode == req->rq) continue;
@@ -110,14 +108,13 @@ static void bast_queue(keel_res_t *res, struct cds_list_head *q, const keel_lkb_
         .kind = KEEL_DELIVER_BAST, .mode = req->rq, .fn.bast = l->bast, .arg = l->arg};
     _keel_dispatch_push(d, &e);
   }
-  (void)res;
 }
 
 /* Tells each holder whose granted mode blocks req that req waits (once per
  * holder and requested mode until the holder's mode changes). */
 static void send_basts(keel_res_t *res, const keel_lkb_t *req, keel_dispatch_t *d) {
-  bast_queue(res, &res->grantq, req, d);
-  bast_queue(res, &res->convertq, req, d);
+  bast_queue(&res->grantq, req, d);
+  bast_queue(&res->convertq, req, d);
 }
 
 int __keel_res_request(keel_res_t *res, keel_lkb_t *lkb, keel_dispatch_t *d) {
@@ -171,7 +168,6 @@ void __keel_res_unlock(keel_res_t *res, keel_lkb_t *lkb, unsigned flags, keel_di
   KEEL_ASSERT(lkb->queue == KEEL_Q_GRANT);
   if ((flags & KEEL_LOCK_VALBLK) && lkb->gr >= KEEL_LOCK_PW) {
     memcpy(res->lvb, lkb->lksb->valblk, KEEL_LOCK_LVB_LEN);
-    res->lvb_set = true;
   }
   res_count(res, lkb->gr, -1);
   cds_list_del(&lkb->q);
