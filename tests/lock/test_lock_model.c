@@ -6,7 +6,9 @@
  * keeps each queue as an array, tests compatibility pairwise against the
  * spec's matrix and re-derives everything from the rules in lock.h. Checked:
  * return codes, the exact sequence of callbacks (kind, lock, status or mode),
- * and the exact contents and order of every grant, convert and wait queue.
+ * the exact contents and order of every grant, convert and wait queue, and
+ * every held lock's value block (requests, conversions and unlocks carry
+ * VALBLK at random, each with a fresh value written by the caller).
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -27,6 +29,8 @@ typedef struct tlock {
   bool has_bast;
   /* model */
   int state, res, gr, rq, bast_mode;
+  unsigned flags; /* of the request in progress or last granted */
+  uint64_t vb;    /* what lksb.valblk must hold (its first 8 bytes) */
 } tlock_t;
 
 typedef struct ev {
@@ -46,6 +50,7 @@ typedef struct mq {
   int n;
 } mq_t;
 static mq_t grantq[NRES], convq[NRES], waitq[NRES];
+static uint64_t mlvb[NRES]; /* each resource's value block (first 8 bytes) */
 
 static void ast(void *arg) {
   tlock_t *t = arg;
@@ -82,7 +87,15 @@ static bool m_compat(int r, int self, int mode) {
   return true;
 }
 
+/* Value blocks: a PW/EX holder going down writes its block, any other grant
+ * with VALBLK reads the resource's. */
 static void m_grant(tlock_t *t) {
+  if (t->flags & KEEL_LOCK_VALBLK) {
+    if (t->gr >= KEEL_LOCK_PW && t->rq < t->gr)
+      mlvb[t->res] = t->vb;
+    else
+      t->vb = mlvb[t->res];
+  }
   mq_del(&convq[t->res], t->id);
   mq_del(&waitq[t->res], t->id);
   mq_add(&grantq[t->res], t->id);
@@ -128,6 +141,7 @@ static void m_basts(int r, tlock_t *req) {
 static int m_request(tlock_t *t, int r, int mode, unsigned flags) {
   t->res = r;
   t->rq = mode;
+  t->flags = flags;
   if (!convq[r].n && !waitq[r].n && m_compat(r, -1, mode)) {
     m_grant(t);
     return 0;
@@ -146,6 +160,7 @@ static int m_convert(tlock_t *t, int mode, unsigned flags) {
   int r = t->res;
   if ((!(flags & KEEL_LOCK_QUECVT) || !convq[r].n) && m_compat(r, t->id, mode)) {
     t->rq = mode;
+    t->flags = flags;
     mq_del(&grantq[r], t->id);
     m_grant(t);
     m_pass(r);
@@ -155,6 +170,7 @@ static int m_convert(tlock_t *t, int mode, unsigned flags) {
     if (!kt_compat[t->gr][L[convq[r].v[i]].rq]) return KEEL_EDEADLK;
   if (flags & KEEL_LOCK_NOQUEUE) return KEEL_EAGAIN;
   t->rq = mode;
+  t->flags = flags;
   t->state = CONVERTING;
   mq_del(&grantq[r], t->id);
   mq_add(&convq[r], t->id);
@@ -162,7 +178,8 @@ static int m_convert(tlock_t *t, int mode, unsigned flags) {
   return 0;
 }
 
-static void m_unlock(tlock_t *t) {
+static void m_unlock(tlock_t *t, unsigned flags) {
+  if ((flags & KEEL_LOCK_VALBLK) && t->gr >= KEEL_LOCK_PW) mlvb[t->res] = t->vb;
   mq_del(&grantq[t->res], t->id);
   t->state = IDLE;
   t->gr = -1;
@@ -227,6 +244,10 @@ static bool check_state(keel_lockspace_t *ls, long step) {
       kt_fail(__FILE__, __LINE__, "step %ld: lock %d lksb.lock wrong", step, i);
       ok = false;
     }
+    if (L[i].state != IDLE && memcmp(L[i].lksb.valblk, &L[i].vb, sizeof(L[i].vb)) != 0) {
+      kt_fail(__FILE__, __LINE__, "step %ld: lock %d value block differs from the model", step, i);
+      ok = false;
+    }
   }
   ngot = nwant = 0;
   return ok;
@@ -247,6 +268,12 @@ static int pick(int state) {
   return n ? c[rnd((unsigned)n)] : -1;
 }
 
+/* The caller writes a fresh value into a lock's block before acting on it. */
+static void new_vb(tlock_t *t) {
+  t->vb = ((uint64_t)rnd(1u << 30) << 30) | rnd(1u << 30);
+  memcpy(t->lksb.valblk, &t->vb, sizeof(t->vb));
+}
+
 /* Modes weighted toward the interesting conflicts (PR, EX). */
 static int rnd_mode(void) {
   static const int m[] = {0, 1, 2, 3, 3, 4, 5, 5};
@@ -260,6 +287,7 @@ static void model_random_ops(void) {
   memset(grantq, 0, sizeof(grantq));
   memset(convq, 0, sizeof(convq));
   memset(waitq, 0, sizeof(waitq));
+  memset(mlvb, 0, sizeof(mlvb));
   for (int i = 0; i < NLOCKS; i++) {
     L[i].id = i;
     L[i].gr = L[i].rq = L[i].bast_mode = -1;
@@ -272,23 +300,28 @@ static void model_random_ops(void) {
     int i, rc, mrc;
     if (op < 35 && (i = pick(IDLE)) >= 0) {
       int r = (int)rnd(NRES), mode = rnd_mode();
-      unsigned flags = rnd(5) == 0 ? KEEL_LOCK_NOQUEUE : 0;
+      unsigned flags = (rnd(5) == 0 ? KEEL_LOCK_NOQUEUE : 0) | (rnd(2) ? KEEL_LOCK_VALBLK : 0);
       tlock_t *t = &L[i];
       t->bast_mode = -1;
+      new_vb(t);
       mrc = m_request(t, r, mode, flags);
       rc = keel_lock(ls, names[r], strlen(names[r]), mode, flags, &t->lksb, ast,
                      t->has_bast ? bast : NULL, t);
       counts[0]++;
     } else if (op < 65 && (i = pick(GRANTED)) >= 0) {
       int mode = rnd_mode();
-      unsigned flags = (rnd(5) == 0 ? KEEL_LOCK_NOQUEUE : 0) | (rnd(3) == 0 ? KEEL_LOCK_QUECVT : 0);
+      unsigned flags = (rnd(5) == 0 ? KEEL_LOCK_NOQUEUE : 0) |
+                       (rnd(3) == 0 ? KEEL_LOCK_QUECVT : 0) | (rnd(2) ? KEEL_LOCK_VALBLK : 0);
+      new_vb(&L[i]);
       mrc = m_convert(&L[i], mode, flags);
       rc = keel_lock_convert(&L[i].lksb, mode, flags);
       counts[mrc == KEEL_EDEADLK ? 2 : 1]++;
     } else if (op < 85 && (i = pick(GRANTED)) >= 0) {
-      m_unlock(&L[i]);
+      unsigned flags = rnd(2) ? KEEL_LOCK_VALBLK : 0;
+      new_vb(&L[i]);
+      m_unlock(&L[i], flags);
       mrc = 0;
-      rc = keel_unlock(&L[i].lksb, 0);
+      rc = keel_unlock(&L[i].lksb, flags);
       counts[3]++;
     } else if (op < 95 && (i = pick(WAITING)) >= 0) {
       m_cancel(&L[i]);
