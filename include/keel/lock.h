@@ -160,8 +160,9 @@ KEEL_API keel_lockspace_t *keel_lockspace_create(const keel_lockspace_config_t *
 
 /* Releases a lockspace: KEEL_EBUSY (and nothing changes) while it holds locks,
  * unless KEEL_LOCKSPACE_FORCE, which cancels every lock and request first,
- * calling each AST with lksb->status = KEEL_ECANCELED and lksb->lock = NULL.
- * Must not run concurrently with other calls on the lockspace. Calls on the
+ * calling each AST with lksb->status = KEEL_ECANCELED and lksb->lock = NULL;
+ * blocking calls waiting in it return KEEL_ECANCELED (release waits for them
+ * to leave). Other calls must not run concurrently with it. Calls on the
  * released handle return KEEL_ESHUTDOWN (checked for the last 1,024 released
  * lockspaces; their 64-byte headers are kept until exit for this). */
 KEEL_API int keel_lockspace_release(keel_lockspace_t *ls, unsigned flags);

@@ -68,9 +68,14 @@ static void cancel_timed_out(keel_lkb_t *lkb) {
  * that did not succeed is freed and lksb->lock cleared. */
 static KEEL_NOINLINE int wait_blocking(keel_lkb_t *lkb) {
   bool timed = lkb->flags & KEEL_LOCK_TIMEOUT;
+  keel_lockspace_t *ls = lkb->res->ls;
+  /* Counted in so that a forced release waits for this call to leave its
+   * resource; seq_cst pairs with release's wake exchange and sleepers load. */
+  __atomic_fetch_add(&ls->sleepers, 1, __ATOMIC_SEQ_CST);
   for (;;) {
-    /* Acquire pairs with notify()'s release exchange: status is visible. */
-    uint32_t w = __atomic_load_n(&lkb->wake, __ATOMIC_ACQUIRE);
+    /* Acquire (seq_cst for the pairing above) pairs with notify()'s release
+     * exchange: status is visible. */
+    uint32_t w = __atomic_load_n(&lkb->wake, __ATOMIC_SEQ_CST);
     if (w == 1) break;
     /* Announce the sleep (2) so the granter issues FUTEX_WAKE. */
     if (w == 0 &&
@@ -83,9 +88,10 @@ static KEEL_NOINLINE int wait_blocking(keel_lkb_t *lkb) {
     }
     _keel_futex_wait(&lkb->wake, 2, left);
   }
+  __atomic_fetch_sub(&ls->sleepers, 1, __ATOMIC_RELEASE); /* res untouched from here */
   keel_lksb_t *lksb = lkb->lksb;
   int status = lksb->status;
-  if (lkb->gr < 0) { /* a new request that timed out: detached already */
+  if (lkb->gr < 0) { /* timed out (detached already) or cancelled by a forced release */
     lksb->lock = NULL;
     _keel_lkb_free(lkb);
   }

@@ -8,6 +8,7 @@
  * KEEL_LS_GRAVEYARD released headers (freed when pushed out, or at exit). A
  * handle older than that is a plain use after free, as for any C object.
  */
+#include <sched.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -297,13 +298,28 @@ typedef struct cancel_ctx {
   struct cds_list_head gone;
 } cancel_ctx_t;
 
+/* Cancels every lock on q. A blocking call waiting on one (no AST, request
+ * pending) is woken with KEEL_ECANCELED and frees the lkb itself (gr = -1
+ * tells wait_blocking it holds nothing); every other lkb is freed by release
+ * after the notices. */
 static void cancel_queue(struct cds_list_head *q, cancel_ctx_t *c) {
   keel_lkb_t *l, *tmp;
   cds_list_for_each_entry_safe(l, tmp, q, q) {
+    bool sleeper = l->ast == NULL && l->queue != KEEL_Q_GRANT;
     cds_list_del(&l->q);
     l->queue = KEEL_Q_NONE;
     l->lksb->status = KEEL_ECANCELED;
     l->lksb->lock = NULL;
+    if (sleeper) {
+      l->gr = -1;
+      /* seq_cst: pairs with wait_blocking's increment of ls->sleepers before
+       * its load of wake (see keel_lockspace_release). */
+      if (__atomic_exchange_n(&l->wake, 1, __ATOMIC_SEQ_CST) == 2) {
+        keel_delivery_t e = {.kind = KEEL_DELIVER_WAKE, .fn.wake = &l->wake};
+        _keel_dispatch_push(&c->d, &e);
+      }
+      continue;
+    }
     if (l->ast != NULL) {
       keel_delivery_t e = {.kind = KEEL_DELIVER_AST, .fn.ast = l->ast, .arg = l->arg};
       _keel_dispatch_push(&c->d, &e);
@@ -343,6 +359,12 @@ int keel_lockspace_release(keel_lockspace_t *ls, unsigned flags) {
     keel_dispatch(&c.d);
     keel_lkb_t *l, *tmp;
     cds_list_for_each_entry_safe(l, tmp, &c.gone, q) _keel_lkb_free(l);
+    /* Blocked callers may still be inside a wait (a timed one about to take
+     * its resource's mutex): the resources stay until all have left. Each
+     * counts itself in before its first load of wake, and every wake word was
+     * set above (seq_cst on both sides), so a caller that counts itself in
+     * later sees wake == 1 and touches no resource. */
+    while (__atomic_load_n(&ls->sleepers, __ATOMIC_SEQ_CST) != 0) sched_yield();
   }
   timer_stop(ls);
   rc = keel_table_destroy(ls->table);

@@ -32,6 +32,7 @@ typedef struct keel_ls_timer {
 
 struct keel_lockspace {
   uint32_t magic;         /* KEEL_LS_MAGIC while live */
+  uint32_t sleepers;      /* atomic: threads in a blocking wait (release waits for them) */
   keel_table_t *table;    /* NULL once released */
   keel_ls_timer_t *timer; /* allocated on first timed asynchronous request */
   pthread_mutex_t timer_once;

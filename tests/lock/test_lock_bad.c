@@ -3,9 +3,11 @@
  * abort naming the call), and nothing is corrupted: after each, the locks
  * involved still work and the resource validates. */
 #define _GNU_SOURCE
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "harness.h"
 #include "lock/lockspace.h"
@@ -145,6 +147,50 @@ static void release_busy_and_force(void) {
   KT_EQ(keel_lock(ls, NAME("r"), KEEL_LOCK_EX, 0, &g, NULL, NULL, NULL), KEEL_ESHUTDOWN);
 }
 
+typedef struct blocked {
+  keel_lockspace_t *ls;
+  keel_lksb_t lksb;
+  int convert, timed, rc, started; /* started: atomic */
+} blocked_t;
+
+static void *blocked_caller(void *arg) {
+  blocked_t *b = arg;
+  unsigned flags = b->timed ? KEEL_LOCK_TIMEOUT : 0;
+  b->lksb.timeout_ms = 60000;
+  __atomic_store_n(&b->started, 1, __ATOMIC_RELEASE);
+  if (b->convert)
+    b->rc = keel_lock_convert(&b->lksb, KEEL_LOCK_EX, flags); /* from NL */
+  else
+    b->rc = keel_lock(b->ls, NAME("fb"), KEEL_LOCK_EX, flags, &b->lksb, NULL, NULL, NULL);
+  return NULL;
+}
+
+/* A forced release while callers are blocked in keel_lock / keel_lock_convert:
+ * they return KEEL_ECANCELED holding nothing, and release waits for them. */
+static void release_force_blocked(void) {
+  keel_lockspace_t *ls = new_ls();
+  keel_lksb_t h = {0};
+  KT_EQ(keel_lock(ls, NAME("fb"), KEEL_LOCK_PR, 0, &h, NULL, NULL, NULL), 0);
+  blocked_t b[4];
+  pthread_t t[4];
+  for (int i = 0; i < 4; i++) {
+    b[i] = (blocked_t){.ls = ls, .convert = i & 1, .timed = i >> 1, .rc = 1};
+    if (b[i].convert) /* NL first, while nothing waits: granted at once */
+      KT_EQ(keel_lock(ls, NAME("fb"), KEEL_LOCK_NL, 0, &b[i].lksb, NULL, NULL, NULL), 0);
+  }
+  for (int i = 0; i < 4; i++) pthread_create(&t[i], NULL, blocked_caller, &b[i]);
+  for (int i = 0; i < 4; i++)
+    while (!__atomic_load_n(&b[i].started, __ATOMIC_ACQUIRE)) usleep(1000);
+  usleep(50000); /* let them block */
+  KT_EQ(keel_lockspace_release(ls, KEEL_LOCKSPACE_FORCE), 0);
+  for (int i = 0; i < 4; i++) {
+    pthread_join(t[i], NULL);
+    KT_EQ(b[i].rc, KEEL_ECANCELED);
+    KT_CHECK(b[i].lksb.lock == NULL);
+  }
+  KT_CHECK(h.lock == NULL);
+}
+
 /* An lksb copied by value: its lock belongs to the original; acting on the
  * copy would corrupt the lock's state, so keel aborts naming the call. */
 static void unlock_copy(void *arg) {
@@ -199,5 +245,5 @@ static void busy_lksb(void) {
 }
 
 KT_MAIN(KT_CASE(null_lksb), KT_CASE(bad_modes_and_flags), KT_CASE(bad_names), KT_CASE(not_held),
-        KT_CASE(use_after_release), KT_CASE(release_busy_and_force), KT_CASE(corrupt_handles_abort),
-        KT_CASE(stale_handle_abort), KT_CASE(busy_lksb))
+        KT_CASE(use_after_release), KT_CASE(release_busy_and_force), KT_CASE(release_force_blocked),
+        KT_CASE(corrupt_handles_abort), KT_CASE(stale_handle_abort), KT_CASE(busy_lksb))
