@@ -109,24 +109,25 @@ int keel_lock(keel_lockspace_t *ls, const void *name, size_t namelen, int mode, 
     return KEEL_EINVAL;
   keel_lkb_t *lkb = malloc(sizeof(*lkb));
   if (keel_unlikely(lkb == NULL)) return KEEL_ENOMEM;
-  keel_res_t *res = _keel_dir_attach(ls, name, namelen); /* res->mu held */
-  if (keel_unlikely(res == NULL)) {
-    free(lkb);
-    return KEEL_ENOMEM;
-  }
   *lkb = (keel_lkb_t){.magic = KEEL_LKB_MAGIC,
                       .gr = -1,
                       .rq = (int8_t)mode,
                       .bast_mode = -1,
                       .flags = flags,
-                      .res = res,
                       .lksb = lksb,
                       .ast = ast,
                       .bast = bast,
                       .arg = arg};
-  set_deadline(lkb, flags);
   lksb->lock = lkb; /* before any AST can run and look at it */
   lksb->status = 0;
+  set_deadline(lkb, flags);
+  keel_res_t *res = _keel_dir_attach(ls, name, namelen); /* res->mu held from here */
+  if (keel_unlikely(res == NULL)) {
+    lksb->lock = NULL;
+    free(lkb);
+    return KEEL_ENOMEM;
+  }
+  lkb->res = res;
 
   keel_dispatch_t d;
   keel_dispatch_init(&d);
