@@ -37,7 +37,7 @@ void _keel_dispatch_run(keel_dispatch_t *d) {
          * which every futex waiter tolerates (glibc's semaphores rely on the
          * same). Doing the system call here keeps it out of the critical
          * section. */
-        _keel_futex_wake(e->fn.wake, 1);
+        _keel_lock_futex_wake(e->fn.wake, 1);
         break;
     }
   }

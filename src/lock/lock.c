@@ -86,7 +86,7 @@ static KEEL_NOINLINE int wait_blocking(keel_lkb_t *lkb) {
       cancel_timed_out(lkb);
       break;
     }
-    _keel_futex_wait(&lkb->wake, 2, left);
+    _keel_lock_futex_wait(&lkb->wake, 2, left);
   }
   __atomic_fetch_sub(&ls->sleepers, 1, __ATOMIC_RELEASE); /* res untouched from here */
   keel_lksb_t *lksb = lkb->lksb;

@@ -34,9 +34,9 @@ KEEL_INLINE void __keel_mutex_unlock(keel_mutex_t *m) {
 }
 
 /* The futex system calls, shared with the lock manager's sleeping waiters.
- * _keel_futex_wait returns when *addr != val, on a wake, a signal, or after
+ * _keel_lock_futex_wait returns when *addr != val, on a wake, a signal, or after
  * timeout_ns (< 0: no timeout); callers re-check their condition. */
-void _keel_futex_wait(uint32_t *addr, uint32_t val, int64_t timeout_ns) KEEL_HIDDEN;
-void _keel_futex_wake(uint32_t *addr, int n) KEEL_HIDDEN;
+void _keel_lock_futex_wait(uint32_t *addr, uint32_t val, int64_t timeout_ns) KEEL_HIDDEN;
+void _keel_lock_futex_wake(uint32_t *addr, int n) KEEL_HIDDEN;
 
 #endif /* KEEL_LOCK_MUTEX_H */
