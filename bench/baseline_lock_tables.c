@@ -186,7 +186,7 @@ int bl_lock(bl_table_t *t, const void *name, size_t len, int mode, unsigned flag
                       .lksb = lksb};
   lksb->lock = lkb;
   keel_dispatch_t d;
-  keel_dispatch_init(&d);
+  keel_dispatch_init(&d, NULL);
   __keel_mutex_lock(&r->res.mu);
   int rc = __keel_res_request(&r->res, lkb, &d);
   bool waiting = lkb->queue == KEEL_Q_WAIT;
@@ -213,7 +213,7 @@ int bl_unlock(bl_table_t *t, keel_lksb_t *lksb) {
   keel_lkb_t *lkb = lksb->lock;
   keel_res_t *res = lkb->res;
   keel_dispatch_t d;
-  keel_dispatch_init(&d);
+  keel_dispatch_init(&d, NULL);
   __keel_mutex_lock(&res->mu);
   __keel_res_unlock(res, lkb, 0, &d);
   __keel_mutex_unlock(&res->mu);

@@ -37,14 +37,16 @@
  * by its granted mode: sent when the request is queued and when a grant pass
  * leaves it at a queue's head, once per holder and mode until the holder's
  * mode changes.
- * keel's scheduler is not in this build, so callbacks are delivered inline:
- * by the thread whose call caused them (the one that released, converted,
- * requested or cancelled), after it has dropped the resource's lock, in the
- * order the grants were made; asynchronous timeouts are expired by one timer
+ * Callbacks run inline by default: on the thread whose call caused them (the
+ * one that released, converted, requested or cancelled), after it has
+ * dropped the resource's lock, in the order the grants were made. A
+ * lockspace created with KEEL_LOCKSPACE_SCHED runs them on keel's sched
+ * instead (see that flag). Asynchronous timeouts are expired by one timer
  * thread per lockspace, started on the first such request. A callback may
- * call keel_lock/convert/unlock (no lock is held while it runs) but should be
- * short: it runs on a caller's thread. Callbacks caused by calls on different
- * threads are not ordered with each other.
+ * call keel_lock/convert/unlock (no lock is held while it runs) but not
+ * keel_lockspace_release of its own lockspace, and should be short.
+ * Inline callbacks caused by calls on different threads are not ordered with
+ * each other.
  *
  * Memory: a resource is 176 bytes plus its name (and the table's share); a
  * lock 80 bytes. A by-name keel_lock allocates the lock, and the resource on
@@ -142,6 +144,13 @@ typedef void (*keel_lock_ast_t)(void *arg);
 /* Blocking callback: a request for `mode` waits for this lock's mode. */
 typedef void (*keel_lock_bast_t)(void *arg, int mode);
 
+/* keel_lockspace_config_t flags. KEEL_LOCKSPACE_SCHED: run this lockspace's
+ * ASTs and BASTs on keel's sched (keel/sched.h) instead of inline: one at a
+ * time per lockspace, each call's callbacks in grant order, calls' batches in
+ * the order they were posted. A callback then must not wait for another
+ * callback of its lockspace (they run one at a time). */
+#define KEEL_LOCKSPACE_SCHED 0x1u
+
 typedef struct keel_lockspace_config {
   /* Unused resources (no locks) stay cached for fast re-locking; at most this
    * many (0: the lock_cache_max option, default 1M); the oldest are dropped
@@ -149,6 +158,7 @@ typedef struct keel_lockspace_config {
    * keel_lockspace_shrink. A dropped resource loses its value block. */
   size_t cache_max;
   size_t size_hint; /* expected number of live resources (0: small) */
+  unsigned flags;   /* KEEL_LOCKSPACE_SCHED or 0 */
 } keel_lockspace_config_t;
 
 /* Creates a lockspace (config may be NULL for defaults). Allocates; NULL with
@@ -175,7 +185,7 @@ KEEL_API size_t keel_lockspace_shrink(keel_lockspace_t *ls, size_t n);
  * KEEL_LOCK_CONVERT, converts lksb->lock and ignores name). Finds or creates
  * the resource (one lock-free table lookup; allocates on first use).
  * With ast: returns 0 once the request is granted or queued, and ast(arg) runs
- * when it completes (already granted: before keel_lock returns). Without ast:
+ * when it completes (already granted and delivered inline: before keel_lock returns). Without ast:
  * blocks until it completes and returns lksb->status. Either way, failures
  * known at once are returned with no AST: KEEL_EINVAL (bad argument),
  * KEEL_EAGAIN (NOQUEUE and not grantable), KEEL_EDEADLK (conversion

@@ -51,7 +51,7 @@ static void set_deadline(keel_lkb_t *lkb, unsigned flags) {
 static void cancel_timed_out(keel_lkb_t *lkb) {
   keel_res_t *res = lkb->res;
   keel_dispatch_t d;
-  keel_dispatch_init(&d);
+  keel_dispatch_init(&d, res->ls->cbq);
   bool last = false;
   __keel_mutex_lock(&res->mu);
   if (__atomic_load_n(&lkb->wake, __ATOMIC_RELAXED) != 1) {
@@ -130,7 +130,7 @@ int keel_lock(keel_lockspace_t *ls, const void *name, size_t namelen, int mode, 
   lkb->res = res;
 
   keel_dispatch_t d;
-  keel_dispatch_init(&d);
+  keel_dispatch_init(&d, res->ls->cbq);
   bool last = false;
   rc = __keel_res_request(res, lkb, &d);
   bool waiting = lkb->queue == KEEL_Q_WAIT;
@@ -154,7 +154,7 @@ int _keel_lock_convert(keel_lksb_t *lksb, int mode, unsigned flags, bool set_cb,
   if (keel_unlikely(lkb == NULL)) return KEEL_ENOENT;
   keel_res_t *res = lkb->res;
   keel_dispatch_t d;
-  keel_dispatch_init(&d);
+  keel_dispatch_init(&d, res->ls->cbq);
   __keel_mutex_lock(&res->mu);
   if (keel_unlikely(lkb->queue != KEEL_Q_GRANT)) {
     __keel_mutex_unlock(&res->mu);
@@ -193,7 +193,7 @@ int keel_unlock(keel_lksb_t *lksb, unsigned flags) {
   if (keel_unlikely(lkb == NULL)) return KEEL_ENOENT;
   keel_res_t *res = lkb->res;
   keel_dispatch_t d;
-  keel_dispatch_init(&d);
+  keel_dispatch_init(&d, res->ls->cbq);
   __keel_mutex_lock(&res->mu);
   if (keel_unlikely(lkb->queue != KEEL_Q_GRANT)) {
     if (!(flags & KEEL_LOCK_CANCEL)) {

@@ -114,9 +114,20 @@ keel_lockspace_t *keel_lockspace_create(const keel_lockspace_config_t *config) {
       .free_fn = res_free,
       .name = "keel lockspace",
   };
+  if (c.flags & ~KEEL_LOCKSPACE_SCHED) {
+    free(ls);
+    errno = EINVAL;
+    return NULL;
+  }
+  if ((c.flags & KEEL_LOCKSPACE_SCHED) && (ls->cbq = _keel_cbq_create()) == NULL) {
+    free(ls);
+    errno = ENOMEM;
+    return NULL;
+  }
   ls->table = keel_table_create(&tc);
   if (ls->table == NULL) {
     int e = errno;
+    if (ls->cbq) _keel_cbq_destroy(ls->cbq);
     free(ls);
     errno = e;
     return NULL;
@@ -177,7 +188,7 @@ static keel_lkb_t *first_expired(keel_res_t *res, uint64_t now) {
 /* Cancels res's expired asynchronous requests with KEEL_ETIMEDOUT. */
 static void expire(keel_res_t *res) {
   keel_dispatch_t d;
-  keel_dispatch_init(&d);
+  keel_dispatch_init(&d, res->ls->cbq);
   CDS_LIST_HEAD(gone);
   bool last = false;
   uint64_t now = keel_clock_ns();
@@ -351,7 +362,7 @@ int keel_lockspace_release(keel_lockspace_t *ls, unsigned flags) {
     if (keel_table_for_each(ls->table, busy_fn, NULL) != 0) return KEEL_EBUSY;
   } else {
     cancel_ctx_t c;
-    keel_dispatch_init(&c.d);
+    keel_dispatch_init(&c.d, ls->cbq);
     CDS_INIT_LIST_HEAD(&c.gone);
     keel_table_for_each(ls->table, cancel_fn, &c);
     /* Notices run outside the table walk's read-side section: an AST may call
@@ -367,6 +378,10 @@ int keel_lockspace_release(keel_lockspace_t *ls, unsigned flags) {
     while (__atomic_load_n(&ls->sleepers, __ATOMIC_SEQ_CST) != 0) sched_yield();
   }
   timer_stop(ls);
+  if (ls->cbq != NULL) { /* callbacks already posted (the notices above too) run first */
+    _keel_cbq_destroy(ls->cbq);
+    ls->cbq = NULL;
+  }
   rc = keel_table_destroy(ls->table);
   if (rc != 0) keel_die("keel_lockspace_release", "resource table still referenced (%d)", rc);
   ls->table = NULL;

@@ -35,6 +35,7 @@ struct keel_lockspace {
   uint32_t sleepers;      /* atomic: threads in a blocking wait (release waits for them) */
   keel_table_t *table;    /* NULL once released */
   keel_ls_timer_t *timer; /* allocated on first timed asynchronous request */
+  keel_cbq_t *cbq;        /* KEEL_LOCKSPACE_SCHED: callbacks go here; NULL: inline */
   pthread_mutex_t timer_once;
 };
 

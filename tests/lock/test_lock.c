@@ -438,6 +438,94 @@ static void callbacks_reenter(void) {
   KT_EQ(keel_lockspace_release(ls, 0), 0);
 }
 
+/* KEEL_LOCKSPACE_SCHED: callbacks run on sched workers, one at a time, in
+ * grant order; a forced release runs its notices before it returns. */
+typedef struct sched_rec {
+  pthread_t caller;
+  int order[16];
+  int n;                     /* atomic */
+  int on_caller, concurrent; /* atomic */
+  int inside;                /* atomic */
+  int basts;                 /* atomic */
+} sched_rec_t;
+static sched_rec_t srec;
+typedef struct sched_lock {
+  keel_lksb_t lksb;
+  int id;
+} sched_lock_t;
+
+static void sched_ast(void *arg) {
+  sched_lock_t *l = arg;
+  if (__atomic_fetch_add(&srec.inside, 1, __ATOMIC_SEQ_CST) != 0)
+    __atomic_store_n(&srec.concurrent, 1, __ATOMIC_SEQ_CST);
+  if (pthread_equal(pthread_self(), srec.caller))
+    __atomic_store_n(&srec.on_caller, 1, __ATOMIC_SEQ_CST);
+  usleep(1000); /* long enough for a second drainer to show up, if there were one */
+  int i = __atomic_load_n(&srec.n, __ATOMIC_SEQ_CST);
+  if (i < 16) srec.order[i] = l->id;
+  __atomic_store_n(&srec.n, i + 1, __ATOMIC_SEQ_CST);
+  __atomic_fetch_sub(&srec.inside, 1, __ATOMIC_SEQ_CST);
+}
+static void sched_bast(void *arg, int mode) {
+  (void)arg;
+  (void)mode;
+  __atomic_fetch_add(&srec.basts, 1, __ATOMIC_SEQ_CST);
+}
+static void sched_wait_n(int n) {
+  for (int k = 0; k < 10000 && __atomic_load_n(&srec.n, __ATOMIC_SEQ_CST) < n; k++) usleep(1000);
+}
+
+static void sched_callbacks(void) {
+  keel_lockspace_config_t cfg = {.flags = KEEL_LOCKSPACE_SCHED};
+  keel_lockspace_t *ls = keel_lockspace_create(&cfg);
+  KT_REQUIRE(ls != NULL);
+  memset(&srec, 0, sizeof(srec));
+  srec.caller = pthread_self();
+  sched_lock_t l[6];
+  memset(l, 0, sizeof(l));
+  for (int i = 0; i < 6; i++) l[i].id = i;
+  KT_EQ(keel_lock(ls, NAME("s"), KEEL_LOCK_EX, 0, &l[0].lksb, sched_ast, sched_bast, &l[0]), 0);
+  sched_wait_n(1);
+  for (int i = 1; i < 5; i++) /* PR, PR, EX, PR: all wait behind the EX */
+    KT_EQ(keel_lock(ls, NAME("s"), i == 3 ? KEEL_LOCK_EX : KEEL_LOCK_PR, 0, &l[i].lksb, sched_ast,
+                    NULL, &l[i]),
+          0);
+  KT_EQ(keel_unlock(&l[0].lksb, 0), 0); /* grants 1 and 2 */
+  sched_wait_n(3);
+  KT_EQ(keel_unlock(&l[1].lksb, 0), 0);
+  KT_EQ(keel_unlock(&l[2].lksb, 0), 0); /* grants 3 */
+  sched_wait_n(4);
+  KT_EQ(keel_unlock(&l[3].lksb, 0), 0); /* grants 4 */
+  sched_wait_n(5);
+  KT_EQ(srec.n, 5);
+  for (int i = 0; i < 5; i++) KT_EQ(srec.order[i], i);
+  KT_EQ(srec.on_caller, 0);
+  KT_EQ(srec.concurrent, 0);
+  KT_CHECK(__atomic_load_n(&srec.basts, __ATOMIC_SEQ_CST) >= 1); /* l[0] was told */
+  /* Blocking calls are unaffected: granted at once, no callback. */
+  keel_lksb_t b = {0};
+  KT_EQ(keel_lock(ls, NAME("s2"), KEEL_LOCK_EX, 0, &b, NULL, NULL, NULL), 0);
+  KT_EQ(keel_unlock(&b, 0), 0);
+  /* A burst of grants from one call: one batch, in order, never concurrent. */
+  srec.n = 0;
+  KT_EQ(keel_lock(ls, NAME("s3"), KEEL_LOCK_EX, 0, &b, NULL, NULL, NULL), 0);
+  sched_lock_t m[12];
+  memset(m, 0, sizeof(m));
+  for (int i = 0; i < 12; i++) {
+    m[i].id = i;
+    KT_EQ(keel_lock(ls, NAME("s3"), KEEL_LOCK_PR, 0, &m[i].lksb, sched_ast, NULL, &m[i]), 0);
+  }
+  KT_EQ(keel_unlock(&b, 0), 0);
+  sched_wait_n(12);
+  for (int i = 0; i < 12; i++) KT_EQ(srec.order[i], i);
+  KT_EQ(srec.concurrent, 0);
+  /* A forced release: the notices have run when it returns. */
+  srec.n = 0;
+  KT_EQ(keel_lockspace_release(ls, KEEL_LOCKSPACE_FORCE), 0);
+  KT_EQ(__atomic_load_n(&srec.n, __ATOMIC_SEQ_CST), 13); /* 12 PR holders + l[4] */
+  for (int i = 0; i < 12; i++) KT_CHECK(m[i].lksb.lock == NULL);
+}
+
 /* ---- keel_mutex ---- */
 
 static keel_mutex_t mtx = KEEL_MUTEX_INIT;
@@ -478,5 +566,5 @@ static void mutex_stress(void) {
 KT_MAIN(KT_CASE(compat_matrix), KT_CASE(fifo_no_barging), KT_CASE(conversion_deadlock),
         KT_CASE(quecvt), KT_CASE(value_blocks), KT_CASE(timeouts_blocking), KT_CASE(timeouts_async),
         KT_CASE(blocking_wait), KT_CASE(cancel), KT_CASE(convert_flag), KT_CASE(resource_cache),
-        KT_CASE(cache_option), KT_CASE(callbacks_reenter), KT_CASE(mutex_basic),
-        KT_CASE(mutex_stress))
+        KT_CASE(cache_option), KT_CASE(callbacks_reenter), KT_CASE(sched_callbacks),
+        KT_CASE(mutex_basic), KT_CASE(mutex_stress))

@@ -181,10 +181,11 @@ static void *worker(void *arg) {
   return NULL;
 }
 
-static void hot_resources(void) {
+static void hot_run(unsigned ls_flags, long default_iters) {
   int nt = (int)kt_env_int("KEEL_TEST_THREADS", 64);
-  iters = kt_env_int("KEEL_TEST_ITERS", kt_scale(8000));
-  ls = keel_lockspace_create(NULL);
+  iters = kt_env_int("KEEL_TEST_ITERS", kt_scale(default_iters));
+  keel_lockspace_config_t cfg = {.flags = ls_flags};
+  ls = keel_lockspace_create(&cfg);
   KT_REQUIRE(ls != NULL && nt <= 1024);
   memset(hot, 0, sizeof(hot));
   memset(stats, 0, sizeof(stats));
@@ -213,6 +214,16 @@ static void hot_resources(void) {
   }
   KT_CHECK(stats[0] > 0);
   KT_EQ(keel_lockspace_release(ls, 0), 0); /* nothing left held */
+}
+
+static void hot_resources(void) {
+  hot_run(0, 8000);
+}
+
+/* The same with callbacks on keel's sched: ASTs and BASTs run on its workers
+ * while 64 threads wait for them. */
+static void hot_resources_sched(void) {
+  hot_run(KEEL_LOCKSPACE_SCHED, 2000);
 }
 
 /* Churn: many names, a cache of 8 resources and a thread shrinking all the
@@ -285,4 +296,4 @@ static void churn_resources(void) {
   KT_EQ(keel_lockspace_release(ls, 0), 0);
 }
 
-KT_MAIN(KT_CASE(hot_resources), KT_CASE(churn_resources))
+KT_MAIN(KT_CASE(hot_resources), KT_CASE(hot_resources_sched), KT_CASE(churn_resources))
