@@ -3,6 +3,7 @@
  * abort naming the call), and nothing is corrupted: after each, the locks
  * involved still work and the resource validates. */
 #define _GNU_SOURCE
+#include <errno.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -115,6 +116,9 @@ static void use_after_release(void) {
   KT_CHECK(s.lock == NULL);
   KT_EQ(keel_lock(NULL, NAME("z"), KEEL_LOCK_EX, 0, &s, NULL, NULL, NULL), KEEL_EINVAL);
   KT_EQ(keel_lockspace_release(NULL, 0), KEEL_EINVAL);
+  keel_lockspace_config_t bad = {.flags = 0x80};
+  errno = 0;
+  KT_CHECK(keel_lockspace_create(&bad) == NULL && errno == EINVAL);
   ls = new_ls();
   KT_EQ(keel_lockspace_release(ls, 7), KEEL_EINVAL);
   KT_EQ(keel_lockspace_release(ls, 0), 0);
