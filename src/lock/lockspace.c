@@ -1,0 +1,392 @@
+/* Lockspaces: creation and release, the resource directory on a keel table,
+ * the timer for asynchronous timeouts, and the use-after-release check.
+ *
+ * Use after release. A lockspace handle is a pointer the caller may keep by
+ * mistake after keel_lockspace_release. Returning KEEL_ESHUTDOWN for it needs
+ * the header to stay readable, so release frees everything but the small
+ * header, marks it dead, and parks it in a ring of the last
+ * KEEL_LS_GRAVEYARD released headers (freed when pushed out, or at exit). A
+ * handle older than that is a plain use after free, as for any C object.
+ */
+#include <sched.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "base/clock.h"
+#include "base/die.h"
+#include "base/options.h"
+#include "lockspace.h"
+
+#define KEEL_LS_GRAVEYARD 1024
+
+static pthread_mutex_t graveyard_mu = PTHREAD_MUTEX_INITIALIZER;
+static keel_lockspace_t *graveyard[KEEL_LS_GRAVEYARD];
+static size_t graveyard_next;
+
+static void ls_bury(keel_lockspace_t *ls) {
+  pthread_mutex_lock(&graveyard_mu);
+  keel_lockspace_t *old = graveyard[graveyard_next];
+  graveyard[graveyard_next] = ls;
+  graveyard_next = (graveyard_next + 1) % KEEL_LS_GRAVEYARD;
+  pthread_mutex_unlock(&graveyard_mu);
+  free(old);
+}
+
+__attribute__((destructor)) static void graveyard_free(void) {
+  for (size_t i = 0; i < KEEL_LS_GRAVEYARD; i++) {
+    free(graveyard[i]);
+    graveyard[i] = NULL;
+  }
+}
+
+/* ---- the resource directory ---------------------------------------------- */
+
+/* On liburcu's call_rcu thread, after a grace period: nobody can reach res. */
+static void res_free(keel_table_node_t *node, void *arg) {
+  (void)arg;
+  keel_res_t *res = keel_table_entry(node, keel_res_t, node);
+  KEEL_ASSERT(__keel_res_unused(res));
+  free(res);
+}
+
+/* Creates and inserts the resource, returned locked with nlkb = 1 and the
+ * reference insert gives; NULL on EEXIST (someone else created it first: the
+ * caller looks again) or, with errno set, when out of memory. */
+KEEL_NOINLINE static keel_res_t *dir_create(keel_lockspace_t *ls, const void *name, size_t namelen,
+                                            bool *retry) {
+  keel_res_t *res = malloc(sizeof(*res) + namelen);
+  if (res == NULL) return NULL;
+  _keel_res_init(res, name, namelen);
+  res->ls = ls;
+  res->nlkb = 1;
+  __keel_mutex_lock(&res->mu); /* before it is visible: uncontended */
+  int rc = keel_table_insert(ls->table, &res->node);
+  if (rc == 0) return res;
+  __keel_mutex_unlock(&res->mu);
+  free(res);
+  if (rc == KEEL_EEXIST) {
+    *retry = true;
+  } else {
+    errno = -rc;
+  }
+  return NULL;
+}
+
+keel_res_t *_keel_dir_attach(keel_lockspace_t *ls, const void *name, size_t namelen) {
+  for (;;) {
+    keel_table_read_lock();
+    keel_table_node_t *n = keel_table_lookup(ls->table, name, namelen);
+    if (keel_likely(n != NULL)) {
+      keel_res_t *res = keel_table_entry(n, keel_res_t, node);
+      __keel_mutex_lock(&res->mu);
+      if (keel_likely(res->nlkb > 0) || keel_table_ref(n)) {
+        res->nlkb++;
+        keel_table_read_unlock();
+        return res;
+      }
+      /* Dropped by the table since the lookup: find or make its successor. */
+      __keel_mutex_unlock(&res->mu);
+      keel_table_read_unlock();
+      continue;
+    }
+    keel_table_read_unlock();
+    bool retry = false;
+    keel_res_t *res = dir_create(ls, name, namelen, &retry);
+    if (res != NULL || !retry) return res;
+  }
+}
+void _keel_dir_put(keel_res_t *res) {
+  keel_table_put(res->ls->table, &res->node);
+}
+
+/* ---- create, shrink ------------------------------------------------------ */
+
+keel_lockspace_t *keel_lockspace_create(const keel_lockspace_config_t *config) {
+  keel_lockspace_config_t c = config ? *config : (keel_lockspace_config_t){0};
+  keel_lockspace_t *ls = calloc(1, sizeof(*ls));
+  if (ls == NULL) return NULL;
+  keel_table_config_t tc = {
+      .key_type = KEEL_TABLE_KEY_BYTES,
+      .key_max = KEEL_LOCK_NAME_MAX,
+      .size_hint = c.size_hint,
+      .max_entries = c.cache_max ? c.cache_max : (size_t)_keel_option(KEEL_OPT_lock_cache_max),
+      .entry_size = sizeof(keel_res_t),
+      .free_fn = res_free,
+      .name = "keel lockspace",
+  };
+  if (c.flags & ~KEEL_LOCKSPACE_SCHED) {
+    free(ls);
+    errno = EINVAL;
+    return NULL;
+  }
+  if ((c.flags & KEEL_LOCKSPACE_SCHED) && (ls->cbq = _keel_cbq_create()) == NULL) {
+    free(ls);
+    errno = ENOMEM;
+    return NULL;
+  }
+  ls->table = keel_table_create(&tc);
+  if (ls->table == NULL) {
+    int e = errno;
+    if (ls->cbq) _keel_cbq_destroy(ls->cbq);
+    free(ls);
+    errno = e;
+    return NULL;
+  }
+  pthread_mutex_init(&ls->timer_once, NULL);
+  ls->magic = KEEL_LS_MAGIC;
+  return ls;
+}
+
+size_t keel_lockspace_shrink(keel_lockspace_t *ls, size_t n) {
+  if (_keel_ls_check(ls) != 0) return 0;
+  return keel_table_shrink(ls->table, n);
+}
+
+/* ---- the timer ------------------------------------------------------------ */
+
+static void heap_swap(keel_timer_ent_t *h, size_t a, size_t b) {
+  keel_timer_ent_t t = h[a];
+  h[a] = h[b];
+  h[b] = t;
+}
+
+static void heap_push(keel_ls_timer_t *t, keel_timer_ent_t e) {
+  size_t i = t->n++;
+  t->heap[i] = e;
+  while (i > 0 && t->heap[(i - 1) / 2].deadline_ns > t->heap[i].deadline_ns) {
+    heap_swap(t->heap, i, (i - 1) / 2);
+    i = (i - 1) / 2;
+  }
+}
+
+static keel_timer_ent_t heap_pop(keel_ls_timer_t *t) {
+  keel_timer_ent_t top = t->heap[0];
+  t->heap[0] = t->heap[--t->n];
+  for (size_t i = 0;;) {
+    size_t l = 2 * i + 1, r = l + 1, m = i;
+    if (l < t->n && t->heap[l].deadline_ns < t->heap[m].deadline_ns) m = l;
+    if (r < t->n && t->heap[r].deadline_ns < t->heap[m].deadline_ns) m = r;
+    if (m == i) break;
+    heap_swap(t->heap, i, m);
+    i = m;
+  }
+  return top;
+}
+
+/* The first asynchronous request past its deadline on res, or NULL. */
+static keel_lkb_t *first_expired(keel_res_t *res, uint64_t now) {
+  struct cds_list_head *qs[2] = {&res->convertq, &res->waitq};
+  for (int i = 0; i < 2; i++) {
+    keel_lkb_t *l;
+    cds_list_for_each_entry(l, qs[i], q) {
+      if (l->ast != NULL && (l->flags & KEEL_LOCK_TIMEOUT) && l->deadline_ns <= now) return l;
+    }
+  }
+  return NULL;
+}
+
+/* Cancels res's expired asynchronous requests with KEEL_ETIMEDOUT. */
+static void expire(keel_res_t *res) {
+  keel_dispatch_t d;
+  keel_dispatch_init(&d, res->ls->cbq);
+  CDS_LIST_HEAD(gone);
+  bool last = false;
+  uint64_t now = keel_clock_ns();
+  __keel_mutex_lock(&res->mu);
+  keel_lkb_t *l;
+  /* A cancel may grant others and reorder the queues: rescan each time. */
+  while ((l = first_expired(res, now)) != NULL) {
+    __keel_res_cancel(res, l, KEEL_ETIMEDOUT, &d);
+    if (l->queue == KEEL_Q_NONE) {
+      l->lksb->lock = NULL;
+      cds_list_add(&l->q, &gone);
+      last = __keel_dir_detach(res);
+    }
+  }
+  __keel_mutex_unlock(&res->mu);
+  keel_dispatch(&d);
+  keel_lkb_t *tmp;
+  cds_list_for_each_entry_safe(l, tmp, &gone, q) _keel_lkb_free(l);
+  if (last) _keel_dir_put(res);
+}
+
+static void *timer_main(void *arg) {
+  keel_ls_timer_t *t = arg;
+  pthread_mutex_lock(&t->mu);
+  while (!t->stop) {
+    if (t->n == 0) {
+      pthread_cond_wait(&t->cv, &t->mu);
+      continue;
+    }
+    uint64_t now = keel_clock_ns(), when = t->heap[0].deadline_ns;
+    if (when > now) {
+      struct timespec ts = {.tv_sec = (time_t)(when / 1000000000u),
+                            .tv_nsec = (long)(when % 1000000000u)};
+      pthread_cond_timedwait(&t->cv, &t->mu, &ts);
+      continue;
+    }
+    keel_timer_ent_t e = heap_pop(t);
+    pthread_mutex_unlock(&t->mu);
+    expire(e.res);
+    _keel_dir_put(e.res);
+    pthread_mutex_lock(&t->mu);
+  }
+  pthread_mutex_unlock(&t->mu);
+  return NULL;
+}
+
+static keel_ls_timer_t *timer_start(keel_lockspace_t *ls) {
+  pthread_mutex_lock(&ls->timer_once);
+  keel_ls_timer_t *t = __atomic_load_n(&ls->timer, __ATOMIC_ACQUIRE);
+  if (t == NULL) {
+    t = calloc(1, sizeof(*t));
+    if (t == NULL) keel_die("keel_lock", "out of memory starting the lock timeout timer");
+    pthread_mutex_init(&t->mu, NULL);
+    pthread_condattr_t ca;
+    pthread_condattr_init(&ca);
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+    pthread_cond_init(&t->cv, &ca);
+    pthread_condattr_destroy(&ca);
+    int rc = pthread_create(&t->thread, NULL, timer_main, t);
+    if (rc != 0) keel_die("keel_lock", "cannot start the lock timeout thread: %s", strerror(rc));
+    t->started = true;
+    /* Release: a thread that loads ls->timer sees it initialised. */
+    __atomic_store_n(&ls->timer, t, __ATOMIC_RELEASE);
+  }
+  pthread_mutex_unlock(&ls->timer_once);
+  return t;
+}
+
+void _keel_ls_timer_add(keel_lockspace_t *ls, keel_lkb_t *lkb) {
+  keel_ls_timer_t *t = __atomic_load_n(&ls->timer, __ATOMIC_ACQUIRE);
+  if (t == NULL) t = timer_start(ls);
+  bool ok = keel_table_ref(&lkb->res->node); /* we hold one through lkb: cannot fail */
+  KEEL_ASSERT(ok);
+  (void)ok;
+  pthread_mutex_lock(&t->mu);
+  if (t->n == t->cap) {
+    size_t cap = t->cap ? 2 * t->cap : 64;
+    keel_timer_ent_t *h = realloc(t->heap, cap * sizeof(*h));
+    if (h == NULL) keel_die("keel_lock", "out of memory queueing a lock timeout");
+    t->heap = h;
+    t->cap = cap;
+  }
+  heap_push(t, (keel_timer_ent_t){lkb->deadline_ns, lkb->res});
+  if (t->heap[0].res == lkb->res && t->heap[0].deadline_ns == lkb->deadline_ns)
+    pthread_cond_signal(&t->cv); /* a new earliest deadline */
+  pthread_mutex_unlock(&t->mu);
+}
+
+static void timer_stop(keel_lockspace_t *ls) {
+  keel_ls_timer_t *t = ls->timer;
+  if (t == NULL) return;
+  pthread_mutex_lock(&t->mu);
+  t->stop = true;
+  pthread_cond_signal(&t->cv);
+  pthread_mutex_unlock(&t->mu);
+  pthread_join(t->thread, NULL);
+  for (size_t i = 0; i < t->n; i++) _keel_dir_put(t->heap[i].res);
+  free(t->heap);
+  pthread_cond_destroy(&t->cv);
+  pthread_mutex_destroy(&t->mu);
+  free(t);
+  ls->timer = NULL;
+}
+
+/* ---- release -------------------------------------------------------------- */
+
+static int busy_fn(keel_table_node_t *node, void *arg) {
+  (void)arg;
+  keel_res_t *res = keel_table_entry(node, keel_res_t, node);
+  __keel_mutex_lock(&res->mu);
+  bool unused = __keel_res_unused(res);
+  __keel_mutex_unlock(&res->mu);
+  return unused ? 0 : 1;
+}
+
+typedef struct cancel_ctx {
+  keel_dispatch_t d;
+  struct cds_list_head gone;
+} cancel_ctx_t;
+
+/* Cancels every lock on q. A blocking call waiting on one (no AST, request
+ * pending) is woken with KEEL_ECANCELED and frees the lkb itself (gr = -1
+ * tells wait_blocking it holds nothing); every other lkb is freed by release
+ * after the notices. */
+static void cancel_queue(struct cds_list_head *q, cancel_ctx_t *c) {
+  keel_lkb_t *l, *tmp;
+  cds_list_for_each_entry_safe(l, tmp, q, q) {
+    bool sleeper = l->ast == NULL && l->queue != KEEL_Q_GRANT;
+    cds_list_del(&l->q);
+    l->queue = KEEL_Q_NONE;
+    l->lksb->status = KEEL_ECANCELED;
+    l->lksb->lock = NULL;
+    if (sleeper) {
+      l->gr = -1;
+      /* seq_cst: pairs with wait_blocking's increment of ls->sleepers before
+       * its load of wake (see keel_lockspace_release). */
+      if (__atomic_exchange_n(&l->wake, 1, __ATOMIC_SEQ_CST) == 2) {
+        keel_delivery_t e = {.kind = KEEL_DELIVER_WAKE, .fn.wake = &l->wake};
+        _keel_dispatch_push(&c->d, &e);
+      }
+      continue;
+    }
+    if (l->ast != NULL) {
+      keel_delivery_t e = {.kind = KEEL_DELIVER_AST, .fn.ast = l->ast, .arg = l->arg};
+      _keel_dispatch_push(&c->d, &e);
+    }
+    cds_list_add_tail(&l->q, &c->gone);
+  }
+}
+
+static int cancel_fn(keel_table_node_t *node, void *arg) {
+  keel_res_t *res = keel_table_entry(node, keel_res_t, node);
+  __keel_mutex_lock(&res->mu);
+  bool held = res->nlkb > 0;
+  cancel_queue(&res->grantq, arg);
+  cancel_queue(&res->convertq, arg);
+  cancel_queue(&res->waitq, arg);
+  memset(res->granted, 0, sizeof(res->granted));
+  res->gmask = 0;
+  res->nlkb = 0;
+  __keel_mutex_unlock(&res->mu);
+  if (held) _keel_dir_put(res); /* the reference the lkbs shared */
+  return 0;
+}
+
+int keel_lockspace_release(keel_lockspace_t *ls, unsigned flags) {
+  int rc = _keel_ls_check(ls);
+  if (rc != 0) return rc;
+  if (flags & ~KEEL_LOCKSPACE_FORCE) return KEEL_EINVAL;
+  if (!(flags & KEEL_LOCKSPACE_FORCE)) {
+    if (keel_table_for_each(ls->table, busy_fn, NULL) != 0) return KEEL_EBUSY;
+  } else {
+    cancel_ctx_t c;
+    keel_dispatch_init(&c.d, ls->cbq);
+    CDS_INIT_LIST_HEAD(&c.gone);
+    keel_table_for_each(ls->table, cancel_fn, &c);
+    /* Notices run outside the table walk's read-side section: an AST may call
+     * anything but keel_lockspace_release on this lockspace. */
+    keel_dispatch(&c.d);
+    keel_lkb_t *l, *tmp;
+    cds_list_for_each_entry_safe(l, tmp, &c.gone, q) _keel_lkb_free(l);
+    /* Blocked callers may still be inside a wait (a timed one about to take
+     * its resource's mutex): the resources stay until all have left. Each
+     * counts itself in before its first load of wake, and every wake word was
+     * set above (seq_cst on both sides), so a caller that counts itself in
+     * later sees wake == 1 and touches no resource. */
+    while (__atomic_load_n(&ls->sleepers, __ATOMIC_SEQ_CST) != 0) sched_yield();
+  }
+  timer_stop(ls);
+  if (ls->cbq != NULL) { /* callbacks already posted (the notices above too) run first */
+    _keel_cbq_destroy(ls->cbq);
+    ls->cbq = NULL;
+  }
+  rc = keel_table_destroy(ls->table);
+  if (rc != 0) keel_die("keel_lockspace_release", "resource table still referenced (%d)", rc);
+  ls->table = NULL;
+  pthread_mutex_destroy(&ls->timer_once);
+  __atomic_store_n(&ls->magic, KEEL_LS_DEAD, __ATOMIC_RELAXED);
+  ls_bury(ls);
+  return 0;
+}

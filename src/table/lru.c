@@ -1,0 +1,237 @@
+/* keel table: the LRU of unreferenced entries, eviction, and deferred free.
+ *
+ * LRU. Entries whose count falls to zero are appended to their shard's list
+ * (cold at the head). The list is lazy, as in Linux's dcache: a later get
+ * does not take the entry off (that would put a lock on the lookup path);
+ * the shrinker drops referenced entries from the list when it meets them,
+ * and their next put-to-zero appends them again. A lookup or get marks an
+ * entry ACCESSED; the shrinker rotates such an entry to the tail once,
+ * clearing the bit (second chance, i.e. CLOCK on the list), so an entry
+ * survives a pass if it was used since the last one.
+ *
+ * Cost: the put that drops the last reference takes the shard lock only when
+ * the entry is not already on the list (first release, or after the shrinker
+ * dropped it); a put of a cached entry that was looked up again is lock-free.
+ * Shrinking holds one shard lock at a time for a bounded scan (at most twice
+ * the shard's length per call).
+ *
+ * Deferred free: see table_internal.h.
+ */
+#include <stdlib.h>
+
+#include "base/die.h"
+#include "table_internal.h"
+
+/* --- deferred free ------------------------------------------------------------ */
+
+static void gc_launch(keel_table_t *t);
+
+static void gc_free_batch(keel_table_t *t, keel_table_node_t *n) {
+  _keel_rcu_tsan_gp_acquire();
+  while (n != NULL) {
+    keel_table_node_t *next = n->_lru[0];
+    if (t->cfg.free_fn != NULL) t->cfg.free_fn(n, t->cfg.free_arg);
+    n = next;
+  }
+}
+
+/* Runs on liburcu's call_rcu thread a grace period after the batch was
+ * taken. The batch's nodes were all unlinked from rculfhash before the
+ * batch was taken, so no reader can still hold them. */
+static void gc_callback(struct rcu_head *head) {
+  keel_table_t *t = caa_container_of(head, keel_table_t, gc_head);
+  _keel_rcu_tsan_handoff_acquire(head);
+  gc_free_batch(t, t->gc_batch);
+  uintptr_t g = GRAVE_INFLIGHT;
+  /* Going idle is one CAS from "in flight, empty" to 0, the callback's last
+   * access to the table: destroy waits for the grave to read 0. */
+  if (keel_cas_strong_acq_rel(&t->grave, &g, 0)) return;
+  gc_launch(t);
+}
+
+/* Takes what is in the grave as the next batch (the in-flight bit stays). */
+static void gc_launch(keel_table_t *t) {
+  uintptr_t g = keel_xchg_acq_rel(&t->grave, GRAVE_INFLIGHT);
+  t->gc_batch = (keel_table_node_t *)(g & ~GRAVE_INFLIGHT);
+  KEEL_ASSERT(t->gc_batch != NULL);
+  _keel_rcu_tsan_handoff_release(&t->gc_head);
+  urcu_memb_call_rcu(&t->gc_head, gc_callback);
+}
+
+void _keel_table_bury(keel_table_t *t, keel_table_node_t *n) {
+  uint32_t v = keel_fetch_or_acq_rel(node_ref(n), REF_BURIED);
+  if (keel_unlikely(v & REF_BURIED))
+    keel_die("keel_table", "entry %p freed twice (state 0x%x)", (void *)n, v);
+  KEEL_ASSERT((v & (REF_DEAD | REF_ON_LRU | REF_COUNT)) == REF_DEAD);
+  keel_fetch_sub_relaxed(&node_shard(t, n)->unburied, 1);
+  uintptr_t g = keel_load_relaxed(&t->grave);
+  do n->_lru[0] = (keel_table_node_t *)(g & ~GRAVE_INFLIGHT);
+  while (!keel_cas_weak_acq_rel(&t->grave, &g, (uintptr_t)n | GRAVE_INFLIGHT));
+  if (!(g & GRAVE_INFLIGHT)) {
+    rcu_ensure_registered(); /* call_rcu enters a read-side section */
+    gc_launch(t);
+  }
+}
+
+void _keel_table_gc_drain(keel_table_t *t) {
+  /* The barrier waits for every callback queued before it; a callback that
+   * finds more work queues another, hence the loop. */
+  while (keel_load_acquire(&t->grave) != 0) urcu_memb_barrier();
+}
+
+/* --- LRU ------------------------------------------------------------------ */
+
+static void lru_unlink(table_shard_t *s, keel_table_node_t *n) {
+  cds_list_del(node_lru(n));
+  keel_store_relaxed(&s->lru_len, keel_load_relaxed(&s->lru_len) - 1);
+}
+
+static void lru_rotate(table_shard_t *s, keel_table_node_t *n) {
+  cds_list_del(node_lru(n));
+  cds_list_add_tail(node_lru(n), &s->lru);
+}
+
+/* Appends an unreferenced live entry to its shard's LRU. */
+static void lru_add(keel_table_t *t, keel_table_node_t *n) {
+  table_shard_t *s = node_shard(t, n);
+  keel_atomic(uint32_t) *ref = node_ref(n);
+  pthread_mutex_lock(&s->lock);
+  uint32_t v = keel_load_relaxed(ref);
+  do {
+    /* Referenced again (its put will add it), dying, or already there. */
+    if (v & (REF_COUNT | REF_DEAD | REF_ON_LRU)) goto out;
+  } while (!keel_cas_weak_acq_rel(ref, &v, v | REF_ON_LRU));
+  cds_list_add_tail(node_lru(n), &s->lru);
+  keel_store_relaxed(&s->lru_len, keel_load_relaxed(&s->lru_len) + 1);
+out:
+  pthread_mutex_unlock(&s->lock);
+}
+
+void _keel_table_put_last(keel_table_t *t, keel_table_node_t *n, uint32_t v) {
+  if (v & REF_DEAD) {
+    if (!(v & REF_ON_LRU)) _keel_table_bury(t, n); /* else the removal owner will */
+    return;
+  }
+  if (!(v & REF_ON_LRU)) lru_add(t, n);
+  if (t->limited) _keel_table_enforce_limit(t);
+}
+
+/* Off the LRU by the removal owner, then burial if the count is zero. */
+void _keel_table_removed(keel_table_t *t, keel_table_node_t *n) {
+  table_shard_t *s = node_shard(t, n);
+  keel_fetch_sub_relaxed(&s->in_table, 1);
+  if (t->limited) keel_fetch_sub_relaxed(&t->charge, node_charge(t, n));
+  keel_atomic(uint32_t) *ref = node_ref(n);
+  uint32_t v = keel_fetch_or_acq_rel(ref, REF_DEAD) | REF_DEAD;
+  if (v & REF_ON_LRU) {
+    /* Once DEAD, only this thread clears ON_LRU and nobody sets it. */
+    pthread_mutex_lock(&s->lock);
+    lru_unlink(s, n);
+    v = keel_fetch_and_acq_rel(ref, ~REF_ON_LRU) & ~REF_ON_LRU;
+    pthread_mutex_unlock(&s->lock);
+  }
+  if ((v & REF_COUNT) == 0) _keel_table_bury(t, n);
+}
+
+/* --- shrinking ------------------------------------------------------------ */
+
+/* One step at the cold end of a locked shard: drops a referenced entry from
+ * the list, rotates a recently used one, or evicts. Returns true if an
+ * entry was evicted. */
+static bool shrink_step(keel_table_t *t, table_shard_t *s, keel_table_node_t *n) {
+  keel_atomic(uint32_t) *ref = node_ref(n);
+  uint32_t v = keel_load_relaxed(ref);
+  for (;;) {
+    if (v & REF_DEAD) {
+      /* A remover owns it and waits for this lock to unlink it. */
+      lru_rotate(s, n);
+      return false;
+    }
+    if (v & REF_COUNT) {
+      /* Unlink first, then clear ON_LRU only if still referenced and alive:
+       * once ON_LRU is clear a removal owner may bury the node and reuse
+       * its links, so the links must be ours no longer. If the last
+       * reference went meanwhile (its put saw ON_LRU and left the entry to
+       * us) or a remover marked it DEAD (it will unlink it after us), the
+       * node goes back on the list. */
+      lru_unlink(s, n);
+      do {
+        if (!(v & REF_COUNT) || (v & REF_DEAD)) {
+          cds_list_add_tail(node_lru(n), &s->lru);
+          keel_store_relaxed(&s->lru_len, keel_load_relaxed(&s->lru_len) + 1);
+          return false;
+        }
+      } while (!keel_cas_weak_acq_rel(ref, &v, v & ~REF_ON_LRU));
+      return false;
+    }
+    if (v & REF_ACCESSED) {
+      if (!keel_cas_weak_acq_rel(ref, &v, v & ~REF_ACCESSED)) continue;
+      lru_rotate(s, n);
+      return false;
+    }
+    if (keel_cas_weak_acq_rel(ref, &v, v | REF_DEAD)) break;
+  }
+  /* DEAD from a zero count: no new reference can appear. */
+  if (cds_lfht_del(t->ht, node_lfht(n)) != 0) {
+    /* keel_table_remove deleted it first and will unlink it after us. */
+    lru_rotate(s, n);
+    return false;
+  }
+  keel_fetch_sub_relaxed(&s->in_table, 1);
+  if (t->limited) keel_fetch_sub_relaxed(&t->charge, node_charge(t, n));
+  lru_unlink(s, n);
+  keel_fetch_and_acq_rel(ref, ~REF_ON_LRU);
+  keel_fetch_add_relaxed(&t->evicted, 1);
+  _keel_table_bury(t, n);
+  return true;
+}
+
+static size_t shrink_shard(keel_table_t *t, table_shard_t *s, size_t want) {
+  size_t done = 0;
+  pthread_mutex_lock(&s->lock);
+  /* Each step removes the head or moves it to the tail, so twice the
+   * length visits every entry at least once after its bit was cleared. */
+  size_t budget = 2 * keel_load_relaxed(&s->lru_len) + 1;
+  while (done < want && budget-- > 0 && !cds_list_empty(&s->lru)) {
+    if (shrink_step(t, s, lru_node(s->lru.next))) done++;
+  }
+  pthread_mutex_unlock(&s->lock);
+  return done;
+}
+
+size_t keel_table_shrink(keel_table_t *t, size_t n) {
+  if (t == NULL || n == 0) return 0;
+  size_t done = 0;
+  unsigned start = keel_fetch_add_relaxed(&t->cursor, 1);
+  /* Spread the work: each shard gives its share, then any shard gives what
+   * is still missing. */
+  size_t share = n / TABLE_SHARDS + 1;
+  _keel_rcu_read_lock(); /* cds_lfht_del needs a read-side section */
+  for (int pass = 0; pass < 2 && done < n; pass++) {
+    for (unsigned i = 0; i < TABLE_SHARDS && done < n; i++) {
+      size_t want = n - done;
+      if (pass == 0 && want > share) want = share;
+      done += shrink_shard(t, &t->shards[(start + i) % TABLE_SHARDS], want);
+    }
+  }
+  _keel_rcu_read_unlock();
+  return done;
+}
+
+void _keel_table_enforce_limit(keel_table_t *t) {
+  size_t charge = keel_load_relaxed(&t->charge);
+  size_t limit = t->cfg.max_bytes ? t->cfg.max_bytes : t->cfg.max_entries;
+  if (keel_likely(charge <= limit)) return;
+  if (t->cfg.max_bytes == 0) {
+    keel_table_shrink(t, charge - limit);
+    return;
+  }
+  /* Bytes: entries differ in size; evict what the average entry says is
+   * over, and again while still over (a short key list overshoots by less
+   * than one entry). */
+  while ((charge = keel_load_relaxed(&t->charge)) > limit) {
+    size_t count = keel_table_count(t);
+    size_t avg = count ? charge / count : charge;
+    if (keel_table_shrink(t, (charge - limit) / (avg ? avg : 1) + 1) == 0) break;
+  }
+}

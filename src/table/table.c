@@ -1,0 +1,396 @@
+/* keel table: create, destroy, insert, lookup, references and removal.
+ *
+ * The index is liburcu's rculfhash (split-ordered lists, Shalev & Shavit
+ * 2006, with Desnoyers' lock-free resize): a lookup reads the bucket array
+ * and walks one sorted chain comparing full hashes, so the key is read
+ * only on a full-hash match; resizes run in rculfhash's own worker thread
+ * (liburcu 0.13: one per table) and never block readers or writers. Its auto-resize with accounting keeps 1 to 8 entries
+ * per 16-byte bucket (growth at a power-of-two count above 8 per bucket), so
+ * the bucket array costs 2 to 16 bytes per entry (3.4 at 10M entries, 2.1 at
+ * 16M). What keel adds on a lookup is one acquire load of the entry's state
+ * word (same cache line as the chain link) and, once per LRU pass, setting
+ * its ACCESSED bit.
+ *
+ * See table_internal.h for the entry state machine; lru.c for caching,
+ * eviction and the deferred free.
+ */
+#include <stdlib.h>
+#include <time.h>
+
+#include "base/die.h"
+#include "table_internal.h"
+
+static keel_atomic(uint32_t) table_tags; /* tags 1..0xfffe, then wrap */
+
+/* --- keys ------------------------------------------------------------------ */
+
+typedef struct bytes_key {
+  const void *p;
+  size_t len;
+} bytes_key_t;
+
+/* The acquire load pairs with the release CAS that inserted the node: what
+ * the caller wrote into its entry before insert is visible to whoever finds
+ * it (rculfhash's publication does this too, but TSan cannot see liburcu's
+ * asm atomics, and on x86 an acquire load is a plain load). */
+static int match_u64(struct cds_lfht_node *l, const void *key) {
+  keel_table_node_t *n = lfht_node(l);
+  (void)keel_load_acquire(node_ref(n));
+  return n->key.u64 == *(const uint64_t *)key;
+}
+
+static int match_bytes(struct cds_lfht_node *l, const void *key) {
+  keel_table_node_t *n = lfht_node(l);
+  const bytes_key_t *k = key;
+  (void)keel_load_acquire(node_ref(n));
+  return n->_key_len == k->len && memcmp(n->key.bytes, k->p, k->len) == 0;
+}
+
+/* Validates a lookup key and hashes it; false (errno EINVAL) if malformed. */
+static bool key_prepare(const keel_table_t *t, const void *key, size_t len, bytes_key_t *bk,
+                        uint64_t *hash) {
+  if (t->cfg.key_type == KEEL_TABLE_KEY_U64) {
+    if (keel_unlikely(len != sizeof(uint64_t) || key == NULL)) goto bad;
+    uint64_t k;
+    memcpy(&k, key, sizeof k);
+    *hash = _keel_hash_u64(k, t->seed);
+    return true;
+  }
+  if (keel_unlikely(len > t->cfg.key_max || (key == NULL && len != 0))) goto bad;
+  bk->p = key;
+  bk->len = len;
+  *hash = _keel_hash_bytes(key, len, t->seed);
+  return true;
+bad:
+  errno = EINVAL;
+  return false;
+}
+
+static uint64_t node_hash(const keel_table_t *t, const keel_table_node_t *n) {
+  if (t->cfg.key_type == KEEL_TABLE_KEY_U64) return _keel_hash_u64(n->key.u64, t->seed);
+  return _keel_hash_bytes(n->key.bytes, n->_key_len, t->seed);
+}
+
+/* Finds a node inside a read-side section; NULL if absent. */
+static keel_table_node_t *find(keel_table_t *t, const void *key, size_t len) {
+  bytes_key_t bk;
+  uint64_t hash;
+  if (!key_prepare(t, key, len, &bk, &hash)) return NULL;
+  struct cds_lfht_iter it;
+  if (t->cfg.key_type == KEEL_TABLE_KEY_U64)
+    cds_lfht_lookup(t->ht, hash, match_u64, key, &it);
+  else
+    cds_lfht_lookup(t->ht, hash, match_bytes, &bk, &it);
+  struct cds_lfht_node *l = cds_lfht_iter_get_node(&it);
+  if (l == NULL) {
+    errno = ENOENT;
+    return NULL;
+  }
+  return lfht_node(l);
+}
+
+/* --- create / destroy ------------------------------------------------------ */
+
+static size_t pow2_ceil(size_t x) {
+  return x <= 1 ? 1 : (size_t)1 << (64 - __builtin_clzll((unsigned long long)(x - 1)));
+}
+
+static uint64_t table_seed(const keel_table_t *t) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  uint64_t s = (uint64_t)ts.tv_nsec ^ ((uint64_t)ts.tv_sec << 30) ^ (uint64_t)(uintptr_t)t;
+  return _keel_hash_u64(s, 0x9e3779b97f4a7c15ull);
+}
+
+static bool config_valid(keel_table_config_t *c) {
+  if (c->key_type != KEEL_TABLE_KEY_U64 && c->key_type != KEEL_TABLE_KEY_BYTES) return false;
+  if (c->key_type == KEEL_TABLE_KEY_BYTES) {
+    if (c->key_max == 0) c->key_max = 255;
+    if (c->key_max > KEEL_TABLE_KEY_MAX) return false;
+  } else {
+    c->key_max = sizeof(uint64_t);
+  }
+  /* A byte limit needs something to charge. */
+  if (c->max_bytes != 0 && c->entry_size == 0 && c->key_type == KEEL_TABLE_KEY_U64) return false;
+  return true;
+}
+
+keel_table_t *keel_table_create(const keel_table_config_t *config) {
+  if (config == NULL) goto inval;
+  keel_table_config_t cfg = *config;
+  if (!config_valid(&cfg)) goto inval;
+  keel_table_t *t = aligned_alloc(KEEL_CACHE_LINE, sizeof *t);
+  if (t == NULL) goto nomem;
+  memset(t, 0, sizeof *t);
+  t->cfg = cfg;
+  t->seed = table_seed(t);
+  t->limited = cfg.max_entries != 0 || cfg.max_bytes != 0;
+  uint32_t tag;
+  do tag = keel_fetch_add_relaxed(&table_tags, 1) % 0xfffeu + 1;
+  while (tag == 0);
+  t->tag = (uint16_t)tag;
+  for (int i = 0; i < TABLE_SHARDS; i++) {
+    pthread_mutex_init(&t->shards[i].lock, NULL);
+    CDS_INIT_LIST_HEAD(&t->shards[i].lru);
+  }
+  /* Presize to about 4 entries per bucket: rculfhash grows at 8. */
+  size_t init = pow2_ceil(cfg.size_hint / 4);
+  if (init < TABLE_MIN_BUCKETS) init = TABLE_MIN_BUCKETS;
+  if (init > TABLE_MAX_BUCKETS) init = TABLE_MAX_BUCKETS;
+  t->ht = cds_lfht_new_flavor(init, TABLE_MIN_BUCKETS, TABLE_MAX_BUCKETS,
+                              CDS_LFHT_AUTO_RESIZE | CDS_LFHT_ACCOUNTING, &urcu_memb_flavor, NULL);
+  if (t->ht == NULL) {
+    for (int i = 0; i < TABLE_SHARDS; i++) pthread_mutex_destroy(&t->shards[i].lock);
+    free(t);
+    goto nomem;
+  }
+  return t;
+inval:
+  errno = EINVAL;
+  return NULL;
+nomem:
+  errno = ENOMEM;
+  return NULL;
+}
+
+static long sum_shards(const keel_table_t *t, bool unburied) {
+  long s = 0;
+  for (int i = 0; i < TABLE_SHARDS; i++)
+    s += unburied ? keel_load_relaxed(&t->shards[i].unburied)
+                  : keel_load_relaxed(&t->shards[i].in_table);
+  return s;
+}
+
+/* Destroy, once nothing references any entry: take every entry out of
+ * rculfhash and its LRU, wait one grace period, then free them directly. */
+static void destroy_entries(keel_table_t *t) {
+  for (int i = 0; i < TABLE_SHARDS; i++) {
+    table_shard_t *s = &t->shards[i];
+    struct cds_list_head *pos, *p;
+    cds_list_for_each_safe(pos, p, &s->lru) {
+      keel_fetch_and_acq_rel(node_ref(lru_node(pos)), ~REF_ON_LRU);
+    }
+    CDS_INIT_LIST_HEAD(&s->lru);
+    s->lru_len = 0;
+  }
+  keel_table_node_t *dead = NULL;
+  struct cds_lfht_iter it;
+  struct cds_lfht_node *l;
+  _keel_rcu_read_lock();
+  cds_lfht_for_each(t->ht, &it, l) {
+    keel_table_node_t *n = lfht_node(l);
+    if (cds_lfht_del(t->ht, l) != 0) continue;
+    keel_fetch_or_acq_rel(node_ref(n), REF_DEAD | REF_BURIED);
+    n->_lru[0] = dead;
+    dead = n;
+  }
+  _keel_rcu_read_unlock();
+  urcu_memb_synchronize_rcu();
+  _keel_rcu_tsan_gp_acquire();
+  while (dead != NULL) {
+    keel_table_node_t *next = dead->_lru[0];
+    if (t->cfg.free_fn != NULL) t->cfg.free_fn(dead, t->cfg.free_arg);
+    dead = next;
+  }
+}
+
+int keel_table_destroy(keel_table_t *t) {
+  if (t == NULL) return 0;
+  rcu_ensure_registered();
+  if (urcu_memb_read_ongoing()) return KEEL_EINVAL; /* would wait for itself */
+  /* Referenced entries: in the table with a count, or removed and not yet
+   * released (their last put would touch the table). */
+  int busy = sum_shards(t, true) != sum_shards(t, false);
+  struct cds_lfht_iter it;
+  struct cds_lfht_node *l;
+  _keel_rcu_read_lock();
+  cds_lfht_for_each(t->ht, &it, l) {
+    if (busy) break;
+    busy = (keel_load_acquire(node_ref(lfht_node(l))) & REF_COUNT) != 0;
+  }
+  _keel_rcu_read_unlock();
+  if (busy) return KEEL_EBUSY;
+  destroy_entries(t);
+  _keel_table_gc_drain(t);
+  if (cds_lfht_destroy(t->ht, NULL) != 0)
+    keel_die("keel_table_destroy", "rculfhash not empty after removing every entry of %p",
+             (void *)t);
+  for (int i = 0; i < TABLE_SHARDS; i++) pthread_mutex_destroy(&t->shards[i].lock);
+  free(t);
+  return 0;
+}
+
+/* --- insert / lookup ------------------------------------------------------- */
+
+int keel_table_insert(keel_table_t *t, keel_table_node_t *n) {
+  if (t == NULL || n == NULL) return KEEL_EINVAL;
+  if (t->cfg.key_type == KEEL_TABLE_KEY_BYTES &&
+      (n->_tag == 0xffff || n->_key_len > t->cfg.key_max || (n->key.bytes == NULL && n->_key_len)))
+    return KEEL_EINVAL;
+  keel_atomic(uint32_t) *ref = node_ref(n);
+  uint32_t v = keel_load_relaxed(ref);
+  /* Claim the node with a CAS, so one insert wins even if two race on it;
+   * only the winner writes the tag. The release store then orders the
+   * caller's writes to its entry, and the tag, before any reader that finds
+   * the node and loads the word (see match_u64). */
+  if ((v & REF_LINKED) || !keel_cas_strong_acq_rel(ref, &v, REF_LINKED | 1u)) return KEEL_EINVAL;
+  uint16_t old_tag = n->_tag;
+  n->_tag = t->tag;
+  keel_store_release(ref, REF_LINKED | 1u);
+  uint64_t hash = node_hash(t, n);
+  bytes_key_t bk = {n->key.bytes, n->_key_len};
+  const void *key = t->cfg.key_type == KEEL_TABLE_KEY_U64 ? (const void *)&n->key.u64 : &bk;
+  _keel_rcu_read_lock();
+  struct cds_lfht_node *got = cds_lfht_add_unique(
+      t->ht, hash, t->cfg.key_type == KEEL_TABLE_KEY_U64 ? match_u64 : match_bytes, key,
+      node_lfht(n));
+  _keel_rcu_read_unlock();
+  if (got != node_lfht(n)) {
+    /* Never published: nobody else can have seen the node. */
+    keel_store_relaxed(ref, 0);
+    n->_tag = old_tag;
+    return KEEL_EEXIST;
+  }
+  table_shard_t *s = node_shard(t, n);
+  keel_fetch_add_relaxed(&s->in_table, 1);
+  keel_fetch_add_relaxed(&s->unburied, 1);
+  if (t->limited) {
+    keel_fetch_add_relaxed(&t->charge, node_charge(t, n));
+    _keel_table_enforce_limit(t);
+  }
+  return 0;
+}
+
+keel_table_node_t *keel_table_lookup(keel_table_t *t, const void *key, size_t len) {
+  keel_table_node_t *n = find(t, key, len);
+  if (keel_likely(n != NULL)) {
+    /* Second chance for the shrinker; written once per LRU pass, so a hot
+     * entry's line stays shared between reading cores. */
+    if (!(keel_load_relaxed(node_ref(n)) & REF_ACCESSED))
+      atomic_fetch_or_explicit(node_ref(n), REF_ACCESSED, memory_order_relaxed);
+  }
+  return n;
+}
+
+/* Takes a reference unless the entry is dying (DEAD with none left); with
+ * `strict`, unless it is DEAD at all (lookups by key never return removed
+ * entries). */
+static bool ref_try(keel_table_node_t *n, bool strict) {
+  keel_atomic(uint32_t) *ref = node_ref(n);
+  uint32_t v = keel_load_relaxed(ref);
+  do {
+    if ((v & REF_DEAD) && (strict || (v & REF_COUNT) == 0)) return false;
+    if (keel_unlikely((v & REF_COUNT) == REF_COUNT))
+      keel_die("keel_table_ref", "reference count overflow at %p", (void *)n);
+  } while (!keel_cas_weak_acq_rel(ref, &v, (v + 1) | REF_ACCESSED));
+  return true;
+}
+
+keel_table_node_t *keel_table_get(keel_table_t *t, const void *key, size_t len) {
+  _keel_rcu_read_lock();
+  keel_table_node_t *n = find(t, key, len);
+  if (n != NULL && !ref_try(n, true)) {
+    errno = ENOENT;
+    n = NULL;
+  }
+  _keel_rcu_read_unlock();
+  return n;
+}
+
+bool keel_table_ref(keel_table_node_t *n) {
+  return ref_try(n, false);
+}
+
+/* --- put / remove ---------------------------------------------------------- */
+
+KEEL_NOINLINE static void put_misuse(keel_table_t *t, keel_table_node_t *n, uint32_t v) {
+  if (n->_tag != t->tag)
+    keel_die("keel_table_put", "entry %p belongs to another table (not %p)", (void *)n, (void *)t);
+  keel_die("keel_table_put", "entry %p has no reference to put (state 0x%x)", (void *)n, v);
+}
+
+void keel_table_put(keel_table_t *t, keel_table_node_t *n) {
+  keel_atomic(uint32_t) *ref = node_ref(n);
+  if (keel_unlikely(n->_tag != t->tag)) put_misuse(t, n, keel_load_relaxed(ref));
+  /* Release: the caller's use of the entry happens before its free. */
+  uint32_t old = keel_fetch_sub_acq_rel(ref, 1);
+  if (keel_unlikely((old & REF_COUNT) == 0)) put_misuse(t, n, old);
+  if (keel_likely((old & REF_COUNT) > 1)) return;
+  _keel_table_put_last(t, n, old - 1);
+}
+
+int keel_table_remove(keel_table_t *t, keel_table_node_t *n) {
+  if (t == NULL || n == NULL) return KEEL_EINVAL;
+  uint32_t v = keel_load_acquire(node_ref(n));
+  if (n->_tag != t->tag || !(v & REF_LINKED)) return KEEL_EINVAL;
+  if (v & REF_DEAD) return KEEL_ENOENT;
+  _keel_rcu_read_lock();
+  int rc = cds_lfht_del(t->ht, node_lfht(n));
+  _keel_rcu_read_unlock();
+  if (rc != 0) return KEEL_ENOENT; /* another remover or the shrinker won */
+  _keel_table_removed(t, n);
+  return 0;
+}
+
+int keel_table_remove_key(keel_table_t *t, const void *key, size_t len) {
+  int rc = 0;
+  _keel_rcu_read_lock();
+  keel_table_node_t *n = find(t, key, len);
+  if (n == NULL) {
+    rc = errno == EINVAL ? KEEL_EINVAL : KEEL_ENOENT;
+    goto out;
+  }
+  /* DEAD first, from a count of zero, so that nobody takes a reference
+   * between the check and the removal (the evictor's order). */
+  keel_atomic(uint32_t) *ref = node_ref(n);
+  uint32_t v = keel_load_relaxed(ref);
+  do {
+    if (v & REF_DEAD) {
+      rc = KEEL_ENOENT;
+      goto out;
+    }
+    if (v & REF_COUNT) {
+      rc = KEEL_EBUSY;
+      goto out;
+    }
+  } while (!keel_cas_weak_acq_rel(ref, &v, v | REF_DEAD));
+  if (cds_lfht_del(t->ht, node_lfht(n)) != 0)
+    rc = KEEL_ENOENT; /* a concurrent keel_table_remove owns it */
+  else
+    _keel_table_removed(t, n);
+out:
+  _keel_rcu_read_unlock();
+  return rc;
+}
+
+/* --- walking and counting ---------------------------------------------------- */
+
+int keel_table_for_each(keel_table_t *t, int (*fn)(keel_table_node_t *node, void *arg), void *arg) {
+  int rc = 0;
+  struct cds_lfht_iter it;
+  struct cds_lfht_node *l;
+  _keel_rcu_read_lock();
+  cds_lfht_for_each(t->ht, &it, l) {
+    keel_table_node_t *n = lfht_node(l);
+    (void)keel_load_acquire(node_ref(n)); /* see match_u64 */
+    if ((rc = fn(n, arg)) != 0) break;
+  }
+  _keel_rcu_read_unlock();
+  return rc;
+}
+
+size_t keel_table_count(const keel_table_t *t) {
+  long c = sum_shards(t, false);
+  return c > 0 ? (size_t)c : 0;
+}
+
+void keel_table_stats(const keel_table_t *t, keel_table_stats_t *st) {
+  memset(st, 0, sizeof *st);
+  st->entries = keel_table_count(t);
+  long pending = sum_shards(t, true) - (long)st->entries;
+  st->removed_referenced = pending > 0 ? (size_t)pending : 0;
+  for (int i = 0; i < TABLE_SHARDS; i++)
+    st->lru_entries += keel_load_relaxed(&t->shards[i].lru_len);
+  st->evicted = keel_load_relaxed(&t->evicted);
+  st->charged_bytes = t->cfg.max_bytes ? keel_load_relaxed(&t->charge) : 0;
+}

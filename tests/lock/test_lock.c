@@ -1,0 +1,570 @@
+/* Unit tests of the lock manager and keel_mutex: the compatibility matrix on
+ * real locks, queue order, conversion deadlock, value blocks, timeouts,
+ * blocking waits, BASTs, the resource cache, and the mutex. */
+#define _GNU_SOURCE
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "base/options.h"
+#include "harness.h"
+#include "lock/lockspace.h"
+#include "lock_test_util.h"
+
+#define NAME(s) (s), strlen(s)
+
+typedef struct rec {
+  int asts, basts, last_status, last_bast;
+  int order[16];
+  int norder;
+  int id;
+  int *log; /* shared order log */
+  int *nlog;
+} rec_t;
+
+/* Atomic counts: a callback may run on any thread (the one that granted). */
+static void rec_ast(void *arg) {
+  rec_t *r = arg;
+  __atomic_fetch_add(&r->asts, 1, __ATOMIC_SEQ_CST);
+  if (r->log) r->log[(*r->nlog)++] = r->id;
+}
+static void rec_bast(void *arg, int mode) {
+  rec_t *r = arg;
+  __atomic_store_n(&r->last_bast, mode, __ATOMIC_SEQ_CST);
+  __atomic_fetch_add(&r->basts, 1, __ATOMIC_SEQ_CST);
+}
+
+static keel_lockspace_t *new_ls(void) {
+  keel_lockspace_t *ls = keel_lockspace_create(NULL);
+  KT_REQUIRE(ls != NULL);
+  return ls;
+}
+
+/* Every pair of modes, on real locks: the second is granted at once iff the
+ * spec's matrix says the two are compatible. */
+static void compat_matrix(void) {
+  keel_lockspace_t *ls = new_ls();
+  for (int a = 0; a < KEEL_LOCK_MODES; a++)
+    for (int b = 0; b < KEEL_LOCK_MODES; b++) {
+      KT_EQ(keel_lock_compatible(a, b), kt_compat[a][b]);
+      keel_lksb_t x = {0}, y = {0};
+      KT_EQ(keel_lock(ls, NAME("m"), a, 0, &x, NULL, NULL, NULL), 0);
+      int rc = keel_lock(ls, NAME("m"), b, KEEL_LOCK_NOQUEUE, &y, NULL, NULL, NULL);
+      KT_EQ(rc, kt_compat[a][b] ? 0 : KEEL_EAGAIN);
+      if (rc == 0) KT_EQ(keel_unlock(&y, 0), 0);
+      KT_CHECK(y.lock == NULL);
+      KT_EQ(keel_unlock(&x, 0), 0);
+    }
+  KT_CHECK(!keel_lock_compatible(-1, 0) && !keel_lock_compatible(0, 6));
+  KT_STREQ(keel_lock_mode_name(KEEL_LOCK_PW), "PW");
+  KT_STREQ(keel_lock_mode_name(9), "??");
+  KT_EQ(keel_lockspace_release(ls, 0), 0);
+}
+
+/* A waiting EX stops later PRs that are compatible with the granted PR
+ * (no barging); release grants in FIFO order. */
+static void fifo_no_barging(void) {
+  keel_lockspace_t *ls = new_ls();
+  int log[16], nlog = 0;
+  rec_t r[4] = {{.id = 0}, {.id = 1}, {.id = 2}, {.id = 3}};
+  keel_lksb_t s[4] = {{0}};
+  for (int i = 0; i < 4; i++) r[i].log = log, r[i].nlog = &nlog;
+  KT_EQ(keel_lock(ls, NAME("f"), KEEL_LOCK_PR, 0, &s[0], rec_ast, rec_bast, &r[0]), 0);
+  KT_EQ(keel_lock(ls, NAME("f"), KEEL_LOCK_EX, 0, &s[1], rec_ast, rec_bast, &r[1]), 0);
+  KT_EQ(keel_lock(ls, NAME("f"), KEEL_LOCK_PR, 0, &s[2], rec_ast, rec_bast, &r[2]), 0);
+  KT_EQ(keel_lock(ls, NAME("f"), KEEL_LOCK_CR, KEEL_LOCK_NOQUEUE, &s[3], rec_ast, NULL, &r[3]),
+        KEEL_EAGAIN);
+  KT_EQ(nlog, 1); /* only the first PR */
+  KT_EQ(r[0].basts, 1);
+  KT_EQ(r[0].last_bast, KEEL_LOCK_EX);
+  KT_EQ(keel_unlock(&s[0], 0), 0);
+  KT_EQ(nlog, 2);
+  KT_EQ(log[1], 1);     /* EX next */
+  KT_EQ(r[1].basts, 1); /* told that the PR behind it waits */
+  KT_EQ(keel_unlock(&s[1], 0), 0);
+  KT_EQ(nlog, 3);
+  KT_EQ(log[2], 2);
+  KT_EQ(keel_unlock(&s[2], 0), 0);
+  KT_EQ(keel_lockspace_release(ls, 0), 0);
+}
+
+/* Two PR holders both converting to EX: the second closes the cycle and gets
+ * KEEL_EDEADLK, keeping PR; releasing it lets the first through. A third
+ * lock converting from NL (which blocks nobody) just waits. */
+static void conversion_deadlock(void) {
+  keel_lockspace_t *ls = new_ls();
+  rec_t ra = {0}, rb = {0}, rc_ = {0};
+  keel_lksb_t a = {0}, b = {0}, c = {0};
+  KT_EQ(keel_lock(ls, NAME("d"), KEEL_LOCK_PR, 0, &a, rec_ast, NULL, &ra), 0);
+  KT_EQ(keel_lock(ls, NAME("d"), KEEL_LOCK_PR, 0, &b, rec_ast, NULL, &rb), 0);
+  KT_EQ(keel_lock(ls, NAME("d"), KEEL_LOCK_NL, 0, &c, rec_ast, NULL, &rc_), 0);
+  KT_EQ(keel_lock_convert(&a, KEEL_LOCK_EX, 0), 0);
+  KT_EQ(ra.asts, 1);                                /* queued: no AST yet */
+  KT_EQ(keel_lock_convert(&c, KEEL_LOCK_EX, 0), 0); /* NL blocks nobody: waits */
+  KT_EQ(keel_lock_convert(&b, KEEL_LOCK_EX, 0), KEEL_EDEADLK);
+  KT_EQ(rb.asts, 1); /* no AST for a failure returned at once */
+  KT_EQ(b.lock->gr, KEEL_LOCK_PR);
+  KT_EQ(keel_unlock(&a, 0), KEEL_EBUSY); /* converting */
+  KT_EQ(keel_unlock(&b, 0), 0);
+  KT_EQ(ra.asts, 2);
+  KT_EQ(a.status, 0);
+  KT_EQ(a.lock->gr, KEEL_LOCK_EX);
+  KT_EQ(rc_.asts, 1);
+  KT_EQ(keel_unlock(&a, 0), 0);
+  KT_EQ(rc_.asts, 2);
+  KT_EQ(keel_unlock(&c, 0), 0);
+  /* Three-way: PR, PR, PR; each converts to PW. The second closes a cycle
+   * with the first. */
+  keel_lksb_t s[3] = {{0}};
+  for (int i = 0; i < 3; i++)
+    KT_EQ(keel_lock(ls, NAME("d3"), KEEL_LOCK_PR, 0, &s[i], rec_ast, NULL, &ra), 0);
+  KT_EQ(keel_lock_convert(&s[0], KEEL_LOCK_PW, 0), 0);
+  KT_EQ(keel_lock_convert(&s[1], KEEL_LOCK_PW, 0), KEEL_EDEADLK);
+  KT_EQ(keel_lock_convert(&s[2], KEEL_LOCK_NL, 0), 0); /* a down-conversion never deadlocks */
+  KT_EQ(keel_unlock(&s[1], 0), 0);
+  KT_EQ(s[0].lock->gr, KEEL_LOCK_PW);
+  for (int i = 0; i < 3; i += 2) KT_EQ(keel_unlock(&s[i], 0), 0);
+  KT_EQ(keel_lockspace_release(ls, 0), 0);
+}
+
+/* QUECVT: a conversion that could be granted waits behind pending ones. */
+static void quecvt(void) {
+  keel_lockspace_t *ls = new_ls();
+  rec_t r = {0};
+  keel_lksb_t a = {0}, b = {0}, c = {0};
+  KT_EQ(keel_lock(ls, NAME("q"), KEEL_LOCK_CR, 0, &a, rec_ast, NULL, &r), 0);
+  KT_EQ(keel_lock(ls, NAME("q"), KEEL_LOCK_PR, 0, &b, rec_ast, NULL, &r), 0);
+  KT_EQ(keel_lock(ls, NAME("q"), KEEL_LOCK_NL, 0, &c, rec_ast, NULL, &r), 0);
+  KT_EQ(keel_lock_convert(&a, KEEL_LOCK_PW, 0), 0); /* blocked by PR: waits */
+  KT_EQ(a.lock->queue, KEEL_Q_CONVERT);
+  KT_EQ(keel_lock_convert(&c, KEEL_LOCK_CR, KEEL_LOCK_QUECVT), 0);
+  KT_EQ(c.lock->queue, KEEL_Q_CONVERT);             /* queued behind a */
+  KT_EQ(keel_lock_convert(&b, KEEL_LOCK_NL, 0), 0); /* unblocks a, then c */
+  KT_EQ(a.lock->gr, KEEL_LOCK_PW);
+  KT_EQ(c.lock->gr, KEEL_LOCK_CR);
+  KT_EQ(keel_lock_convert(&c, KEEL_LOCK_NL, KEEL_LOCK_QUECVT), 0); /* nothing pending: at once */
+  for (keel_lksb_t *s = &a; s; s = s == &a ? &b : s == &b ? &c : NULL) KT_EQ(keel_unlock(s, 0), 0);
+  KT_EQ(keel_lockspace_release(ls, 0), 0);
+}
+
+/* Value blocks: written by PW/EX on unlock and on down-conversion, read on
+ * every other grant, ignored without VALBLK. */
+static void value_blocks(void) {
+  keel_lockspace_t *ls = new_ls();
+  keel_lksb_t w = {0}, r = {0};
+  KT_EQ(keel_lock(ls, NAME("v"), KEEL_LOCK_EX, KEEL_LOCK_VALBLK, &w, NULL, NULL, NULL), 0);
+  for (int i = 0; i < KEEL_LOCK_LVB_LEN; i++) KT_EQ(w.valblk[i], 0); /* fresh: zeros */
+  memcpy(w.valblk, "generation-1", 13);
+  KT_EQ(keel_unlock(&w, KEEL_LOCK_VALBLK), 0);
+  KT_EQ(keel_lock(ls, NAME("v"), KEEL_LOCK_PR, KEEL_LOCK_VALBLK, &r, NULL, NULL, NULL), 0);
+  KT_STREQ((char *)r.valblk, "generation-1");
+  memcpy(r.valblk, "reader-scribble", 16); /* a PR holder cannot write it */
+  KT_EQ(keel_unlock(&r, KEEL_LOCK_VALBLK), 0);
+  /* Down-conversion EX -> NL writes; up-conversion NL -> PR reads. */
+  KT_EQ(keel_lock(ls, NAME("v"), KEEL_LOCK_EX, KEEL_LOCK_VALBLK, &w, NULL, NULL, NULL), 0);
+  KT_STREQ((char *)w.valblk, "generation-1");
+  memcpy(w.valblk, "generation-2", 13);
+  KT_EQ(keel_lock_convert(&w, KEEL_LOCK_NL, KEEL_LOCK_VALBLK), 0);
+  memset(w.valblk, 0, sizeof(w.valblk));
+  KT_EQ(keel_lock_convert(&w, KEEL_LOCK_PR, KEEL_LOCK_VALBLK), 0);
+  KT_STREQ((char *)w.valblk, "generation-2");
+  /* Without VALBLK nothing moves. */
+  memcpy(w.valblk, "untouched", 10);
+  KT_EQ(keel_lock_convert(&w, KEEL_LOCK_EX, 0), 0);
+  KT_STREQ((char *)w.valblk, "untouched");
+  KT_EQ(keel_unlock(&w, 0), 0);
+  KT_EQ(keel_lock(ls, NAME("v"), KEEL_LOCK_CR, KEEL_LOCK_VALBLK, &r, NULL, NULL, NULL), 0);
+  KT_STREQ((char *)r.valblk, "generation-2");
+  /* A waiter granted later reads the block its predecessor wrote. */
+  keel_lksb_t x = {0};
+  rec_t rx = {0};
+  KT_EQ(keel_lock(ls, NAME("v"), KEEL_LOCK_EX, KEEL_LOCK_VALBLK, &x, rec_ast, NULL, &rx), 0);
+  KT_EQ(rx.asts, 0);
+  KT_EQ(keel_unlock(&r, 0), 0);
+  KT_EQ(rx.asts, 1);
+  KT_STREQ((char *)x.valblk, "generation-2");
+  KT_EQ(keel_unlock(&x, 0), 0);
+  KT_EQ(keel_lockspace_release(ls, 0), 0);
+}
+
+static uint64_t now_ms(void) {
+  return (uint64_t)(kt_now() * 1000);
+}
+
+/* Blocking requests and conversions that time out: KEEL_ETIMEDOUT after the
+ * timeout, the new request gone, the conversion back at its granted mode,
+ * and the queues unblocked for those behind. */
+static void timeouts_blocking(void) {
+  keel_lockspace_t *ls = new_ls();
+  keel_lksb_t h = {0}, w = {0}, n = {0};
+  KT_EQ(keel_lock(ls, NAME("t"), KEEL_LOCK_PR, 0, &h, NULL, NULL, NULL), 0);
+  w.timeout_ms = 50;
+  uint64_t t0 = now_ms();
+  KT_EQ(keel_lock(ls, NAME("t"), KEEL_LOCK_EX, KEEL_LOCK_TIMEOUT, &w, NULL, NULL, NULL),
+        KEEL_ETIMEDOUT);
+  KT_CHECK(now_ms() - t0 >= 49);
+  KT_CHECK(w.lock == NULL);
+  KT_EQ(w.status, KEEL_ETIMEDOUT);
+  KT_EQ(keel_lock(ls, NAME("t"), KEEL_LOCK_NL, 0, &n, NULL, NULL, NULL), 0);
+  n.timeout_ms = 20;
+  KT_EQ(keel_lock_convert(&n, KEEL_LOCK_EX, KEEL_LOCK_TIMEOUT), KEEL_ETIMEDOUT);
+  KT_EQ(n.lock->gr, KEEL_LOCK_NL);
+  KT_EQ(n.lock->queue, KEEL_Q_GRANT);
+  /* Granted in time: no timeout. */
+  n.timeout_ms = 10000;
+  KT_EQ(keel_lock_convert(&n, KEEL_LOCK_CR, KEEL_LOCK_TIMEOUT), 0);
+  KT_EQ(keel_unlock(&n, 0), 0);
+  KT_EQ(keel_unlock(&h, 0), 0);
+  KT_EQ(keel_lockspace_release(ls, 0), 0);
+}
+
+typedef struct flag {
+  int done; /* atomic */
+  int status;
+} flag_t;
+static void flag_ast(void *arg) {
+  flag_t *f = arg;
+  __atomic_store_n(&f->done, 1, __ATOMIC_RELEASE);
+}
+static void wait_flag(flag_t *f) {
+  while (!__atomic_load_n(&f->done, __ATOMIC_ACQUIRE)) usleep(1000);
+}
+
+/* Asynchronous requests time out on the lockspace's timer thread. */
+static void timeouts_async(void) {
+  keel_lockspace_t *ls = new_ls();
+  keel_lksb_t h = {0}, w = {0}, c = {0};
+  flag_t fw = {0}, fc = {0};
+  KT_EQ(keel_lock(ls, NAME("ta"), KEEL_LOCK_EX, 0, &h, NULL, NULL, NULL), 0);
+  KT_EQ(keel_lock(ls, NAME("ta"), KEEL_LOCK_NL, 0, &c, flag_ast, NULL, &fc), 0);
+  wait_flag(&fc);
+  fc.done = 0;
+  w.timeout_ms = 30;
+  c.timeout_ms = 60;
+  uint64_t t0 = now_ms();
+  KT_EQ(keel_lock(ls, NAME("ta"), KEEL_LOCK_PR, KEEL_LOCK_TIMEOUT, &w, flag_ast, NULL, &fw), 0);
+  KT_EQ(keel_lock_convert(&c, KEEL_LOCK_EX, KEEL_LOCK_TIMEOUT), 0);
+  wait_flag(&fw);
+  KT_CHECK(now_ms() - t0 >= 29);
+  KT_EQ(w.status, KEEL_ETIMEDOUT);
+  KT_CHECK(w.lock == NULL);
+  wait_flag(&fc);
+  KT_CHECK(now_ms() - t0 >= 59);
+  KT_EQ(c.status, KEEL_ETIMEDOUT);
+  KT_EQ(c.lock->gr, KEEL_LOCK_NL);
+  /* One that is granted before its deadline is not touched by the timer. */
+  fw.done = 0;
+  w.timeout_ms = 20;
+  KT_EQ(keel_lock(ls, NAME("ta"), KEEL_LOCK_CR, KEEL_LOCK_TIMEOUT, &w, flag_ast, NULL, &fw), 0);
+  KT_EQ(keel_unlock(&h, 0), 0);
+  wait_flag(&fw);
+  KT_EQ(w.status, 0);
+  usleep(40000);
+  KT_EQ(w.lock->gr, KEEL_LOCK_CR);
+  KT_EQ(keel_unlock(&w, 0), 0);
+  KT_EQ(keel_unlock(&c, 0), 0);
+  KT_EQ(keel_lockspace_release(ls, 0), 0);
+}
+
+typedef struct waiter {
+  keel_lockspace_t *ls;
+  keel_lksb_t lksb;
+  int rc;
+} waiter_t;
+
+static void *blocker(void *arg) {
+  waiter_t *w = arg;
+  w->rc = keel_lock(w->ls, NAME("b"), KEEL_LOCK_EX, 0, &w->lksb, NULL, NULL, NULL);
+  if (w->rc == 0) w->rc = keel_unlock(&w->lksb, 0);
+  return NULL;
+}
+
+/* A blocking request sleeps until another thread's unlock grants it. */
+static void blocking_wait(void) {
+  keel_lockspace_t *ls = new_ls();
+  keel_lksb_t h = {0};
+  rec_t r = {0};
+  KT_EQ(keel_lock(ls, NAME("b"), KEEL_LOCK_PR, 0, &h, rec_ast, rec_bast, &r), 0);
+  waiter_t w[4];
+  pthread_t t[4];
+  for (int i = 0; i < 4; i++) {
+    w[i] = (waiter_t){.ls = ls, .rc = 1};
+    pthread_create(&t[i], NULL, blocker, &w[i]);
+  }
+  while (__atomic_load_n(&r.basts, __ATOMIC_RELAXED) == 0) usleep(1000);
+  usleep(20000);
+  KT_EQ(keel_unlock(&h, 0), 0);
+  for (int i = 0; i < 4; i++) {
+    pthread_join(t[i], NULL);
+    KT_EQ(w[i].rc, 0);
+  }
+  KT_EQ(__atomic_load_n(&r.basts, __ATOMIC_SEQ_CST), 1);
+  KT_EQ(__atomic_load_n(&r.last_bast, __ATOMIC_SEQ_CST), KEEL_LOCK_EX);
+  KT_EQ(keel_lockspace_release(ls, 0), 0);
+}
+
+/* Cancel of a waiting new request and of a conversion. */
+static void cancel(void) {
+  keel_lockspace_t *ls = new_ls();
+  keel_lksb_t h = {0}, w = {0}, c = {0};
+  rec_t rw = {0}, rc_ = {0};
+  KT_EQ(keel_lock(ls, NAME("c"), KEEL_LOCK_EX, 0, &h, NULL, NULL, NULL), 0);
+  KT_EQ(keel_lock(ls, NAME("c"), KEEL_LOCK_PR, 0, &w, rec_ast, NULL, &rw), 0);
+  KT_EQ(keel_unlock(&w, 0), KEEL_EBUSY);
+  KT_EQ(keel_unlock(&w, KEEL_LOCK_CANCEL), 0);
+  KT_EQ(rw.asts, 1);
+  KT_EQ(w.status, KEEL_ECANCELED);
+  KT_CHECK(w.lock == NULL);
+  KT_EQ(keel_lock(ls, NAME("c"), KEEL_LOCK_NL, 0, &c, rec_ast, NULL, &rc_), 0);
+  KT_EQ(keel_lock_convert(&c, KEEL_LOCK_PW, 0), 0);
+  KT_EQ(keel_unlock(&c, KEEL_LOCK_CANCEL), 0);
+  KT_EQ(c.status, KEEL_ECANCELED);
+  KT_EQ(c.lock->gr, KEEL_LOCK_NL);
+  KT_EQ(keel_unlock(&c, KEEL_LOCK_CANCEL), KEEL_ENOENT); /* nothing pending */
+  KT_EQ(keel_unlock(&c, 0), 0);
+  KT_EQ(keel_unlock(&h, 0), 0);
+  KT_EQ(keel_lockspace_release(ls, 0), 0);
+}
+
+/* keel_lock with KEEL_LOCK_CONVERT converts by lksb and may replace the AST. */
+static void convert_flag(void) {
+  keel_lockspace_t *ls = new_ls();
+  keel_lksb_t a = {0};
+  rec_t r1 = {0}, r2 = {0};
+  KT_EQ(keel_lock(ls, NAME("k"), KEEL_LOCK_NL, 0, &a, rec_ast, NULL, &r1), 0);
+  KT_EQ(keel_lock(ls, NULL, 0, KEEL_LOCK_EX, KEEL_LOCK_CONVERT, &a, rec_ast, NULL, &r2), 0);
+  KT_EQ(r1.asts, 1);
+  KT_EQ(r2.asts, 1);
+  KT_EQ(a.lock->gr, KEEL_LOCK_EX);
+  KT_EQ(keel_unlock(&a, 0), 0);
+  KT_EQ(keel_lockspace_release(ls, 0), 0);
+}
+
+/* Unused resources stay cached, are found again, and are dropped by shrink
+ * and by the cache limit. */
+static void resource_cache(void) {
+  keel_lockspace_t *ls = new_ls();
+  char name[32];
+  keel_lksb_t s = {0};
+  for (int i = 0; i < 1000; i++) {
+    int n = snprintf(name, sizeof(name), "res-%d", i);
+    KT_EQ(keel_lock(ls, name, (size_t)n, KEEL_LOCK_EX, KEEL_LOCK_VALBLK, &s, NULL, NULL, NULL), 0);
+    memcpy(s.valblk, name, (size_t)n + 1);
+    KT_EQ(keel_unlock(&s, KEEL_LOCK_VALBLK), 0);
+  }
+  KT_EQ(keel_table_count(ls->table), 1000);
+  /* Cached: the value block survives while nobody holds a lock. */
+  KT_EQ(keel_lock(ls, NAME("res-7"), KEEL_LOCK_PR, KEEL_LOCK_VALBLK, &s, NULL, NULL, NULL), 0);
+  KT_STREQ((char *)s.valblk, "res-7");
+  KT_EQ(keel_lockspace_shrink(ls, 5000), 999); /* all but the one held */
+  KT_EQ(keel_table_count(ls->table), 1);
+  KT_EQ(keel_unlock(&s, 0), 0);
+  KT_EQ(keel_lockspace_release(ls, 0), 0);
+
+  keel_lockspace_config_t cfg = {.cache_max = 100};
+  ls = keel_lockspace_create(&cfg);
+  KT_REQUIRE(ls != NULL);
+  for (int i = 0; i < 1000; i++) {
+    int n = snprintf(name, sizeof(name), "res-%d", i);
+    KT_EQ(keel_lock(ls, name, (size_t)n, KEEL_LOCK_EX, 0, &s, NULL, NULL, NULL), 0);
+    KT_EQ(keel_unlock(&s, 0), 0);
+  }
+  KT_CHECK(keel_table_count(ls->table) <= 101);
+  KT_EQ(keel_lockspace_release(ls, 0), 0);
+}
+
+/* The cache limit's default comes from the lock_cache_max option. */
+static void cache_option(void) {
+  _keel_option_set(KEEL_OPT_lock_cache_max, 50);
+  keel_lockspace_t *ls = new_ls();
+  _keel_options_reset();
+  char name[32];
+  keel_lksb_t s = {0};
+  for (int i = 0; i < 200; i++) {
+    int n = snprintf(name, sizeof(name), "opt-%d", i);
+    KT_EQ(keel_lock(ls, name, (size_t)n, KEEL_LOCK_EX, 0, &s, NULL, NULL, NULL), 0);
+    KT_EQ(keel_unlock(&s, 0), 0);
+  }
+  KT_CHECK(keel_table_count(ls->table) <= 51);
+  KT_EQ(keel_lockspace_release(ls, 0), 0);
+}
+
+/* Callbacks run with no resource lock held: an AST may unlock its own lock
+ * and request another on the same resource without deadlocking. */
+typedef struct reenter {
+  keel_lksb_t first, second;
+  int second_rc, second_asts;
+} reenter_t;
+
+static void reenter_second_ast(void *arg) {
+  reenter_t *r = arg;
+  r->second_asts++;
+}
+static void reenter_ast(void *arg) {
+  reenter_t *r = arg;
+  KT_EQ(keel_unlock(&r->first, 0), 0);
+  r->second_rc = keel_lock(NULL, NULL, 0, 0, 0, NULL, NULL, NULL, NULL); /* EINVAL, no harm */
+  KT_EQ(r->second_rc, KEEL_EINVAL);
+}
+static keel_lockspace_t *reenter_ls;
+static void reenter_request_ast(void *arg) {
+  reenter_t *r = arg;
+  r->second_rc =
+      keel_lock(reenter_ls, NAME("re"), KEEL_LOCK_EX, 0, &r->second, reenter_second_ast, NULL, r);
+}
+
+static void callbacks_reenter(void) {
+  keel_lockspace_t *ls = reenter_ls = new_ls();
+  reenter_t r = {0};
+  keel_lksb_t h = {0};
+  /* Granted at once: the AST runs before keel_lock returns and unlocks. */
+  KT_EQ(keel_lock(ls, NAME("re"), KEEL_LOCK_EX, 0, &r.first, reenter_ast, NULL, &r), 0);
+  KT_CHECK(r.first.lock == NULL);
+  /* Granted by another call's release: that AST requests on the same
+   * resource, which is granted at once (its own AST runs nested). */
+  KT_EQ(keel_lock(ls, NAME("re"), KEEL_LOCK_PR, 0, &h, NULL, NULL, NULL), 0);
+  KT_EQ(keel_lock(ls, NAME("re"), KEEL_LOCK_PR, 0, &r.first, NULL, NULL, NULL), 0);
+  KT_EQ(keel_unlock(&r.first, 0), 0);
+  keel_lksb_t w = {0};
+  KT_EQ(keel_lock(ls, NAME("re"), KEEL_LOCK_CW, 0, &w, reenter_request_ast, NULL, &r), 0);
+  KT_EQ(keel_unlock(&h, 0), 0); /* grants w; its AST asks for EX, which waits on w */
+  KT_EQ(r.second_rc, 0);
+  KT_EQ(r.second_asts, 0);
+  KT_EQ(keel_unlock(&w, 0), 0); /* grants the EX */
+  KT_EQ(r.second_asts, 1);
+  KT_EQ(keel_unlock(&r.second, 0), 0);
+  KT_EQ(keel_lockspace_release(ls, 0), 0);
+}
+
+/* KEEL_LOCKSPACE_SCHED: callbacks run on sched workers, one at a time, in
+ * grant order; a forced release runs its notices before it returns. */
+typedef struct sched_rec {
+  pthread_t caller;
+  int order[16];
+  int n;                     /* atomic */
+  int on_caller, concurrent; /* atomic */
+  int inside;                /* atomic */
+  int basts;                 /* atomic */
+} sched_rec_t;
+static sched_rec_t srec;
+typedef struct sched_lock {
+  keel_lksb_t lksb;
+  int id;
+} sched_lock_t;
+
+static void sched_ast(void *arg) {
+  sched_lock_t *l = arg;
+  if (__atomic_fetch_add(&srec.inside, 1, __ATOMIC_SEQ_CST) != 0)
+    __atomic_store_n(&srec.concurrent, 1, __ATOMIC_SEQ_CST);
+  if (pthread_equal(pthread_self(), srec.caller))
+    __atomic_store_n(&srec.on_caller, 1, __ATOMIC_SEQ_CST);
+  usleep(1000); /* long enough for a second drainer to show up, if there were one */
+  int i = __atomic_load_n(&srec.n, __ATOMIC_SEQ_CST);
+  if (i < 16) srec.order[i] = l->id;
+  __atomic_store_n(&srec.n, i + 1, __ATOMIC_SEQ_CST);
+  __atomic_fetch_sub(&srec.inside, 1, __ATOMIC_SEQ_CST);
+}
+static void sched_bast(void *arg, int mode) {
+  (void)arg;
+  (void)mode;
+  __atomic_fetch_add(&srec.basts, 1, __ATOMIC_SEQ_CST);
+}
+static void sched_wait_n(int n) {
+  for (int k = 0; k < 10000 && __atomic_load_n(&srec.n, __ATOMIC_SEQ_CST) < n; k++) usleep(1000);
+}
+
+static void sched_callbacks(void) {
+  keel_lockspace_config_t cfg = {.flags = KEEL_LOCKSPACE_SCHED};
+  keel_lockspace_t *ls = keel_lockspace_create(&cfg);
+  KT_REQUIRE(ls != NULL);
+  memset(&srec, 0, sizeof(srec));
+  srec.caller = pthread_self();
+  sched_lock_t l[6];
+  memset(l, 0, sizeof(l));
+  for (int i = 0; i < 6; i++) l[i].id = i;
+  KT_EQ(keel_lock(ls, NAME("s"), KEEL_LOCK_EX, 0, &l[0].lksb, sched_ast, sched_bast, &l[0]), 0);
+  sched_wait_n(1);
+  for (int i = 1; i < 5; i++) /* PR, PR, EX, PR: all wait behind the EX */
+    KT_EQ(keel_lock(ls, NAME("s"), i == 3 ? KEEL_LOCK_EX : KEEL_LOCK_PR, 0, &l[i].lksb, sched_ast,
+                    NULL, &l[i]),
+          0);
+  KT_EQ(keel_unlock(&l[0].lksb, 0), 0); /* grants 1 and 2 */
+  sched_wait_n(3);
+  KT_EQ(keel_unlock(&l[1].lksb, 0), 0);
+  KT_EQ(keel_unlock(&l[2].lksb, 0), 0); /* grants 3 */
+  sched_wait_n(4);
+  KT_EQ(keel_unlock(&l[3].lksb, 0), 0); /* grants 4 */
+  sched_wait_n(5);
+  KT_EQ(srec.n, 5);
+  for (int i = 0; i < 5; i++) KT_EQ(srec.order[i], i);
+  KT_EQ(srec.on_caller, 0);
+  KT_EQ(srec.concurrent, 0);
+  KT_CHECK(__atomic_load_n(&srec.basts, __ATOMIC_SEQ_CST) >= 1); /* l[0] was told */
+  /* Blocking calls are unaffected: granted at once, no callback. */
+  keel_lksb_t b = {0};
+  KT_EQ(keel_lock(ls, NAME("s2"), KEEL_LOCK_EX, 0, &b, NULL, NULL, NULL), 0);
+  KT_EQ(keel_unlock(&b, 0), 0);
+  /* A burst of grants from one call: one batch, in order, never concurrent. */
+  srec.n = 0;
+  KT_EQ(keel_lock(ls, NAME("s3"), KEEL_LOCK_EX, 0, &b, NULL, NULL, NULL), 0);
+  sched_lock_t m[12];
+  memset(m, 0, sizeof(m));
+  for (int i = 0; i < 12; i++) {
+    m[i].id = i;
+    KT_EQ(keel_lock(ls, NAME("s3"), KEEL_LOCK_PR, 0, &m[i].lksb, sched_ast, NULL, &m[i]), 0);
+  }
+  KT_EQ(keel_unlock(&b, 0), 0);
+  sched_wait_n(12);
+  for (int i = 0; i < 12; i++) KT_EQ(srec.order[i], i);
+  KT_EQ(srec.concurrent, 0);
+  /* A forced release: the notices have run when it returns. */
+  srec.n = 0;
+  KT_EQ(keel_lockspace_release(ls, KEEL_LOCKSPACE_FORCE), 0);
+  KT_EQ(__atomic_load_n(&srec.n, __ATOMIC_SEQ_CST), 13); /* 12 PR holders + l[4] */
+  for (int i = 0; i < 12; i++) KT_CHECK(m[i].lksb.lock == NULL);
+}
+
+/* ---- keel_mutex ---- */
+
+static keel_mutex_t mtx = KEEL_MUTEX_INIT;
+static long mcount;
+static void *mutex_worker(void *arg) {
+  long n = (long)arg;
+  for (long i = 0; i < n; i++) {
+    keel_mutex_lock(&mtx);
+    mcount++; /* plain: a broken mutex loses updates and TSan reports it */
+    keel_mutex_unlock(&mtx);
+  }
+  return NULL;
+}
+
+static void mutex_basic(void) {
+  keel_mutex_t m;
+  keel_mutex_init(&m);
+  KT_CHECK(keel_mutex_trylock(&m));
+  KT_CHECK(!keel_mutex_trylock(&m));
+  keel_mutex_unlock(&m);
+  KT_CHECK(keel_mutex_trylock(&m));
+  keel_mutex_unlock(&m);
+  KT_EQ(m.state, 0);
+}
+
+/* 64 threads (oversubscribed on small machines) hammer one mutex. */
+static void mutex_stress(void) {
+  int nt = (int)kt_env_int("KEEL_TEST_THREADS", 64);
+  long iters = kt_env_int("KEEL_TEST_ITERS", kt_scale(20000));
+  pthread_t t[256];
+  mcount = 0;
+  for (int i = 0; i < nt; i++) pthread_create(&t[i], NULL, mutex_worker, (void *)iters);
+  for (int i = 0; i < nt; i++) pthread_join(t[i], NULL);
+  KT_EQ(mcount, nt * iters);
+  KT_EQ(mtx.state, 0);
+}
+
+KT_MAIN(KT_CASE(compat_matrix), KT_CASE(fifo_no_barging), KT_CASE(conversion_deadlock),
+        KT_CASE(quecvt), KT_CASE(value_blocks), KT_CASE(timeouts_blocking), KT_CASE(timeouts_async),
+        KT_CASE(blocking_wait), KT_CASE(cancel), KT_CASE(convert_flag), KT_CASE(resource_cache),
+        KT_CASE(cache_option), KT_CASE(callbacks_reenter), KT_CASE(sched_callbacks),
+        KT_CASE(mutex_basic), KT_CASE(mutex_stress))

@@ -1,0 +1,299 @@
+/* Stress: many threads (64 by default, oversubscribed on small machines)
+ * hammer a few hot resources through every path: blocking and asynchronous
+ * requests by name, conversions by handle, NOQUEUE tries, timeouts, upgrades
+ * that may deadlock, cancels. Invariants checked inside every critical
+ * section and at the end:
+ *  - no two incompatible grants, ever: each holder counts itself into a
+ *    per-resource, per-mode counter on entry and checks that no mode
+ *    incompatible with its own is counted;
+ *  - a plain (non-atomic) counter per resource is incremented only under PW
+ *    or EX: lost updates (or, under TSan, a race report) mean two writers
+ *    overlapped; its final value equals the number of write sections;
+ *  - the value block travels with the counter: each writer finds the last
+ *    writer's counter in it (VALBLK on every request and release).
+ * KEEL_TEST_THREADS and KEEL_TEST_ITERS size it; kt_scale divides under
+ * sanitizers. */
+#define _GNU_SOURCE
+#include <pthread.h>
+#include <sched.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "harness.h"
+#include "lock/lockspace.h"
+#include "lock_test_util.h"
+
+#define NRES 4
+
+typedef struct hot {
+  char name[24];
+  int held[KEEL_LOCK_MODES]; /* atomic: holders in each mode */
+  uint64_t counter;          /* plain: changed only under PW/EX */
+  long writes;               /* atomic: write sections done */
+} hot_t;
+
+static hot_t hot[NRES];
+static keel_lockspace_t *ls;
+static long iters;
+static long stats[8]; /* atomic: grants, eagain, timeouts, deadlocks, cancels, async */
+
+static void count(int i) {
+  __atomic_fetch_add(&stats[i], 1, __ATOMIC_RELAXED);
+}
+
+static void section(int r, int mode, keel_lksb_t *s) {
+  hot_t *h = &hot[r];
+  __atomic_fetch_add(&h->held[mode], 1, __ATOMIC_SEQ_CST);
+  for (int m = 0; m < KEEL_LOCK_MODES; m++) {
+    int n = __atomic_load_n(&h->held[m], __ATOMIC_SEQ_CST) - (m == mode);
+    if (n > 0 && !kt_compat[m][mode])
+      kt_fail(__FILE__, __LINE__, "%s: %s granted while %d hold %s", h->name,
+              keel_lock_mode_name(mode), n, keel_lock_mode_name(m));
+  }
+  if (mode == KEEL_LOCK_PW || mode == KEEL_LOCK_EX) {
+    uint64_t lvb;
+    memcpy(&lvb, s->valblk, sizeof(lvb));
+    if (lvb != h->counter)
+      kt_fail(__FILE__, __LINE__, "%s: value block %llu, counter %llu", h->name,
+              (unsigned long long)lvb, (unsigned long long)h->counter);
+    h->counter++;
+    memcpy(s->valblk, &h->counter, sizeof(h->counter));
+    __atomic_fetch_add(&h->writes, 1, __ATOMIC_RELAXED);
+  } else if (mode == KEEL_LOCK_PR) {
+    volatile uint64_t c = h->counter; /* no writer may run now */
+    (void)c;
+  }
+  if ((mode & 1) == 0) sched_yield(); /* let others pile up behind half the time */
+  __atomic_fetch_sub(&h->held[mode], 1, __ATOMIC_SEQ_CST);
+}
+
+static unsigned rnd(uint64_t *s, unsigned n) {
+  *s ^= *s << 13;
+  *s ^= *s >> 7;
+  *s ^= *s << 17;
+  return (unsigned)(*s % n);
+}
+
+static int rnd_mode(uint64_t *s) {
+  /* PR-heavy with writers, as a file system's metadata locks. */
+  static const int m[] = {KEEL_LOCK_PR, KEEL_LOCK_PR, KEEL_LOCK_PR, KEEL_LOCK_CR,
+                          KEEL_LOCK_CW, KEEL_LOCK_PW, KEEL_LOCK_EX, KEEL_LOCK_EX};
+  return m[rnd(s, 8)];
+}
+
+static void async_ast(void *arg) {
+  __atomic_store_n((int *)arg, 1, __ATOMIC_RELEASE);
+}
+
+static void *worker(void *arg) {
+  uint64_t seed = 0x9e3779b97f4a7c15ull * ((uintptr_t)arg + 1);
+  keel_lksb_t nl[NRES]; /* a held NL lock per resource: the by-handle path */
+  memset(nl, 0, sizeof(nl));
+  for (int r = 0; r < NRES; r++)
+    if (keel_lock(ls, hot[r].name, strlen(hot[r].name), KEEL_LOCK_NL, KEEL_LOCK_VALBLK, &nl[r],
+                  NULL, NULL, NULL) != 0)
+      kt_fail(__FILE__, __LINE__, "NL lock failed");
+  for (long i = 0; i < iters; i++) {
+    int r = (int)rnd(&seed, NRES), mode = rnd_mode(&seed), rc;
+    const char *name = hot[r].name;
+    keel_lksb_t s = {0};
+    switch (rnd(&seed, 6)) {
+      case 0: /* blocking, by name */
+        rc = keel_lock(ls, name, strlen(name), mode, KEEL_LOCK_VALBLK, &s, NULL, NULL, NULL);
+        if (rc != 0) kt_fail(__FILE__, __LINE__, "keel_lock: %d", rc);
+        section(r, mode, &s);
+        count(0);
+        rc = keel_unlock(&s, KEEL_LOCK_VALBLK);
+        if (rc != 0) kt_fail(__FILE__, __LINE__, "keel_unlock: %d", rc);
+        break;
+      case 1: /* by handle: NL -> mode -> NL */
+        rc = keel_lock_convert(&nl[r], mode, KEEL_LOCK_VALBLK);
+        if (rc != 0) kt_fail(__FILE__, __LINE__, "convert up: %d", rc);
+        section(r, mode, &nl[r]);
+        count(0);
+        rc = keel_lock_convert(&nl[r], KEEL_LOCK_NL, KEEL_LOCK_VALBLK);
+        if (rc != 0) kt_fail(__FILE__, __LINE__, "convert down: %d", rc);
+        break;
+      case 2: /* NOQUEUE */
+        rc = keel_lock(ls, name, strlen(name), mode, KEEL_LOCK_VALBLK | KEEL_LOCK_NOQUEUE, &s, NULL,
+                       NULL, NULL);
+        if (rc == KEEL_EAGAIN) {
+          count(1);
+          break;
+        }
+        section(r, mode, &s);
+        count(0);
+        keel_unlock(&s, KEEL_LOCK_VALBLK);
+        break;
+      case 3: /* short timeout */
+        s.timeout_ms = 1;
+        rc = keel_lock(ls, name, strlen(name), mode, KEEL_LOCK_VALBLK | KEEL_LOCK_TIMEOUT, &s, NULL,
+                       NULL, NULL);
+        if (rc == KEEL_ETIMEDOUT) {
+          count(2);
+          if (s.lock != NULL) kt_fail(__FILE__, __LINE__, "timed out but holds a lock");
+          break;
+        }
+        if (rc != 0) kt_fail(__FILE__, __LINE__, "timed keel_lock: %d", rc);
+        section(r, mode, &s);
+        count(0);
+        keel_unlock(&s, KEEL_LOCK_VALBLK);
+        break;
+      case 4: /* upgrade PR -> EX by handle: may close a conversion deadlock */
+        rc = keel_lock_convert(&nl[r], KEEL_LOCK_PR, KEEL_LOCK_VALBLK);
+        if (rc != 0) kt_fail(__FILE__, __LINE__, "convert PR: %d", rc);
+        section(r, KEEL_LOCK_PR, &nl[r]);
+        rc = keel_lock_convert(&nl[r], KEEL_LOCK_EX, KEEL_LOCK_VALBLK);
+        if (rc == KEEL_EDEADLK) {
+          count(3);
+        } else if (rc != 0) {
+          kt_fail(__FILE__, __LINE__, "convert EX: %d", rc);
+        } else {
+          section(r, KEEL_LOCK_EX, &nl[r]);
+          count(0);
+        }
+        keel_lock_convert(&nl[r], KEEL_LOCK_NL, KEEL_LOCK_VALBLK);
+        break;
+      default: { /* asynchronous: sometimes cancelled, sometimes with a timeout */
+        int done = 0;
+        unsigned v = rnd(&seed, 3), flags = KEEL_LOCK_VALBLK;
+        if (v == 1) {
+          flags |= KEEL_LOCK_TIMEOUT; /* expired by the lockspace's timer thread */
+          s.timeout_ms = 1;
+        }
+        rc = keel_lock(ls, name, strlen(name), mode, flags, &s, async_ast, NULL, &done);
+        if (rc != 0) kt_fail(__FILE__, __LINE__, "async keel_lock: %d", rc);
+        if (v == 0 && keel_unlock(&s, KEEL_LOCK_CANCEL) == 0) count(4);
+        while (!__atomic_load_n(&done, __ATOMIC_ACQUIRE)) sched_yield();
+        if (s.status == KEEL_ECANCELED || s.status == KEEL_ETIMEDOUT) {
+          if (s.lock != NULL) kt_fail(__FILE__, __LINE__, "failed but holds a lock");
+          if (s.status == KEEL_ETIMEDOUT) count(6);
+          break;
+        }
+        section(r, mode, &s);
+        count(5);
+        keel_unlock(&s, KEEL_LOCK_VALBLK);
+      }
+    }
+  }
+  for (int r = 0; r < NRES; r++) keel_unlock(&nl[r], 0);
+  return NULL;
+}
+
+static void hot_run(unsigned ls_flags, long default_iters) {
+  int nt = (int)kt_env_int("KEEL_TEST_THREADS", 64);
+  iters = kt_env_int("KEEL_TEST_ITERS", kt_scale(default_iters));
+  keel_lockspace_config_t cfg = {.flags = ls_flags};
+  ls = keel_lockspace_create(&cfg);
+  KT_REQUIRE(ls != NULL && nt <= 1024);
+  memset(hot, 0, sizeof(hot));
+  memset(stats, 0, sizeof(stats));
+  for (int r = 0; r < NRES; r++) snprintf(hot[r].name, sizeof(hot[r].name), "hot-%d", r);
+  pthread_t t[1024];
+  for (long i = 0; i < nt; i++) pthread_create(&t[i], NULL, worker, (void *)i);
+  for (int i = 0; i < nt; i++) pthread_join(t[i], NULL);
+  printf("  %d threads x %ld: %ld grants, %ld EAGAIN, %ld timeouts, %ld deadlocks, %ld cancels, "
+         "%ld async grants, %ld async timeouts\n",
+         nt, iters, stats[0], stats[1], stats[2], stats[3], stats[4], stats[5], stats[6]);
+  for (int r = 0; r < NRES; r++) {
+    KT_EQ(hot[r].counter, hot[r].writes);
+    keel_lksb_t s = {0};
+    KT_EQ(keel_lock(ls, hot[r].name, strlen(hot[r].name), KEEL_LOCK_PR, KEEL_LOCK_VALBLK, &s, NULL,
+                    NULL, NULL),
+          0);
+    uint64_t lvb;
+    memcpy(&lvb, s.valblk, sizeof(lvb));
+    KT_EQ(lvb, hot[r].counter);
+    keel_res_t *res = s.lock->res;
+    __keel_mutex_lock(&res->mu);
+    KT_CHECK(__keel_res_validate(res));
+    KT_EQ(res->granted[KEEL_LOCK_PR], 1);
+    __keel_mutex_unlock(&res->mu);
+    KT_EQ(keel_unlock(&s, 0), 0);
+  }
+  KT_CHECK(stats[0] > 0);
+  KT_EQ(keel_lockspace_release(ls, 0), 0); /* nothing left held */
+}
+
+static void hot_resources(void) {
+  hot_run(0, 8000);
+}
+
+/* The same with callbacks on keel's sched: ASTs and BASTs run on its workers
+ * while 64 threads wait for them. */
+static void hot_resources_sched(void) {
+  hot_run(KEEL_LOCKSPACE_SCHED, 2000);
+}
+
+/* Churn: many names, a cache of 8 resources and a thread shrinking all the
+ * time, so resources are dropped and re-created while others look them up.
+ * If a name ever had two live resources, two EX holders would meet in the
+ * per-name counters (and the plain counter would lose updates). */
+#define NCHURN 64
+static hot_t churn[NCHURN];
+static int churn_stop; /* atomic */
+
+static void churn_section(int i, int mode) {
+  hot_t *h = &churn[i];
+  __atomic_fetch_add(&h->held[mode], 1, __ATOMIC_SEQ_CST);
+  for (int m = 0; m < KEEL_LOCK_MODES; m++) {
+    int n = __atomic_load_n(&h->held[m], __ATOMIC_SEQ_CST) - (m == mode);
+    if (n > 0 && !kt_compat[m][mode])
+      kt_fail(__FILE__, __LINE__, "%s: %s granted while %d hold %s", h->name,
+              keel_lock_mode_name(mode), n, keel_lock_mode_name(m));
+  }
+  if (mode == KEEL_LOCK_EX) {
+    h->counter++;
+    __atomic_fetch_add(&h->writes, 1, __ATOMIC_RELAXED);
+  }
+  __atomic_fetch_sub(&h->held[mode], 1, __ATOMIC_SEQ_CST);
+}
+
+static void *churn_worker(void *arg) {
+  uint64_t seed = 0x51afd7ed558ccd25ull * ((uintptr_t)arg + 1);
+  for (long k = 0; k < iters; k++) {
+    int i = (int)rnd(&seed, NCHURN), mode = rnd(&seed, 2) ? KEEL_LOCK_EX : KEEL_LOCK_PR;
+    keel_lksb_t s = {0};
+    int rc = keel_lock(ls, churn[i].name, strlen(churn[i].name), mode, 0, &s, NULL, NULL, NULL);
+    if (rc != 0) kt_fail(__FILE__, __LINE__, "keel_lock: %d", rc);
+    churn_section(i, mode);
+    keel_unlock(&s, 0);
+  }
+  return NULL;
+}
+
+static void *shrinker(void *arg) {
+  (void)arg;
+  while (!__atomic_load_n(&churn_stop, __ATOMIC_ACQUIRE)) {
+    keel_lockspace_shrink(ls, 1000);
+    sched_yield();
+  }
+  return NULL;
+}
+
+static void churn_resources(void) {
+  int nt = (int)kt_env_int("KEEL_TEST_THREADS", 64) / 4 + 1;
+  iters = kt_env_int("KEEL_TEST_ITERS", kt_scale(8000));
+  keel_lockspace_config_t cfg = {.cache_max = 8};
+  ls = keel_lockspace_create(&cfg);
+  KT_REQUIRE(ls != NULL && nt <= 1024);
+  memset(churn, 0, sizeof(churn));
+  for (int i = 0; i < NCHURN; i++) snprintf(churn[i].name, sizeof(churn[i].name), "churn-%d", i);
+  __atomic_store_n(&churn_stop, 0, __ATOMIC_RELAXED);
+  pthread_t t[1024], sh;
+  pthread_create(&sh, NULL, shrinker, NULL);
+  for (long i = 0; i < nt; i++) pthread_create(&t[i], NULL, churn_worker, (void *)i);
+  for (int i = 0; i < nt; i++) pthread_join(t[i], NULL);
+  __atomic_store_n(&churn_stop, 1, __ATOMIC_RELEASE);
+  pthread_join(sh, NULL);
+  keel_table_stats_t st;
+  keel_table_stats(ls->table, &st);
+  printf("  %d threads x %ld on %d names, cache 8: %zu resources dropped\n", nt, iters, NCHURN,
+         st.evicted);
+  KT_CHECK(st.evicted > 0);
+  for (int i = 0; i < NCHURN; i++) KT_EQ(churn[i].counter, churn[i].writes);
+  KT_EQ(keel_lockspace_release(ls, 0), 0);
+}
+
+KT_MAIN(KT_CASE(hot_resources), KT_CASE(hot_resources_sched), KT_CASE(churn_resources))

@@ -1,0 +1,414 @@
+/* Unit tests of the table: the API contract, references, the LRU, limits
+ * and every bad-input behaviour listed in issue 7. */
+#define _GNU_SOURCE
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <keel/table.h>
+#include <urcu/urcu-memb.h>
+
+#include "harness.h"
+#include "table/table_internal.h"
+
+typedef struct item {
+  keel_table_node_t node;
+  char name[40];
+  keel_atomic(int) freed; /* atomic: the test waits for frees through liburcu */
+} item_t;
+
+static keel_atomic(long) frees;
+
+static void item_free(keel_table_node_t *n, void *arg) {
+  (void)arg;
+  item_t *it = keel_table_entry(n, item_t, node);
+  keel_fetch_add_relaxed(&it->freed, 1);
+  keel_fetch_add_relaxed(&frees, 1);
+}
+
+/* Waits until every deferred free queued so far has run. */
+static void wait_frees(void) {
+  urcu_memb_synchronize_rcu();
+  urcu_memb_barrier();
+  urcu_memb_barrier();
+}
+
+static keel_table_t *u64_table(size_t max_entries) {
+  keel_table_config_t c = {.key_type = KEEL_TABLE_KEY_U64,
+                           .max_entries = max_entries,
+                           .free_fn = item_free,
+                           .name = "test"};
+  keel_table_t *t = keel_table_create(&c);
+  KT_REQUIRE(t != NULL);
+  return t;
+}
+
+static item_t *items_new(size_t n, uint64_t base) {
+  item_t *v = calloc(n, sizeof *v);
+  for (size_t i = 0; i < n; i++) keel_table_node_init_u64(&v[i].node, base + i);
+  return v;
+}
+
+static void create_bad_config(void) {
+  KT_CHECK(keel_table_create(NULL) == NULL && errno == EINVAL);
+  keel_table_config_t c = {.key_type = 7};
+  KT_CHECK(keel_table_create(&c) == NULL && errno == EINVAL);
+  c = (keel_table_config_t){.key_type = KEEL_TABLE_KEY_BYTES, .key_max = KEEL_TABLE_KEY_MAX + 1};
+  KT_CHECK(keel_table_create(&c) == NULL && errno == EINVAL);
+  c = (keel_table_config_t){.key_type = KEEL_TABLE_KEY_U64, .max_bytes = 1000};
+  KT_CHECK(keel_table_create(&c) == NULL && errno == EINVAL);
+  KT_EQ(keel_table_destroy(NULL), 0);
+}
+
+static void insert_lookup_get_put(void) {
+  keel_table_t *t = u64_table(0);
+  item_t *v = items_new(1000, 100);
+  for (int i = 0; i < 1000; i++) KT_EQ(keel_table_insert(t, &v[i].node), 0);
+  KT_EQ(keel_table_count(t), 1000);
+  keel_table_read_lock();
+  KT_CHECK(keel_table_lookup_u64(t, 100 + 7) == &v[7].node);
+  KT_CHECK(keel_table_lookup_u64(t, 99) == NULL && errno == ENOENT);
+  KT_CHECK(keel_table_lookup(t, "abc", 3) == NULL && errno == EINVAL);
+  keel_table_read_unlock();
+  keel_table_node_t *n = keel_table_get_u64(t, 100 + 999);
+  KT_CHECK(n == &v[999].node);
+  KT_EQ(n->_ref & REF_COUNT, 2); /* insert's reference and get's */
+  KT_CHECK(keel_table_ref(n));
+  keel_table_put(t, n);
+  keel_table_put(t, n);
+  for (int i = 0; i < 1000; i++) keel_table_put(t, &v[i].node);
+  keel_table_stats_t st;
+  keel_table_stats(t, &st);
+  KT_EQ(st.entries, 1000);
+  KT_EQ(st.lru_entries, 1000);
+  long f0 = keel_load_relaxed(&frees);
+  KT_EQ(keel_table_destroy(t), 0);
+  KT_EQ(keel_load_relaxed(&frees) - f0, 1000);
+  for (int i = 0; i < 1000; i++) KT_EQ(keel_load_relaxed(&v[i].freed), 1);
+  free(v);
+}
+
+/* Issue 7, part 4: a duplicate key gives KEEL_EEXIST and changes nothing. */
+static void duplicate_key_eexist(void) {
+  keel_table_t *t = u64_table(0);
+  item_t *v = items_new(2, 5);
+  keel_table_node_init_u64(&v[1].node, 5);
+  KT_EQ(keel_table_insert(t, &v[0].node), 0);
+  KT_EQ(keel_table_insert(t, &v[1].node), KEEL_EEXIST);
+  KT_EQ(keel_table_count(t), 1);
+  KT_EQ(v[1].node._ref, 0); /* the rejected node is untouched, reusable */
+  KT_CHECK(keel_table_get_u64(t, 5) == &v[0].node);
+  keel_table_put(t, &v[0].node);
+  keel_table_put(t, &v[0].node);
+  /* A node already in a table cannot be inserted again, anywhere. */
+  keel_table_t *t2 = u64_table(0);
+  KT_EQ(keel_table_insert(t2, &v[0].node), KEEL_EINVAL);
+  KT_EQ(keel_table_insert(t, &v[0].node), KEEL_EINVAL);
+  KT_EQ(keel_table_count(t2), 0);
+  KT_EQ(keel_table_destroy(t2), 0);
+  KT_EQ(keel_table_destroy(t), 0);
+  free(v);
+}
+
+/* Issue 7, part 4: removing twice -> KEEL_ENOENT; from another table or a
+ * node never inserted -> KEEL_EINVAL; neither table changes. */
+static void remove_twice_and_foreign(void) {
+  keel_table_t *a = u64_table(0), *b = u64_table(0);
+  item_t *v = items_new(3, 1);
+  KT_EQ(keel_table_insert(a, &v[0].node), 0);
+  KT_EQ(keel_table_insert(b, &v[1].node), 0);
+  KT_EQ(keel_table_remove(b, &v[0].node), KEEL_EINVAL);
+  KT_EQ(keel_table_remove(a, &v[2].node), KEEL_EINVAL); /* never inserted */
+  KT_EQ(keel_table_count(a), 1);
+  KT_EQ(keel_table_count(b), 1);
+  KT_EQ(keel_table_remove(a, &v[0].node), 0);
+  KT_EQ(keel_table_remove(a, &v[0].node), KEEL_ENOENT);
+  KT_EQ(keel_table_count(a), 0);
+  keel_table_read_lock();
+  KT_CHECK(keel_table_lookup_u64(a, 1) == NULL);
+  keel_table_read_unlock();
+  /* Removed but still referenced: not freed until the last put. */
+  wait_frees();
+  KT_EQ(keel_load_relaxed(&v[0].freed), 0);
+  keel_table_put(a, &v[0].node);
+  wait_frees();
+  KT_EQ(keel_load_relaxed(&v[0].freed), 1);
+  KT_EQ(keel_table_remove_key(b, &(uint64_t){2}, 8), KEEL_EBUSY); /* insert's ref held */
+  keel_table_put(b, &v[1].node);
+  KT_EQ(keel_table_remove_key(b, &(uint64_t){2}, 8), 0);
+  KT_EQ(keel_table_remove_key(b, &(uint64_t){2}, 8), KEEL_ENOENT);
+  KT_EQ(keel_table_destroy(a), 0);
+  KT_EQ(keel_table_destroy(b), 0);
+  wait_frees();
+  KT_EQ(keel_load_relaxed(&v[1].freed), 1);
+  free(v);
+}
+
+/* Issue 7, part 4: destroy with referenced entries -> KEEL_EBUSY. */
+static void destroy_busy(void) {
+  keel_table_t *t = u64_table(0);
+  item_t *v = items_new(10, 0);
+  for (int i = 0; i < 10; i++) KT_EQ(keel_table_insert(t, &v[i].node), 0);
+  for (int i = 0; i < 9; i++) keel_table_put(t, &v[i].node);
+  KT_EQ(keel_table_destroy(t), KEEL_EBUSY);
+  KT_EQ(keel_table_count(t), 10);
+  /* Removed but referenced still counts. */
+  KT_EQ(keel_table_remove(t, &v[9].node), 0);
+  KT_EQ(keel_table_destroy(t), KEEL_EBUSY);
+  keel_table_put(t, &v[9].node);
+  KT_EQ(keel_table_destroy(t), 0);
+  for (int i = 0; i < 10; i++) KT_EQ(keel_load_relaxed(&v[i].freed), 1);
+  free(v);
+}
+
+/* Issue 7, part 4: a key longer than the limit -> KEEL_EINVAL. */
+static void bytes_keys_and_key_limit(void) {
+  keel_table_config_t c = {.key_type = KEEL_TABLE_KEY_BYTES, .key_max = 32, .free_fn = item_free};
+  keel_table_t *t = keel_table_create(&c);
+  KT_REQUIRE(t != NULL);
+  item_t *v = calloc(100, sizeof *v);
+  for (int i = 0; i < 100; i++) {
+    int len = snprintf(v[i].name, sizeof v[i].name, "resource/%d/", i * 7919);
+    keel_table_node_init_bytes(&v[i].node, v[i].name, (size_t)len);
+    KT_EQ(keel_table_insert(t, &v[i].node), 0);
+    keel_table_put(t, &v[i].node);
+  }
+  keel_table_read_lock();
+  for (int i = 0; i < 100; i++) {
+    char k[40];
+    int len = snprintf(k, sizeof k, "resource/%d/", i * 7919);
+    KT_CHECK(keel_table_lookup(t, k, (size_t)len) == &v[i].node);
+    KT_CHECK(keel_table_lookup(t, k, (size_t)len - 1) == NULL); /* a prefix is another key */
+  }
+  char big[70000];
+  memset(big, 'x', sizeof big);
+  KT_CHECK(keel_table_lookup(t, big, 33) == NULL && errno == EINVAL);
+  keel_table_read_unlock();
+  item_t longer, huge, empty;
+  keel_table_node_init_bytes(&longer.node, big, 33);
+  KT_EQ(keel_table_insert(t, &longer.node), KEEL_EINVAL);
+  keel_table_node_init_bytes(&huge.node, big, sizeof big); /* above KEEL_TABLE_KEY_MAX */
+  KT_EQ(keel_table_insert(t, &huge.node), KEEL_EINVAL);
+  keel_table_node_init_bytes(&empty.node, "", 0);
+  KT_EQ(keel_table_insert(t, &empty.node), 0);
+  KT_CHECK(keel_table_get(t, "", 0) == &empty.node);
+  keel_table_put(t, &empty.node);
+  keel_table_put(t, &empty.node);
+  KT_EQ(keel_table_count(t), 101);
+  KT_EQ(keel_table_destroy(t), 0);
+  free(v);
+}
+
+static void put_without_reference(void *arg) {
+  (void)arg;
+  keel_table_t *t = u64_table(0);
+  item_t it;
+  keel_table_node_init_u64(&it.node, 1);
+  keel_table_insert(t, &it.node);
+  keel_table_put(t, &it.node);
+  keel_table_put(t, &it.node);
+}
+
+static void put_wrong_table(void *arg) {
+  (void)arg;
+  keel_table_t *a = u64_table(0), *b = u64_table(0);
+  item_t it;
+  keel_table_node_init_u64(&it.node, 1);
+  keel_table_insert(a, &it.node);
+  keel_table_put(b, &it.node);
+}
+
+/* Misuse that would corrupt the LRU aborts with a message. */
+static void put_misuse_aborts(void) {
+  KT_EXPECT_ABORT(put_without_reference, NULL, "keel_table_put: entry");
+  KT_EXPECT_ABORT(put_without_reference, NULL, "has no reference");
+  KT_EXPECT_ABORT(put_wrong_table, NULL, "belongs to another table");
+}
+
+/* Shrink drops unreferenced entries, least recently released first, gives
+ * a looked-up entry a second chance, and never drops a referenced one.
+ * 3,200 entries put ~100 in each of the 32 shards, so evicting half takes
+ * about half of each shard, from its cold end. */
+static void lru_shrink_order(void) {
+  keel_table_t *t = u64_table(0);
+  enum { N = 3200 };
+  item_t *v = items_new(N, 0);
+  for (int i = 0; i < N; i++) KT_EQ(keel_table_insert(t, &v[i].node), 0);
+  for (int i = 0; i < N; i++) keel_table_put(t, &v[i].node); /* released in key order */
+  keel_table_node_t *held = keel_table_get_u64(t, 3);        /* referenced */
+  KT_CHECK(held != NULL);
+  keel_table_read_lock();
+  KT_CHECK(keel_table_lookup_u64(t, 10) != NULL); /* recently used */
+  keel_table_read_unlock();
+  KT_EQ(keel_table_shrink(t, N / 2), N / 2);
+  KT_EQ(keel_table_count(t), N - N / 2);
+  keel_table_read_lock();
+  KT_CHECK(keel_table_lookup_u64(t, 3) == held);
+  KT_CHECK(keel_table_lookup_u64(t, 10) != NULL);
+  KT_CHECK(keel_table_lookup_u64(t, 0) == NULL);     /* the first released */
+  KT_CHECK(keel_table_lookup_u64(t, N - 1) != NULL); /* the last released */
+  keel_table_read_unlock();
+  /* Referenced entries survive any shrink. */
+  KT_EQ(keel_table_shrink(t, SIZE_MAX), N - N / 2 - 1);
+  KT_EQ(keel_table_count(t), 1);
+  keel_table_put(t, held);
+  KT_EQ(keel_table_shrink(t, SIZE_MAX), 1);
+  KT_EQ(keel_table_count(t), 0);
+  KT_EQ(keel_table_shrink(t, SIZE_MAX), 0);
+  KT_EQ(keel_table_destroy(t), 0);
+  for (int i = 0; i < N; i++) KT_EQ(keel_load_relaxed(&v[i].freed), 1);
+  free(v);
+}
+
+/* The soft limit: inserts beyond max_entries evict released entries. */
+static void entry_limit(void) {
+  keel_table_t *t = u64_table(100);
+  enum { N = 5000 };
+  item_t *v = items_new(N, 0);
+  for (int i = 0; i < N; i++) {
+    KT_EQ(keel_table_insert(t, &v[i].node), 0);
+    keel_table_put(t, &v[i].node);
+    KT_CHECK(keel_table_count(t) <= 101);
+  }
+  keel_table_stats_t st;
+  keel_table_stats(t, &st);
+  KT_EQ(st.entries, 100);
+  KT_EQ(st.evicted, N - 100);
+  /* Referenced entries are never dropped: the table stays above the limit. */
+  item_t *w = items_new(150, 1000000);
+  for (int i = 0; i < 150; i++) KT_EQ(keel_table_insert(t, &w[i].node), 0);
+  KT_EQ(keel_table_count(t), 150);
+  for (int i = 0; i < 150; i++) keel_table_put(t, &w[i].node);
+  KT_EQ(keel_table_count(t), 100);
+  KT_EQ(keel_table_destroy(t), 0);
+  wait_frees();
+  for (int i = 0; i < N; i++) KT_EQ(keel_load_relaxed(&v[i].freed), 1);
+  free(v);
+  free(w);
+}
+
+static void byte_limit(void) {
+  keel_table_config_t c = {.key_type = KEEL_TABLE_KEY_BYTES,
+                           .max_bytes = 10000,
+                           .entry_size = sizeof(item_t),
+                           .free_fn = item_free};
+  keel_table_t *t = keel_table_create(&c);
+  KT_REQUIRE(t != NULL);
+  item_t *v = calloc(1000, sizeof *v);
+  for (int i = 0; i < 1000; i++) {
+    int len = snprintf(v[i].name, sizeof v[i].name, "k%d", i);
+    keel_table_node_init_bytes(&v[i].node, v[i].name, (size_t)len);
+    KT_EQ(keel_table_insert(t, &v[i].node), 0);
+    keel_table_put(t, &v[i].node);
+  }
+  keel_table_stats_t st;
+  keel_table_stats(t, &st);
+  KT_CHECK(st.charged_bytes <= 10000);
+  KT_CHECK(st.charged_bytes > 10000 - 2 * (sizeof(item_t) + 8));
+  KT_EQ(keel_table_destroy(t), 0);
+  free(v);
+}
+
+static int count_cb(keel_table_node_t *n, void *arg) {
+  (void)n;
+  (*(size_t *)arg)++;
+  return 0;
+}
+
+typedef struct remove_ctx {
+  keel_table_t *t;
+  size_t seen;
+} remove_ctx_t;
+
+static int remove_cb(keel_table_node_t *n, void *arg) {
+  remove_ctx_t *c = arg;
+  c->seen++;
+  if (n->key.u64 % 2 == 0) KT_EQ(keel_table_remove(c->t, n), 0); /* the current node */
+  return 0;
+}
+
+static int stop_cb(keel_table_node_t *n, void *arg) {
+  (void)n;
+  return ++*(int *)arg == 10 ? 42 : 0;
+}
+
+static void for_each_visits_and_removes(void) {
+  keel_table_t *t = u64_table(0);
+  enum { N = 10000 };
+  item_t *v = items_new(N, 0);
+  for (int i = 0; i < N; i++) {
+    KT_EQ(keel_table_insert(t, &v[i].node), 0);
+    keel_table_put(t, &v[i].node);
+  }
+  size_t n = 0;
+  KT_EQ(keel_table_for_each(t, count_cb, &n), 0);
+  KT_EQ(n, N);
+  remove_ctx_t c = {t, 0};
+  KT_EQ(keel_table_for_each(t, remove_cb, &c), 0);
+  KT_EQ(c.seen, N);
+  KT_EQ(keel_table_count(t), N / 2);
+  int k = 0;
+  KT_EQ(keel_table_for_each(t, stop_cb, &k), 42);
+  KT_EQ(keel_table_destroy(t), 0);
+  for (int i = 0; i < N; i++) KT_EQ(keel_load_relaxed(&v[i].freed), 1);
+  free(v);
+}
+
+/* The table grows from its minimum to a million entries and back. */
+static void grow_and_shrink(void) {
+  keel_table_t *t = u64_table(0);
+  size_t n = (size_t)kt_scale(1000000);
+  item_t *v = items_new(n, 0);
+  for (size_t i = 0; i < n; i++) {
+    KT_EQ(keel_table_insert(t, &v[i].node), 0);
+    keel_table_put(t, &v[i].node);
+  }
+  KT_EQ(keel_table_count(t), n);
+  for (size_t i = 0; i < n; i += 97) KT_CHECK(keel_table_get_u64(t, i) == &v[i].node);
+  for (size_t i = 0; i < n; i += 97) keel_table_put(t, &v[i].node);
+  KT_EQ(keel_table_shrink(t, SIZE_MAX), n);
+  KT_EQ(keel_table_count(t), 0);
+  KT_EQ(keel_table_destroy(t), 0);
+  for (size_t i = 0; i < n; i++) KT_EQ(keel_load_relaxed(&v[i].freed), 1);
+  free(v);
+}
+
+/* A thread that never registered with RCU can use a table, and exiting
+ * unregisters it (a grace period afterwards does not wait for it). */
+static void *unregistered_thread(void *arg) {
+  keel_table_t *t = arg;
+  keel_table_node_t *n = keel_table_get_u64(t, 1);
+  KT_CHECK(n != NULL);
+  keel_table_put(t, n);
+  return NULL;
+}
+
+static void thread_registration(void) {
+  keel_table_t *t = u64_table(0);
+  item_t it;
+  keel_table_node_init_u64(&it.node, 1);
+  KT_EQ(keel_table_insert(t, &it.node), 0);
+  keel_table_put(t, &it.node);
+  for (int i = 0; i < 8; i++) {
+    pthread_t th;
+    pthread_create(&th, NULL, unregistered_thread, t);
+    pthread_join(th, NULL);
+  }
+  urcu_memb_synchronize_rcu(); /* would hang on a leaked reader */
+  KT_EQ(keel_table_destroy(t), 0);
+}
+
+static void destroy_inside_read_section(void) {
+  keel_table_t *t = u64_table(0);
+  keel_table_read_lock();
+  KT_EQ(keel_table_destroy(t), KEEL_EINVAL);
+  keel_table_read_unlock();
+  KT_EQ(keel_table_destroy(t), 0);
+}
+
+KT_MAIN(KT_CASE(create_bad_config), KT_CASE(insert_lookup_get_put), KT_CASE(duplicate_key_eexist),
+        KT_CASE(remove_twice_and_foreign), KT_CASE(destroy_busy), KT_CASE(bytes_keys_and_key_limit),
+        KT_CASE(put_misuse_aborts), KT_CASE(lru_shrink_order), KT_CASE(entry_limit),
+        KT_CASE(byte_limit), KT_CASE(for_each_visits_and_removes), KT_CASE(grow_and_shrink),
+        KT_CASE(thread_registration), KT_CASE(destroy_inside_read_section))

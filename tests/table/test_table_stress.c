@@ -1,0 +1,465 @@
+/* Stress tests of the table: threads against each other with invariant
+ * checks. Sizes come from the environment and scale down under sanitizers:
+ *   KEEL_TEST_REPS     grow-from-tiny repetitions        (5; 2 sanitized)
+ *   KEEL_TEST_KEYS     keys per grow repetition          (2M / 8 sanitized)
+ *   KEEL_TEST_ENTRIES  entries of the big mixed test     (10M / 8 sanitized)
+ *   KEEL_TEST_THREADS  writer threads                    (4)
+ *   KEEL_TEST_SECONDS  duration of the timed phases      (3)
+ *   KEEL_TEST_ALARM    seconds before a hang is declared (240)
+ * The issue's full run (100 repetitions of 2M keys) is
+ *   KEEL_TEST_REPS=100 ./build/tests/test_table_stress grow
+ */
+#define _GNU_SOURCE
+#include <pthread.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include <keel/table.h>
+#include <urcu/urcu-memb.h>
+
+#include "harness.h"
+#include "table/table_internal.h"
+
+#define MAGIC_LIVE  0x4c495645u /* "LIVE" */
+#define MAGIC_FREED 0x44454144u /* "DEAD" */
+
+typedef struct item {
+  keel_table_node_t node;
+  uint64_t payload; /* key * PAYLOAD_MUL, checked by readers */
+  keel_atomic(uint32_t) magic;
+  keel_atomic(int) holders; /* references this test holds, per its own count */
+  bool in_array;            /* part of a preallocated array: not free()d */
+} item_t;
+
+#define PAYLOAD_MUL 0x9e3779b97f4a7c15ull
+
+static keel_atomic(long) n_freed;
+static keel_atomic(long) n_inserted;
+
+static void item_free(keel_table_node_t *n, void *arg) {
+  (void)arg;
+  item_t *it = keel_table_entry(n, item_t, node);
+  if (keel_load_relaxed(&it->holders) != 0) kt_fail(__FILE__, __LINE__, "freed while referenced");
+  if (keel_xchg_acq_rel(&it->magic, MAGIC_FREED) != MAGIC_LIVE)
+    kt_fail(__FILE__, __LINE__, "freed twice or never live");
+  keel_fetch_add_relaxed(&n_freed, 1);
+  if (!it->in_array) free(it);
+}
+
+static item_t *item_new(uint64_t key) {
+  item_t *it = calloc(1, sizeof *it);
+  keel_table_node_init_u64(&it->node, key);
+  it->payload = key * PAYLOAD_MUL;
+  keel_store_relaxed(&it->magic, MAGIC_LIVE);
+  return it;
+}
+
+/* Checks an entry found for key inside a read-side section. */
+static void check_found(keel_table_node_t *n, uint64_t key) {
+  item_t *it = keel_table_entry(n, item_t, node);
+  if (n->key.u64 != key || it->payload != key * PAYLOAD_MUL)
+    kt_fail(__FILE__, __LINE__, "key %" PRIu64 " found entry for %" PRIu64, key, n->key.u64);
+  if (keel_load_relaxed(&it->magic) != MAGIC_LIVE)
+    kt_fail(__FILE__, __LINE__, "key %" PRIu64 ": entry freed inside a read-side section", key);
+}
+
+static uint64_t rnd(uint64_t *s) {
+  *s ^= *s << 13;
+  *s ^= *s >> 7;
+  *s ^= *s << 17;
+  return *s;
+}
+
+static void on_alarm(int sig) {
+  (void)sig;
+  static const char msg[] = "test_table_stress: timed out (hang?)\n";
+  ssize_t r = write(2, msg, sizeof msg - 1);
+  (void)r;
+  abort();
+}
+
+static void arm_alarm(void) {
+  signal(SIGALRM, on_alarm);
+  alarm((unsigned)kt_env_int("KEEL_TEST_ALARM", 240));
+}
+
+static keel_atomic(int) stop;
+
+/* --- grow from tiny, repeatedly ------------------------------------------------ */
+
+typedef struct grow_ctx {
+  keel_table_t *t;
+  item_t *items;
+  size_t n;
+  int threads;
+} grow_ctx_t;
+
+typedef struct worker {
+  grow_ctx_t *c;
+  int id;
+  pthread_t th;
+} worker_t;
+
+static void *grow_writer(void *arg) {
+  worker_t *w = arg;
+  grow_ctx_t *c = w->c;
+  for (size_t i = (size_t)w->id; i < c->n; i += (size_t)c->threads) {
+    int rc = keel_table_insert(c->t, &c->items[i].node);
+    if (rc != 0) kt_fail(__FILE__, __LINE__, "insert %zu: %d", i, rc);
+    keel_table_put(c->t, &c->items[i].node);
+  }
+  return NULL;
+}
+
+static void *grow_reader(void *arg) {
+  grow_ctx_t *c = arg;
+  uint64_t s = 88172645463325252ull;
+  while (!keel_load_relaxed(&stop)) {
+    uint64_t k = rnd(&s) % c->n;
+    keel_table_read_lock();
+    keel_table_node_t *n = keel_table_lookup_u64(c->t, k);
+    if (n != NULL) check_found(n, k);
+    keel_table_read_unlock();
+  }
+  return NULL;
+}
+
+static void *grow_remover(void *arg) {
+  worker_t *w = arg;
+  grow_ctx_t *c = w->c;
+  for (size_t i = (size_t)w->id; i < c->n; i += (size_t)c->threads) {
+    uint64_t k = i;
+    int rc = keel_table_remove_key(c->t, &k, sizeof k);
+    if (rc != 0) kt_fail(__FILE__, __LINE__, "remove_key %zu: %d", i, rc);
+  }
+  return NULL;
+}
+
+static void run_workers(grow_ctx_t *c, void *(*fn)(void *)) {
+  worker_t w[64];
+  for (int i = 0; i < c->threads; i++) {
+    w[i] = (worker_t){c, i, 0};
+    pthread_create(&w[i].th, NULL, fn, &w[i]);
+  }
+  for (int i = 0; i < c->threads; i++) pthread_join(w[i].th, NULL);
+}
+
+/* Tables start at the minimum size (no hint) and grow to millions of
+ * entries under concurrent inserts and lookups, then shrink back as every
+ * entry is removed; repeated, under an alarm: the regression test for
+ * rculfhash's small-table auto-resize livelock (issue 7). */
+static void grow_from_tiny_repeatedly(void) {
+  long reps = kt_env_int("KEEL_TEST_REPS", kt_sanitized() ? 2 : 5);
+  size_t n = (size_t)kt_env_int("KEEL_TEST_KEYS", kt_scale(2000000));
+  int threads = (int)kt_env_int("KEEL_TEST_THREADS", 4);
+  if (threads > 64) threads = 64;
+  item_t *items = calloc(n, sizeof *items);
+  KT_REQUIRE(items != NULL);
+  arm_alarm();
+  double t0 = kt_now();
+  for (long r = 0; r < reps; r++) {
+    for (size_t i = 0; i < n; i++) {
+      keel_table_node_init_u64(&items[i].node, i);
+      items[i].payload = i * PAYLOAD_MUL;
+      keel_store_relaxed(&items[i].magic, MAGIC_LIVE);
+      items[i].in_array = true;
+    }
+    keel_table_config_t cfg = {.key_type = KEEL_TABLE_KEY_U64, .free_fn = item_free};
+    grow_ctx_t c = {keel_table_create(&cfg), items, n, threads};
+    KT_REQUIRE(c.t != NULL);
+    long f0 = keel_load_relaxed(&n_freed);
+    keel_store_relaxed(&stop, 0);
+    pthread_t rd;
+    pthread_create(&rd, NULL, grow_reader, &c);
+    run_workers(&c, grow_writer);
+    KT_EQ(keel_table_count(c.t), n);
+    for (size_t i = 0; i < n; i += 7) {
+      keel_table_read_lock();
+      KT_CHECK(keel_table_lookup_u64(c.t, i) == &items[i].node);
+      keel_table_read_unlock();
+    }
+    run_workers(&c, grow_remover);
+    keel_store_relaxed(&stop, 1);
+    pthread_join(rd, NULL);
+    KT_EQ(keel_table_count(c.t), 0);
+    KT_EQ(keel_table_destroy(c.t), 0);
+    KT_EQ(keel_load_relaxed(&n_freed) - f0, (long)n);
+  }
+  alarm(0);
+  printf("  grow: %ld x %zu keys, %d writers + 1 reader: %.1f s\n", reps, n, threads,
+         kt_now() - t0);
+  free(items);
+}
+
+/* --- big table, mixed readers and writers ------------------------------------ */
+
+typedef struct mix_ctx {
+  keel_table_t *t;
+  size_t n; /* keys [0, n/2) are stable (held referenced); [n/2, n) churn */
+  int writers;
+} mix_ctx_t;
+
+typedef struct mix_worker {
+  mix_ctx_t *c;
+  int id;
+  long ops;
+  pthread_t th;
+} mix_worker_t;
+
+static void *mix_reader(void *arg) {
+  mix_worker_t *w = arg;
+  mix_ctx_t *c = w->c;
+  uint64_t s = 0x2545f4914f6cdd1dull + (uint64_t)w->id;
+  while (!keel_load_relaxed(&stop)) {
+    keel_table_read_lock();
+    for (int i = 0; i < 64; i++) {
+      uint64_t k = rnd(&s) % c->n;
+      keel_table_node_t *n = keel_table_lookup_u64(c->t, k);
+      if (n != NULL)
+        check_found(n, k);
+      else if (k < c->n / 2)
+        kt_fail(__FILE__, __LINE__, "stable key %" PRIu64 " not found", k);
+    }
+    keel_table_read_unlock();
+    w->ops += 64;
+  }
+  return NULL;
+}
+
+/* Each writer owns the churning keys k with k % writers == id: it gets,
+ * removes and re-inserts them; the shrinker may evict them meanwhile. */
+static void *mix_writer(void *arg) {
+  mix_worker_t *w = arg;
+  mix_ctx_t *c = w->c;
+  uint64_t s = 0x9e3779b97f4a7c15ull * (uint64_t)(w->id + 1);
+  size_t half = c->n / 2, span = (c->n - half) / (size_t)c->writers;
+  while (!keel_load_relaxed(&stop)) {
+    uint64_t k = half + (rnd(&s) % span) * (size_t)c->writers + (size_t)w->id;
+    keel_table_node_t *n = keel_table_get_u64(c->t, k);
+    if (n != NULL) {
+      item_t *it = keel_table_entry(n, item_t, node);
+      keel_fetch_add_relaxed(&it->holders, 1);
+      check_found(n, k);
+      int rc = keel_table_remove(c->t, n);
+      if (rc != 0 && rc != KEEL_ENOENT) kt_fail(__FILE__, __LINE__, "remove: %d", rc);
+      keel_fetch_sub_relaxed(&it->holders, 1);
+      keel_table_put(c->t, n);
+    } else {
+      item_t *it = item_new(k);
+      int rc = keel_table_insert(c->t, &it->node);
+      if (rc == 0) {
+        keel_fetch_add_relaxed(&n_inserted, 1);
+        keel_table_put(c->t, &it->node);
+      } else if (rc == KEEL_EEXIST) { /* an eviction was between DEAD and delete */
+        free(it);
+      } else {
+        kt_fail(__FILE__, __LINE__, "insert: %d", rc);
+      }
+    }
+    w->ops++;
+  }
+  return NULL;
+}
+
+static void *mix_shrinker(void *arg) {
+  mix_worker_t *w = arg;
+  while (!keel_load_relaxed(&stop)) {
+    w->ops += (long)keel_table_shrink(w->c->t, 256);
+    usleep(1000);
+  }
+  return NULL;
+}
+
+static int count_cb(keel_table_node_t *n, void *arg) {
+  (void)n;
+  (*(size_t *)arg)++;
+  return 0;
+}
+
+/* Issue 7: 10 million entries under concurrent readers and writers. */
+static void big_table_readers_writers(void) {
+  size_t n = (size_t)kt_env_int("KEEL_TEST_ENTRIES", kt_scale(10000000));
+  int writers = (int)kt_env_int("KEEL_TEST_THREADS", 4);
+  double secs = (double)kt_env_int("KEEL_TEST_SECONDS", 3);
+  if (writers > 32) writers = 32;
+  size_t half = n / 2;
+  item_t *stable = calloc(half, sizeof *stable);
+  KT_REQUIRE(stable != NULL);
+  keel_table_config_t cfg = {.key_type = KEEL_TABLE_KEY_U64, .size_hint = n, .free_fn = item_free};
+  mix_ctx_t c = {keel_table_create(&cfg), n, writers};
+  KT_REQUIRE(c.t != NULL);
+  arm_alarm();
+  double t0 = kt_now();
+  long f0 = keel_load_relaxed(&n_freed), i0 = keel_load_relaxed(&n_inserted);
+  /* Stable half: inserted and kept referenced, so never evicted. */
+  for (size_t i = 0; i < half; i++) {
+    keel_table_node_init_u64(&stable[i].node, i);
+    stable[i].payload = i * PAYLOAD_MUL;
+    keel_store_relaxed(&stable[i].magic, MAGIC_LIVE);
+    stable[i].in_array = true;
+    KT_EQ(keel_table_insert(c.t, &stable[i].node), 0);
+  }
+  for (size_t k = half; k < n; k++) { /* churning half, released */
+    item_t *it = item_new(k);
+    KT_EQ(keel_table_insert(c.t, &it->node), 0);
+    keel_fetch_add_relaxed(&n_inserted, 1);
+    keel_table_put(c.t, &it->node);
+  }
+  double t_fill = kt_now() - t0;
+  KT_EQ(keel_table_count(c.t), n);
+  keel_store_relaxed(&stop, 0);
+  enum { READERS = 2 };
+  mix_worker_t w[READERS + 32 + 1];
+  int nw = 0;
+  for (int i = 0; i < READERS; i++, nw++) {
+    w[nw] = (mix_worker_t){&c, i, 0, 0};
+    pthread_create(&w[nw].th, NULL, mix_reader, &w[nw]);
+  }
+  for (int i = 0; i < writers; i++, nw++) {
+    w[nw] = (mix_worker_t){&c, i, 0, 0};
+    pthread_create(&w[nw].th, NULL, mix_writer, &w[nw]);
+  }
+  w[nw] = (mix_worker_t){&c, 0, 0, 0};
+  pthread_create(&w[nw].th, NULL, mix_shrinker, &w[nw]);
+  nw++;
+  usleep((useconds_t)(secs * 1e6));
+  keel_store_relaxed(&stop, 1);
+  long rops = 0, wops = 0;
+  for (int i = 0; i < nw; i++) {
+    pthread_join(w[i].th, NULL);
+    if (i < READERS)
+      rops += w[i].ops;
+    else
+      wops += w[i].ops;
+  }
+  size_t walked = 0;
+  keel_table_for_each(c.t, count_cb, &walked);
+  KT_EQ(walked, keel_table_count(c.t));
+  KT_CHECK(walked >= half);
+  /* Destroy refuses while the stable half is referenced. */
+  KT_EQ(keel_table_destroy(c.t), KEEL_EBUSY);
+  for (size_t i = 0; i < half; i++) keel_table_put(c.t, &stable[i].node);
+  double t_d = kt_now();
+  KT_EQ(keel_table_destroy(c.t), 0);
+  t_d = kt_now() - t_d;
+  long inserted = keel_load_relaxed(&n_inserted) - i0 + (long)half;
+  KT_EQ(keel_load_relaxed(&n_freed) - f0, inserted);
+  alarm(0);
+  printf("  mixed: %zu entries (fill %.1f s), %d readers %.0f lookups/s, %d writers %.0f ops/s\n",
+         n, t_fill, READERS, (double)rops / secs, writers, (double)wops / secs);
+  free(stable);
+}
+
+/* --- hot keys: references against removal and eviction ----------------------- */
+
+typedef struct hot_ctx {
+  keel_table_t *t;
+  int keys;
+} hot_ctx_t;
+
+static void *hot_worker(void *arg) {
+  mix_worker_t *w = arg;
+  hot_ctx_t *c = (hot_ctx_t *)(void *)w->c;
+  uint64_t s = 0xdeadbeefcafef00dull ^ ((uint64_t)w->id << 32);
+  while (!keel_load_relaxed(&stop)) {
+    uint64_t k = rnd(&s) % (uint64_t)c->keys;
+    switch (rnd(&s) % 8) {
+      case 0: { /* insert */
+        item_t *it = item_new(k);
+        int rc = keel_table_insert(c->t, &it->node);
+        if (rc == 0) {
+          keel_fetch_add_relaxed(&n_inserted, 1);
+          keel_table_put(c->t, &it->node);
+        } else {
+          if (rc != KEEL_EEXIST) kt_fail(__FILE__, __LINE__, "insert: %d", rc);
+          free(it);
+        }
+        break;
+      }
+      case 1: { /* get, hold, maybe remove, put */
+        keel_table_node_t *n = keel_table_get_u64(c->t, k);
+        if (n == NULL) break;
+        item_t *it = keel_table_entry(n, item_t, node);
+        keel_fetch_add_relaxed(&it->holders, 1);
+        check_found(n, k);
+        if (rnd(&s) % 2) {
+          int rc = keel_table_remove(c->t, n);
+          if (rc != 0 && rc != KEEL_ENOENT) kt_fail(__FILE__, __LINE__, "remove: %d", rc);
+        }
+        check_found(n, k); /* still ours after removal */
+        keel_fetch_sub_relaxed(&it->holders, 1);
+        keel_table_put(c->t, n);
+        break;
+      }
+      case 2: { /* remove by key */
+        int rc = keel_table_remove_key(c->t, &k, sizeof k);
+        if (rc != 0 && rc != KEEL_ENOENT && rc != KEEL_EBUSY)
+          kt_fail(__FILE__, __LINE__, "remove_key: %d", rc);
+        break;
+      }
+      case 3:
+        keel_table_shrink(c->t, 4);
+        break;
+      default: { /* lookup, take a reference inside the section */
+        keel_table_read_lock();
+        keel_table_node_t *n = keel_table_lookup_u64(c->t, k);
+        if (n != NULL) {
+          check_found(n, k);
+          if (keel_table_ref(n)) {
+            item_t *it = keel_table_entry(n, item_t, node);
+            keel_fetch_add_relaxed(&it->holders, 1);
+            keel_table_read_unlock();
+            check_found(n, k);
+            keel_fetch_sub_relaxed(&it->holders, 1);
+            keel_table_put(c->t, n);
+            break;
+          }
+        }
+        keel_table_read_unlock();
+      }
+    }
+    w->ops++;
+  }
+  return NULL;
+}
+
+/* Many threads on a few keys: every path that changes an entry's state
+ * (get, ref, put, remove, remove_key, shrink, the limit) races every other;
+ * an entry must never be freed while referenced nor freed twice, and every
+ * inserted entry must be freed exactly once by the end. */
+static void hot_keys_refcount_races(void) {
+  int threads = (int)kt_env_int("KEEL_TEST_HOT_THREADS", kt_sanitized() ? 8 : 64);
+  double secs = (double)kt_env_int("KEEL_TEST_SECONDS", 3);
+  if (threads > 64) threads = 64;
+  keel_table_config_t cfg = {
+      .key_type = KEEL_TABLE_KEY_U64, .max_entries = 24, .free_fn = item_free};
+  hot_ctx_t c = {keel_table_create(&cfg), 32};
+  KT_REQUIRE(c.t != NULL);
+  arm_alarm();
+  long f0 = keel_load_relaxed(&n_freed), i0 = keel_load_relaxed(&n_inserted);
+  keel_store_relaxed(&stop, 0);
+  mix_worker_t w[64];
+  for (int i = 0; i < threads; i++) {
+    w[i] = (mix_worker_t){(mix_ctx_t *)(void *)&c, i, 0, 0};
+    pthread_create(&w[i].th, NULL, hot_worker, &w[i]);
+  }
+  usleep((useconds_t)(secs * 1e6));
+  keel_store_relaxed(&stop, 1);
+  long ops = 0;
+  for (int i = 0; i < threads; i++) {
+    pthread_join(w[i].th, NULL);
+    ops += w[i].ops;
+  }
+  KT_CHECK(keel_table_count(c.t) <= 32);
+  KT_EQ(keel_table_destroy(c.t), 0);
+  KT_EQ(keel_load_relaxed(&n_freed) - f0, keel_load_relaxed(&n_inserted) - i0);
+  alarm(0);
+  printf("  hot: %d threads on 32 keys: %.0f ops/s, %ld inserts\n", threads, (double)ops / secs,
+         keel_load_relaxed(&n_inserted) - i0);
+}
+
+KT_MAIN(KT_CASE(hot_keys_refcount_races), KT_CASE(grow_from_tiny_repeatedly),
+        KT_CASE(big_table_readers_writers))
