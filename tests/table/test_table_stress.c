@@ -6,6 +6,7 @@
  *   KEEL_TEST_THREADS  writer threads                    (4)
  *   KEEL_TEST_SECONDS  duration of the timed phases      (3)
  *   KEEL_TEST_ALARM    seconds before a hang is declared (240)
+ *   KEEL_TEST_STALL    grow: seconds without progress before a hang is declared (60)
  * The issue's full run (100 repetitions of 2M keys) is
  *   KEEL_TEST_REPS=100 ./build/tests/test_table_stress grow
  */
@@ -88,6 +89,30 @@ static void arm_alarm(void) {
 
 static keel_atomic(int) stop;
 
+/* Grow test watchdog: a livelock shows as no insert or removal finishing
+ * for KEEL_TEST_STALL seconds, however loaded the machine is (a fixed
+ * alarm cannot tell a hang from a slow shared machine). */
+static keel_atomic(long) progress;
+static keel_atomic(long) watch_rep;
+static keel_atomic(int) watch_stop;
+
+static void *watchdog(void *arg) {
+  long stall_s = *(long *)arg, last = -1, still = 0;
+  while (!keel_load_relaxed(&watch_stop)) {
+    usleep(100000);
+    long p = keel_load_relaxed(&progress);
+    if (p != last) {
+      last = p;
+      still = 0;
+    } else if (++still > stall_s * 10) {
+      fprintf(stderr, "test_table_stress: no progress for %ld s in repetition %ld (%ld ops done)\n",
+              stall_s, keel_load_relaxed(&watch_rep), p);
+      abort();
+    }
+  }
+  return NULL;
+}
+
 /* --- grow from tiny, repeatedly ------------------------------------------------ */
 
 typedef struct grow_ctx {
@@ -110,6 +135,7 @@ static void *grow_writer(void *arg) {
     int rc = keel_table_insert(c->t, &c->items[i].node);
     if (rc != 0) kt_fail(__FILE__, __LINE__, "insert %zu: %d", i, rc);
     keel_table_put(c->t, &c->items[i].node);
+    keel_fetch_add_relaxed(&progress, 1);
   }
   return NULL;
 }
@@ -134,6 +160,7 @@ static void *grow_remover(void *arg) {
     uint64_t k = i;
     int rc = keel_table_remove_key(c->t, &k, sizeof k);
     if (rc != 0) kt_fail(__FILE__, __LINE__, "remove_key %zu: %d", i, rc);
+    keel_fetch_add_relaxed(&progress, 1);
   }
   return NULL;
 }
@@ -156,11 +183,15 @@ static void grow_from_tiny_repeatedly(void) {
   size_t n = (size_t)kt_env_int("KEEL_TEST_KEYS", kt_scale(2000000));
   int threads = (int)kt_env_int("KEEL_TEST_THREADS", 4);
   if (threads > 64) threads = 64;
+  long stall_s = kt_env_int("KEEL_TEST_STALL", 60);
   item_t *items = calloc(n, sizeof *items);
   KT_REQUIRE(items != NULL);
-  arm_alarm();
+  pthread_t wd;
+  keel_store_relaxed(&watch_stop, 0);
+  pthread_create(&wd, NULL, watchdog, &stall_s);
   double t0 = kt_now();
   for (long r = 0; r < reps; r++) {
+    keel_store_relaxed(&watch_rep, r);
     for (size_t i = 0; i < n; i++) {
       keel_table_node_init_u64(&items[i].node, i);
       items[i].payload = i * PAYLOAD_MUL;
@@ -188,7 +219,8 @@ static void grow_from_tiny_repeatedly(void) {
     KT_EQ(keel_table_destroy(c.t), 0);
     KT_EQ(keel_load_relaxed(&n_freed) - f0, (long)n);
   }
-  alarm(0);
+  keel_store_relaxed(&watch_stop, 1);
+  pthread_join(wd, NULL);
   printf("  grow: %ld x %zu keys, %d writers + 1 reader: %.1f s\n", reps, n, threads,
          kt_now() - t0);
   free(items);
