@@ -1,6 +1,6 @@
 /* Stress tests of the table: threads against each other with invariant
  * checks. Sizes come from the environment and scale down under sanitizers:
- *   KEEL_TEST_REPS     grow-from-tiny repetitions        (5; 2 sanitized)
+ *   KEEL_TEST_REPS     grow-from-tiny repetitions        (3; 2 sanitized)
  *   KEEL_TEST_KEYS     keys per grow repetition          (2M; /8 ASan, /32 TSan)
  *   KEEL_TEST_ENTRIES  entries of the big mixed test     (10M; /8 ASan, /32 TSan)
  *   KEEL_TEST_THREADS  writer threads                    (4)
@@ -189,7 +189,7 @@ static void run_workers(grow_ctx_t *c, void *(*fn)(void *)) {
  * entry is removed; repeated, under an alarm: the regression test for
  * rculfhash's small-table auto-resize livelock (issue 7). */
 static void grow_from_tiny_repeatedly(void) {
-  long reps = kt_env_int("KEEL_TEST_REPS", kt_sanitized() ? 2 : 5);
+  long reps = kt_env_int("KEEL_TEST_REPS", kt_sanitized() ? 2 : 3);
   size_t n = (size_t)kt_env_int("KEEL_TEST_KEYS", tsan_quarter(kt_scale(2000000)));
   int threads = (int)kt_env_int("KEEL_TEST_THREADS", 4);
   if (threads > 64) threads = 64;
