@@ -43,7 +43,7 @@ static int match_bytes(struct cds_lfht_node *l, const void *key) {
   keel_table_node_t *n = lfht_node(l);
   const bytes_key_t *k = key;
   (void)keel_load_acquire(node_ref(n));
-  return n->_key_len == k->len && memcmp(n->key.bytes, k->p, k->len) == 0;
+  return n->_key_len == k->len && (k->len == 0 || memcmp(n->key.bytes, k->p, k->len) == 0);
 }
 
 /* Validates a lookup key and hashes it; false (errno EINVAL) if malformed. */
