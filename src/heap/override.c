@@ -13,8 +13,7 @@
  * sizes return NULL with ENOMEM; posix_memalign returns EINVAL for an
  * alignment that is not a power of two multiple of sizeof(void *),
  * aligned_alloc sets EINVAL for one that is not a power of two, and memalign
- * rounds such an alignment up to one. Alignments above 2 MiB get ENOMEM
- * (a large block's header must sit in its first 4 MiB).
+ * rounds such an alignment up to one.
  *
  * The glibc-only introspection calls (malloc_trim, mallinfo2, malloc_info,
  * malloc_stats) are answered from keel's own state, so they never fall
@@ -192,6 +191,30 @@ KEEL_EXPORT int malloc_info(int options, FILE *fp) {
 KEEL_EXPORT int mallopt(int param, int value) {
   (void)param, (void)value;
   return 1;
+}
+
+/* glibc's internal names, which a few programs and libraries call directly:
+ * a block from glibc's arena reaching keel's free would abort as invalid. */
+KEEL_EXPORT void *__libc_malloc(size_t size) {
+  return _keel_malloc_fast(size);
+}
+KEEL_EXPORT void __libc_free(void *p) {
+  _keel_free_fast(p, "free");
+}
+KEEL_EXPORT void *__libc_calloc(size_t n, size_t size) {
+  return _keel_calloc(n, size);
+}
+KEEL_EXPORT void *__libc_realloc(void *p, size_t size) {
+  return _keel_realloc(p, size);
+}
+KEEL_EXPORT void *__libc_memalign(size_t align, size_t size) {
+  return memalign(align, size);
+}
+KEEL_EXPORT void *__libc_valloc(size_t size) {
+  return valloc(size);
+}
+KEEL_EXPORT void *__libc_pvalloc(size_t size) {
+  return pvalloc(size);
 }
 
 #endif /* KEEL_MALLOC_OVERRIDE */

@@ -14,6 +14,7 @@
 #include <string.h>
 
 #include "base/clock.h"
+#include "base/os.h"
 #include "base/die.h"
 #include "heap/internal.h"
 #include "heap/track.h"
@@ -33,6 +34,11 @@ static uint64_t splitmix64(uint64_t *state) {
   return z ^ (z >> 31);
 }
 
+/* Clears the double-free bits of blocks 0 .. n-1. */
+static void bits_clear(keel_page_t *page, size_t n) {
+  for (size_t idx = 0; idx < n; idx += 64) *_keel_page_bits_word(page, idx) = 0;
+}
+
 void _keel_page_init(keel_page_t *page, unsigned cls, keel_heap_t *heap) {
   keel_segment_t *seg = _keel_segment_of(page);
   size_t idx = (size_t)(page - seg->pages);
@@ -47,8 +53,8 @@ void _keel_page_init(keel_page_t *page, unsigned cls, keel_heap_t *heap) {
   /* Bit 63 set: see the encoding argument in internal.h. */
   page->key = (splitmix64(&heap->rng) | ((uint64_t)1 << 63)) & ~(uint64_t)7;
   page->free = page->local_free = _keel_list_end(page);
-  page->freed_bits = seg->freed_bits[idx];
-  memset(page->freed_bits, 0, ((size_t)page->reserved + 63) / 64 * 8);
+  page->freed_bits = &seg->freed_bits[0][idx];
+  bits_clear(page, page->reserved);
   page->abandoned = 0;
   page->next = page->prev = NULL;
   keel_store_relaxed(&page->flags, 0);
@@ -104,10 +110,27 @@ void __keel_page_collect(keel_page_t *page) {
     page->local_free = _keel_list_end(page);
     /* Their blocks are on `free` now: a second free of one of them is left
      * to the link check in the slow path. */
-    memset(page->freed_bits, 0, ((size_t)page->capacity + 63) / 64 * 8);
+    bits_clear(page, page->capacity);
   }
   __keel_page_collect_thread_free(page);
   if (_keel_list_empty(page->free)) page_extend(page);
+}
+
+size_t __keel_page_purge_free(keel_page_t *page) {
+  size_t ps = 4096, bytes = 0;
+  if (page->bsize <= ps) return 0; /* no block spans a whole OS page past its link */
+  if (!_keel_list_empty(page->local_free)) {
+    page_append_free(page, page->local_free);
+    page->local_free = _keel_list_end(page);
+    bits_clear(page, page->capacity);
+  }
+  __keel_page_collect_thread_free(page);
+  for (keel_block_t *b = page->free; !_keel_list_empty(b); b = _keel_decode(page, b->next)) {
+    uintptr_t lo = KEEL_ALIGN_UP((uintptr_t)b + sizeof(keel_block_t), ps);
+    uintptr_t hi = KEEL_ALIGN_DOWN((uintptr_t)b + page->bsize, ps);
+    if (hi > lo && _keel_os_purge((void *)lo, hi - lo, false) == 0) bytes += hi - lo;
+  }
+  return bytes;
 }
 
 static bool list_has(const keel_page_t *page, keel_block_t *list, keel_block_t *b) {

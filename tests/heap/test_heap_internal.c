@@ -220,6 +220,38 @@ static void test_purge_forced(void) {
   free(v);
 }
 
+/* malloc_trim's case: pages that keep some live blocks still give back the
+ * OS pages inside their free blocks; live blocks keep their contents. */
+static void test_purge_partial(void) {
+  int n = 2000;
+  char **v = calloc((size_t)n, sizeof(char *));
+  for (int i = 0; i < n; i++) {
+    v[i] = keel_malloc(20000);
+    memset(v[i], i & 0x7f, 20000);
+  }
+  for (int i = 0; i < n; i++) {
+    if (i % 10 != 0) {
+      keel_free(v[i]);
+      v[i] = NULL;
+    }
+  }
+  size_t rss1 = kt_rss_kb();
+  keel_heap_collect(true);
+  size_t rss2 = kt_rss_kb();
+  KT_CHECK(rss2 + 20 * 1024 < rss1); /* 36 MiB freed, most of it inside kept pages */
+  int bad = 0;
+  for (int i = 0; i < n; i += 10) {
+    for (int k = 0; k < 20000; k += 512) bad += v[i][k] != (char)(i & 0x7f);
+  }
+  KT_EQ(bad, 0);
+  for (int i = 0; i < n; i++) {
+    if (v[i] == NULL) v[i] = keel_malloc(20000); /* purged blocks are reused */
+    KT_CHECK(_keel_page_validate(page_of(v[i])));
+  }
+  for (int i = 0; i < n; i++) keel_free(v[i]);
+  free(v);
+}
+
 /* Without any further malloc call, the purge thread returns memory. */
 static void test_purge_background(void) {
   _keel_option_set(KEEL_OPT_heap_purge_ms, 50);
@@ -281,6 +313,17 @@ static void test_aligned(void) {
       memset(p, 1, sizes[i]);
       keel_free(p);
     }
+  }
+  /* Above 2 MiB: blocks outside the segment map, found by their list. */
+  for (size_t align = (size_t)4 << 20; align <= ((size_t)64 << 20); align <<= 2) {
+    char *p = keel_aligned_alloc(align, 5000);
+    KT_REQUIRE(p != NULL);
+    KT_CHECK(((uintptr_t)p & (align - 1)) == 0 && keel_usable_size(p) >= 5000);
+    memset(p, 3, 5000);
+    p = keel_realloc(p, 10000);
+    KT_CHECK(p != NULL && p[4999] == 3);
+    keel_free(p);
+    keel_free(keel_aligned_alloc(align, 1));
   }
   errno = 0;
   KT_CHECK(keel_aligned_alloc(24, 10) == NULL && errno == EINVAL);
@@ -393,6 +436,16 @@ static void do_double_free_last(void *arg) {
   keel_free(p);
 }
 
+/* Bug pin (found by the heaptest suite): realloc of a freed block that
+ * would stay in place returned it, live and on a free list at once. */
+static void do_realloc_freed(void *arg) {
+  (void)arg;
+  void *keep = keel_malloc(200), *p = keel_malloc(200);
+  keel_free(p);
+  keel_realloc(p, 180);
+  keel_free(keep);
+}
+
 static void do_free_stack(void *arg) {
   (void)arg;
   int x;
@@ -434,6 +487,7 @@ KEEL_UNUSED static void do_use_after_free(void *arg) {
 static void test_bad_input(void) {
   KT_EXPECT_ABORT(do_double_free, NULL, "keel: free: double free of 0x");
   KT_EXPECT_ABORT(do_double_free_last, NULL, "keel: free: double free of 0x");
+  KT_EXPECT_ABORT(do_realloc_freed, NULL, "keel: realloc: double free of 0x");
   KT_EXPECT_ABORT(do_free_stack, NULL, "keel: free: invalid pointer 0x");
   KT_EXPECT_ABORT(do_free_interior, NULL, "keel: free: invalid pointer 0x");
   KT_EXPECT_ABORT(do_free_mmap, NULL, "keel: free: invalid pointer 0x");
@@ -482,6 +536,6 @@ static void test_fork(void) {
 KT_MAIN(KT_CASE(test_class_steps), KT_CASE(test_class_info), KT_CASE(test_page_validate),
         KT_CASE(test_encoded_lists), KT_CASE(test_abandon_and_collect),
         KT_CASE(test_idle_owner_full_pages), KT_CASE(test_purge_forced),
-        KT_CASE(test_purge_background), KT_CASE(test_large), KT_CASE(test_aligned),
-        KT_CASE(test_enomem), KT_CASE(test_cross_thread_stress), KT_CASE(test_bad_input),
-        KT_CASE(test_fork))
+        KT_CASE(test_purge_partial), KT_CASE(test_purge_background), KT_CASE(test_large),
+        KT_CASE(test_aligned), KT_CASE(test_enomem), KT_CASE(test_cross_thread_stress),
+        KT_CASE(test_bad_input), KT_CASE(test_fork))
