@@ -390,8 +390,9 @@ static void big_table_readers_writers(void) {
   long inserted = keel_load_relaxed(&n_inserted) - i0 + (long)half;
   KT_EQ(keel_load_relaxed(&n_freed) - f0, inserted);
   alarm(0);
-  printf("  mixed: %zu entries (fill %.1f s), %d readers %.0f lookups/s, %d writers %.0f ops/s\n",
-         n, t_fill, READERS, (double)rops / secs, writers, (double)wops / secs);
+  printf("  mixed: %zu entries (fill %.1f s, destroy %.1f s), %d readers %.0f lookups/s, "
+         "%d writers %.0f ops/s\n",
+         n, t_fill, t_d, READERS, (double)rops / secs, writers, (double)wops / secs);
   free(stable);
 }
 
