@@ -105,8 +105,9 @@ typedef struct keel_table_config {
   size_t max_bytes;   /* soft limit on bytes (0: none), each entry charged
                          entry_size + its key length */
   size_t entry_size;  /* bytes charged per entry for max_bytes (the caller's struct) */
-  /* Called once per removed entry, on liburcu's call_rcu thread, after a
-   * grace period and after its last reference was put; it usually frees the
+  /* Called once per removed entry, after a grace period and after its last
+   * reference was put, on liburcu's call_rcu thread (for entries still in
+   * the table at destroy: in the destroying thread); it usually frees the
    * caller's struct. It must not call keel_table_destroy() nor wait for a
    * grace period. NULL: keel forgets the entry (the caller owns its memory). */
   void (*free_fn)(keel_table_node_t *node, void *arg);

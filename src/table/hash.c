@@ -30,7 +30,7 @@ static inline uint64_t read64(const unsigned char *p) {
 /* 0..8 bytes, zero-extended: one unaligned-safe read per case. */
 static inline uint64_t read_tail(const unsigned char *p, size_t n) {
   uint64_t v = 0;
-  memcpy(&v, p, n);
+  if (n != 0) memcpy(&v, p, n); /* an empty key may be NULL */
   return v;
 }
 

@@ -43,7 +43,7 @@ static int match_bytes(struct cds_lfht_node *l, const void *key) {
   keel_table_node_t *n = lfht_node(l);
   const bytes_key_t *k = key;
   (void)keel_load_acquire(node_ref(n));
-  return n->_key_len == k->len && memcmp(n->key.bytes, k->p, k->len) == 0;
+  return n->_key_len == k->len && (k->len == 0 || memcmp(n->key.bytes, k->p, k->len) == 0);
 }
 
 /* Validates a lookup key and hashes it; false (errno EINVAL) if malformed. */
@@ -162,16 +162,14 @@ static long sum_shards(const keel_table_t *t, bool unburied) {
 }
 
 /* Destroy, once nothing references any entry: take every entry out of
- * rculfhash and its LRU, wait one grace period, then free them directly. */
+ * rculfhash, forget the LRU lists (their links are reused below, and no one
+ * else may touch the table now), wait one grace period, then free the
+ * entries directly. One walk of the table in hash order: a walk of the LRU
+ * lists would visit the same entries in random order, a cache miss each. */
 static void destroy_entries(keel_table_t *t) {
   for (int i = 0; i < TABLE_SHARDS; i++) {
-    table_shard_t *s = &t->shards[i];
-    struct cds_list_head *pos, *p;
-    cds_list_for_each_safe(pos, p, &s->lru) {
-      keel_fetch_and_acq_rel(node_ref(lru_node(pos)), ~REF_ON_LRU);
-    }
-    CDS_INIT_LIST_HEAD(&s->lru);
-    s->lru_len = 0;
+    CDS_INIT_LIST_HEAD(&t->shards[i].lru);
+    keel_store_relaxed(&t->shards[i].lru_len, 0);
   }
   keel_table_node_t *dead = NULL;
   struct cds_lfht_iter it;
@@ -180,7 +178,8 @@ static void destroy_entries(keel_table_t *t) {
   cds_lfht_for_each(t->ht, &it, l) {
     keel_table_node_t *n = lfht_node(l);
     if (cds_lfht_del(t->ht, l) != 0) continue;
-    keel_fetch_or_acq_rel(node_ref(n), REF_DEAD | REF_BURIED);
+    uint32_t v = keel_load_relaxed(node_ref(n));
+    keel_store_relaxed(node_ref(n), (v & ~REF_ON_LRU) | REF_DEAD | REF_BURIED);
     n->_lru[0] = dead;
     dead = n;
   }

@@ -193,6 +193,8 @@ static void bytes_keys_and_key_limit(void) {
   keel_table_node_init_bytes(&empty.node, "", 0);
   KT_EQ(keel_table_insert(t, &empty.node), 0);
   KT_CHECK(keel_table_get(t, "", 0) == &empty.node);
+  KT_CHECK(keel_table_get(t, NULL, 0) == &empty.node); /* an empty key may be NULL */
+  keel_table_put(t, &empty.node);
   keel_table_put(t, &empty.node);
   keel_table_put(t, &empty.node);
   KT_EQ(keel_table_count(t), 101);

@@ -1,11 +1,12 @@
 /* Stress tests of the table: threads against each other with invariant
  * checks. Sizes come from the environment and scale down under sanitizers:
- *   KEEL_TEST_REPS     grow-from-tiny repetitions        (5; 2 sanitized)
- *   KEEL_TEST_KEYS     keys per grow repetition          (2M / 8 sanitized)
- *   KEEL_TEST_ENTRIES  entries of the big mixed test     (10M / 8 sanitized)
+ *   KEEL_TEST_REPS     grow-from-tiny repetitions        (3; 2 sanitized)
+ *   KEEL_TEST_KEYS     keys per grow repetition          (2M; /8 ASan, /32 TSan)
+ *   KEEL_TEST_ENTRIES  entries of the big mixed test     (10M; /8 ASan, /32 TSan)
  *   KEEL_TEST_THREADS  writer threads                    (4)
  *   KEEL_TEST_SECONDS  duration of the timed phases      (3)
  *   KEEL_TEST_ALARM    seconds before a hang is declared (240)
+ *   KEEL_TEST_STALL    grow: seconds without progress before a hang is declared (60)
  * The issue's full run (100 repetitions of 2M keys) is
  *   KEEL_TEST_REPS=100 ./build/tests/test_table_stress grow
  */
@@ -66,6 +67,16 @@ static void check_found(keel_table_node_t *n, uint64_t key) {
     kt_fail(__FILE__, __LINE__, "key %" PRIu64 ": entry freed inside a read-side section", key);
 }
 
+/* TSan runs these 5-15x slower than ASan: a further quarter keeps the
+ * stage near its two-minute budget on 2 shared cores. */
+static long tsan_quarter(long n) {
+#if defined(KEEL_TSAN)
+  return n / 4 > 0 ? n / 4 : 1;
+#else
+  return n;
+#endif
+}
+
 static uint64_t rnd(uint64_t *s) {
   *s ^= *s << 13;
   *s ^= *s >> 7;
@@ -87,6 +98,30 @@ static void arm_alarm(void) {
 }
 
 static keel_atomic(int) stop;
+
+/* Grow test watchdog: a livelock shows as no insert or removal finishing
+ * for KEEL_TEST_STALL seconds, however loaded the machine is (a fixed
+ * alarm cannot tell a hang from a slow shared machine). */
+static keel_atomic(long) progress;
+static keel_atomic(long) watch_rep;
+static keel_atomic(int) watch_stop;
+
+static void *watchdog(void *arg) {
+  long stall_s = *(long *)arg, last = -1, still = 0;
+  while (!keel_load_relaxed(&watch_stop)) {
+    usleep(100000);
+    long p = keel_load_relaxed(&progress);
+    if (p != last) {
+      last = p;
+      still = 0;
+    } else if (++still > stall_s * 10) {
+      fprintf(stderr, "test_table_stress: no progress for %ld s in repetition %ld (%ld ops done)\n",
+              stall_s, keel_load_relaxed(&watch_rep), p);
+      abort();
+    }
+  }
+  return NULL;
+}
 
 /* --- grow from tiny, repeatedly ------------------------------------------------ */
 
@@ -110,6 +145,7 @@ static void *grow_writer(void *arg) {
     int rc = keel_table_insert(c->t, &c->items[i].node);
     if (rc != 0) kt_fail(__FILE__, __LINE__, "insert %zu: %d", i, rc);
     keel_table_put(c->t, &c->items[i].node);
+    keel_fetch_add_relaxed(&progress, 1);
   }
   return NULL;
 }
@@ -134,6 +170,7 @@ static void *grow_remover(void *arg) {
     uint64_t k = i;
     int rc = keel_table_remove_key(c->t, &k, sizeof k);
     if (rc != 0) kt_fail(__FILE__, __LINE__, "remove_key %zu: %d", i, rc);
+    keel_fetch_add_relaxed(&progress, 1);
   }
   return NULL;
 }
@@ -152,15 +189,19 @@ static void run_workers(grow_ctx_t *c, void *(*fn)(void *)) {
  * entry is removed; repeated, under an alarm: the regression test for
  * rculfhash's small-table auto-resize livelock (issue 7). */
 static void grow_from_tiny_repeatedly(void) {
-  long reps = kt_env_int("KEEL_TEST_REPS", kt_sanitized() ? 2 : 5);
-  size_t n = (size_t)kt_env_int("KEEL_TEST_KEYS", kt_scale(2000000));
+  long reps = kt_env_int("KEEL_TEST_REPS", kt_sanitized() ? 2 : 3);
+  size_t n = (size_t)kt_env_int("KEEL_TEST_KEYS", tsan_quarter(kt_scale(2000000)));
   int threads = (int)kt_env_int("KEEL_TEST_THREADS", 4);
   if (threads > 64) threads = 64;
+  long stall_s = kt_env_int("KEEL_TEST_STALL", 60);
   item_t *items = calloc(n, sizeof *items);
   KT_REQUIRE(items != NULL);
-  arm_alarm();
+  pthread_t wd;
+  keel_store_relaxed(&watch_stop, 0);
+  pthread_create(&wd, NULL, watchdog, &stall_s);
   double t0 = kt_now();
   for (long r = 0; r < reps; r++) {
+    keel_store_relaxed(&watch_rep, r);
     for (size_t i = 0; i < n; i++) {
       keel_table_node_init_u64(&items[i].node, i);
       items[i].payload = i * PAYLOAD_MUL;
@@ -188,7 +229,8 @@ static void grow_from_tiny_repeatedly(void) {
     KT_EQ(keel_table_destroy(c.t), 0);
     KT_EQ(keel_load_relaxed(&n_freed) - f0, (long)n);
   }
-  alarm(0);
+  keel_store_relaxed(&watch_stop, 1);
+  pthread_join(wd, NULL);
   printf("  grow: %ld x %zu keys, %d writers + 1 reader: %.1f s\n", reps, n, threads,
          kt_now() - t0);
   free(items);
@@ -281,7 +323,7 @@ static int count_cb(keel_table_node_t *n, void *arg) {
 
 /* Issue 7: 10 million entries under concurrent readers and writers. */
 static void big_table_readers_writers(void) {
-  size_t n = (size_t)kt_env_int("KEEL_TEST_ENTRIES", kt_scale(10000000));
+  size_t n = (size_t)kt_env_int("KEEL_TEST_ENTRIES", tsan_quarter(kt_scale(10000000)));
   int writers = (int)kt_env_int("KEEL_TEST_THREADS", 4);
   double secs = (double)kt_env_int("KEEL_TEST_SECONDS", 3);
   if (writers > 32) writers = 32;
@@ -348,8 +390,9 @@ static void big_table_readers_writers(void) {
   long inserted = keel_load_relaxed(&n_inserted) - i0 + (long)half;
   KT_EQ(keel_load_relaxed(&n_freed) - f0, inserted);
   alarm(0);
-  printf("  mixed: %zu entries (fill %.1f s), %d readers %.0f lookups/s, %d writers %.0f ops/s\n",
-         n, t_fill, READERS, (double)rops / secs, writers, (double)wops / secs);
+  printf("  mixed: %zu entries (fill %.1f s, destroy %.1f s), %d readers %.0f lookups/s, "
+         "%d writers %.0f ops/s\n",
+         n, t_fill, t_d, READERS, (double)rops / secs, writers, (double)wops / secs);
   free(stable);
 }
 
