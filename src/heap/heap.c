@@ -741,6 +741,22 @@ static void free_foreign(keel_page_t *page, keel_block_t *b, const char *call) {
   _keel_purge_schedule(); /* with no lock held: it may create the purge thread */
 }
 
+void _keel_check_not_free(keel_page_t *page, void *p, const char *call) {
+  /* Only the owner may read its page's lists (a shared heap's, under its
+   * mutex); another thread's block is checked by its own free later, or
+   * not if it sits on another list. */
+  shared_shard_t *sh = NULL;
+  if (keel_load_relaxed(&page->heap) != _keel_heap_tls) {
+    if ((sh = shard_of(page)) == NULL) return;
+    pthread_mutex_lock(&sh->lock);
+  }
+  keel_block_t *b = p;
+  bool freed = _keel_page_is_marked_freed(page, b) ||
+               (_keel_block_maybe_free(page, b) && _keel_page_has_free_block(page, b));
+  if (sh != NULL) pthread_mutex_unlock(&sh->lock);
+  if (freed) _keel_die_double_free(call, p);
+}
+
 void _keel_free_other(keel_page_t *page, void *p, const char *call) {
   size_t off = (size_t)((uint8_t *)p - page->start);
   /* bsize 0: a large block, a header, a free span: the generic path sorts
@@ -750,17 +766,6 @@ void _keel_free_other(keel_page_t *page, void *p, const char *call) {
     return;
   }
   free_foreign(page, p, call);
-}
-
-void _keel_check_not_free(keel_page_t *page, void *p, const char *call) {
-  /* Only the owner may read its page's lists; another thread's block is
-   * checked by its own free later (or not, if it is on another list). */
-  if (keel_load_relaxed(&page->heap) != _keel_heap_tls) return;
-  keel_block_t *b = p;
-  if (_keel_page_is_marked_freed(page, b) ||
-      (_keel_block_maybe_free(page, b) && _keel_page_has_free_block(page, b))) {
-    _keel_die_double_free(call, p);
-  }
 }
 
 void _keel_free_generic(void *p, const char *call) {
