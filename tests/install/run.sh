@@ -8,8 +8,14 @@ tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 prefix=$tmp/prefix
 
-cmake --install "$build" --prefix "$prefix" >/dev/null
-for f in include/keel/keel.h; do
+# The README's command when this is the tree's own build/, as a user runs it;
+# cmake --install for other build directories.
+if [ "$(readlink -f "$build")" = "$(readlink -f "$src/build")" ]; then
+  make -C "$src" --no-print-directory install PREFIX="$prefix" >/dev/null
+else
+  cmake --install "$build" --prefix "$prefix" >/dev/null
+fi
+for f in include/keel/keel.h include/keel/heap.h; do
   [ -f "$prefix/$f" ] || { echo "install: missing $f"; exit 1; }
 done
 libdir=$(dirname "$(find "$prefix" -name libkeel.so -print -quit)")

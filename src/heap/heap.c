@@ -1,0 +1,534 @@
+/* Thread heaps: the slow paths of malloc and free, cross-thread frees, thread
+ * exit, and collection.
+ *
+ * Cross-thread free (no lock): a block freed by a thread that does not own
+ * its page is pushed on the page's `thread_free` with one CAS; the owner
+ * takes the whole list with one CAS when the page's free list runs dry.
+ *
+ * Full pages: a page with no free block leaves its heap's queue (so the
+ * allocation slow path never scans it) and its thread_free state becomes
+ * USE_DELAYED. The next remote free of one of its blocks goes instead to the
+ * owner heap's `delayed` list (one CAS), which tells the owner the page has
+ * room again; later remote frees go to the page as usual. The owner drains
+ * `delayed` in its slow path and puts such pages back in its queue.
+ * (mimalloc's delayed free, which this follows.)
+ *
+ * Owners that stop allocating: full pages of a heap whose thread is idle are
+ * still returned. The purge thread takes the heap's lock and drains its
+ * `delayed` list itself: this is safe because an owner's fast paths never
+ * touch a full page (its flags send them to the slow path, which takes the
+ * same lock). When all of a full page's blocks are back it is freed to its
+ * segment and purged after the delay. This is what keeps producer/consumer
+ * servers from holding memory their consumers freed (mimalloc #333, #1364).
+ * Pages still in an idle owner's queue (not full) keep their remote frees
+ * until the owner allocates, frees, or exits: at most the pages it was
+ * allocating from when it went idle.
+ *
+ * Thread exit: the exit hook drains the heap, frees pages whose blocks are
+ * all back, and abandons the rest to a global per-class list that other
+ * threads adopt from before taking new pages; the purge thread frees
+ * abandoned pages once their last block comes back. The heap struct goes on
+ * a free list for the next thread, so 10,000 short-lived threads use a
+ * handful of heaps and no more pages than the live ones need.
+ *
+ * Locks: heap->lock is taken only in slow paths (once per page switch, not
+ * per block); order: registry_lock > heap->lock > segment lock > large lock.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <pthread.h>
+#include <sched.h>
+#include <string.h>
+
+#include "base/clock.h"
+#include "base/die.h"
+#include "base/options.h"
+#include "base/os.h"
+#include "heap/alloc.h"
+#include "heap/internal.h"
+
+keel_page_t _keel_empty_page; /* free == NULL: always empty */
+keel_heap_t _keel_empty_heap = {.direct = {[0 ... KEEL_CLASS_COUNT_MAX - 1] = &_keel_empty_page}};
+KEEL_TLS keel_heap_t *_keel_heap_tls = &_keel_empty_heap;
+keel_atomic(size_t) _keel_orphan_frees[KEEL_CLASS_COUNT_MAX];
+
+static pthread_mutex_t registry_lock = PTHREAD_MUTEX_INITIALIZER;
+static keel_heap_t *heaps_all;  /* every heap, never unmapped */
+static keel_heap_t *heaps_free; /* heaps of exited threads, for reuse */
+static keel_atomic(size_t) heaps_active;
+static uint64_t heap_seed;
+
+/* ---- queues (caller holds heap->lock) ---- */
+
+static void queue_remove(keel_page_queue_t *q, keel_page_t *page) {
+  if (page->prev != NULL)
+    page->prev->next = page->next;
+  else
+    q->first = page->next;
+  if (page->next != NULL)
+    page->next->prev = page->prev;
+  else
+    q->last = page->prev;
+  page->next = page->prev = NULL;
+}
+
+static void queue_push_back(keel_page_queue_t *q, keel_page_t *page) {
+  page->next = NULL;
+  page->prev = q->last;
+  if (q->last != NULL)
+    q->last->next = page;
+  else
+    q->first = page;
+  q->last = page;
+}
+
+static void queue_push_front(keel_page_queue_t *q, keel_page_t *page) {
+  page->prev = NULL;
+  page->next = q->first;
+  if (q->first != NULL)
+    q->first->prev = page;
+  else
+    q->last = page;
+  q->first = page;
+}
+
+/* ---- thread_free state changes by the owner ---- */
+
+/* Sets the page's delayed-free state, waiting out a remote freer that is in
+ * the middle of pushing to the owner's delayed list (a few instructions).
+ * Fails (for USE_DELAYED) when blocks are waiting on thread_free: the caller
+ * collects them first, since a full page must start with an empty list. */
+static bool tf_set_state(keel_page_t *page, unsigned state) {
+  uintptr_t w = keel_load_relaxed(&page->thread_free);
+  for (unsigned spins = 0;; spins++) {
+    if (KEEL_TF_STATE(w) == KEEL_TF_DELAYING) {
+      if (spins > 64)
+        sched_yield();
+      else
+        keel_cpu_relax();
+      w = keel_load_relaxed(&page->thread_free);
+      continue;
+    }
+    if (state == KEEL_TF_USE_DELAYED && KEEL_TF_PTR(w) != NULL) return false;
+    if (KEEL_TF_STATE(w) == state) return true;
+    if (keel_cas_weak_acq_rel(&page->thread_free, &w, (w & ~(uintptr_t)3) | state)) return true;
+  }
+}
+
+/* ---- full pages (caller holds heap->lock) ---- */
+
+static bool __page_to_full(keel_heap_t *heap, keel_page_t *page) {
+  if (!tf_set_state(page, KEEL_TF_USE_DELAYED)) return false;
+  queue_remove(&heap->queue[page->cls], page);
+  if (heap->direct[page->cls] == page) heap->direct[page->cls] = &_keel_empty_page;
+  keel_store_relaxed(&page->flags, KEEL_PAGE_IN_FULL);
+  queue_push_back(&heap->full, page);
+  return true;
+}
+
+static void __page_unfull(keel_heap_t *heap, keel_page_t *page) {
+  queue_remove(&heap->full, page);
+  queue_push_back(&heap->queue[page->cls], page);
+  uintptr_t w = keel_load_relaxed(&page->thread_free);
+  while (KEEL_TF_STATE(w) == KEEL_TF_USE_DELAYED &&
+         !keel_cas_weak_acq_rel(&page->thread_free, &w, (w & ~(uintptr_t)3) | KEEL_TF_NORMAL)) {}
+  /* Release: everything done to the page under the lock is visible to an
+   * owner whose free fast path sees flags == 0 (acquire there). */
+  keel_store_release(&page->flags, 0);
+}
+
+/* Frees a page whose blocks are all back; it is on `q`. */
+static void __page_retire(keel_heap_t *heap, keel_page_queue_t *q, keel_page_t *page) {
+  queue_remove(q, page);
+  if (heap->direct[page->cls] == page) {
+    keel_page_t *first = heap->queue[page->cls].first;
+    heap->direct[page->cls] = first != NULL ? first : &_keel_empty_page;
+  }
+  keel_store_relaxed(&page->flags, 0);
+  _keel_page_free(page);
+}
+
+/* A block freed on a page this heap owns, slow cases: the page is full, or
+ * the block came through the delayed list. `owner` is true when the calling
+ * thread owns the heap (it may put pages back in its queues); a collector
+ * working for an idle owner keeps pages full and re-arms them instead. */
+static void __free_local(keel_heap_t *heap, keel_page_t *page, keel_block_t *b, bool owner) {
+  b->next = _keel_encode(page, page->local_free);
+  page->local_free = b;
+  page->used--;
+  bool full = keel_load_relaxed(&page->flags) & KEEL_PAGE_IN_FULL;
+  if (!full) {
+    if (page->used == 0 && owner) {
+      keel_page_queue_t *q = &heap->queue[page->cls];
+      if (!(q->first == page && q->last == page)) __page_retire(heap, q, page);
+    }
+    return;
+  }
+  if (!owner) __keel_page_collect_thread_free(page);
+  if (page->used == 0) {
+    __page_retire(heap, &heap->full, page);
+  } else if (owner) {
+    __page_unfull(heap, page);
+  } else {
+    /* Re-arm the notification; blocks that raced in are collected first. */
+    while (!tf_set_state(page, KEEL_TF_USE_DELAYED)) {
+      __keel_page_collect_thread_free(page);
+      if (page->used == 0) {
+        __page_retire(heap, &heap->full, page);
+        return;
+      }
+    }
+  }
+}
+
+static void __drain_delayed(keel_heap_t *heap, bool owner) {
+  if (keel_load_relaxed(&heap->delayed) == NULL) return;
+  /* Acquire: the pushers' link writes happen before their release CAS. */
+  keel_block_t *b = keel_xchg_acquire(&heap->delayed, NULL);
+  while (b != NULL) {
+    keel_block_t *next = (keel_block_t *)b->next;
+    keel_segment_t *seg = _keel_segment_of(b);
+    __free_local(heap, _keel_page_of(seg, b), b, owner);
+    b = next;
+  }
+}
+
+/* ---- thread heaps ---- */
+
+static void heap_thread_exit(void *arg);
+
+static keel_heap_t *heap_get(void) {
+  pthread_mutex_lock(&registry_lock);
+  keel_heap_t *heap = heaps_free;
+  if (heap != NULL) {
+    heaps_free = heap->next_free;
+  } else {
+    heap = _keel_os_alloc(KEEL_ALIGN_UP(sizeof(keel_heap_t), 4096), 4096);
+    if (heap != NULL) {
+      pthread_mutex_init(&heap->lock, NULL);
+      heap->next_all = heaps_all;
+      heaps_all = heap;
+      heap->rng = (heap_seed += 0x9e3779b97f4a7c15ull) ^ keel_clock_ns() ^ (uintptr_t)heap;
+    }
+  }
+  if (heap != NULL) heap->active = true;
+  pthread_mutex_unlock(&registry_lock);
+  return heap;
+}
+
+keel_heap_t *_keel_heap_init_thread(void) {
+  _keel_classes_init();
+  keel_heap_t *heap = heap_get();
+  if (heap == NULL) return NULL;
+  for (unsigned c = 0; c < KEEL_CLASS_COUNT_MAX; c++) heap->direct[c] = &_keel_empty_page;
+  keel_fetch_add_relaxed(&heaps_active, 1);
+  heap->exit_hook.fn = heap_thread_exit;
+  heap->exit_hook.arg = heap;
+  heap->exit_hook.next = NULL;
+  _keel_heap_tls = heap;
+  /* Without the hook (no pthread key left) the heap is simply never
+   * abandoned: its pages stay with it, as in a thread that never exits. */
+  (void)_keel_thread_hook_arm(&heap->exit_hook);
+  return heap;
+}
+
+/* Gives every page away: freed if all its blocks are back, else abandoned. */
+static void __heap_abandon_pages(keel_heap_t *heap) {
+  /* First stop remote freers from using the delayed list, then drain it:
+   * after this no one will push to heap->delayed again. */
+  for (keel_page_t *p = heap->full.first; p != NULL; p = p->next) {
+    tf_set_state(p, KEEL_TF_NEVER_DELAYED);
+  }
+  __drain_delayed(heap, true);
+  for (unsigned c = 0; c <= _keel_class_count; c++) {
+    keel_page_queue_t *q = c < _keel_class_count ? &heap->queue[c] : &heap->full;
+    keel_page_t *page;
+    while ((page = q->first) != NULL) {
+      queue_remove(q, page);
+      tf_set_state(page, KEEL_TF_NEVER_DELAYED);
+      __keel_page_collect_thread_free(page);
+      keel_store_relaxed(&page->flags, 0);
+      if (page->used == 0) {
+        _keel_page_free(page);
+      } else {
+        keel_store_release(&page->heap, NULL);
+        _keel_page_abandon(page);
+      }
+    }
+    if (c < _keel_class_count) heap->direct[c] = &_keel_empty_page;
+  }
+}
+
+static void heap_thread_exit(void *arg) {
+  keel_heap_t *heap = arg;
+  /* From here this thread frees like a stranger (remote path). */
+  _keel_heap_tls = &_keel_empty_heap;
+  pthread_mutex_lock(&heap->lock);
+  __heap_abandon_pages(heap);
+  pthread_mutex_unlock(&heap->lock);
+  keel_fetch_sub_relaxed(&heaps_active, 1);
+  pthread_mutex_lock(&registry_lock);
+  heap->active = false;
+  heap->next_free = heaps_free;
+  heaps_free = heap;
+  pthread_mutex_unlock(&registry_lock);
+  _keel_purge_schedule();
+}
+
+/* ---- malloc slow path ---- */
+
+/* Finds a page of class cls with a free block and makes it current. */
+static keel_page_t *__find_page(keel_heap_t *heap, unsigned cls) {
+  __drain_delayed(heap, true);
+  keel_page_queue_t *q = &heap->queue[cls];
+  keel_page_t *page, *next;
+  for (page = q->first; page != NULL; page = next) {
+    next = page->next;
+    __keel_page_collect(page);
+    if (!_keel_list_empty(page->free)) goto found;
+    if (!__page_to_full(heap, page)) next = page; /* blocks raced in: collect again */
+  }
+  while ((page = _keel_page_adopt(cls, heap)) != NULL) {
+    __keel_page_collect(page);
+    if (!_keel_list_empty(page->free)) {
+      queue_push_front(q, page);
+      goto found;
+    }
+    queue_push_front(q, page);
+    if (!__page_to_full(heap, page)) {
+      __keel_page_collect(page);
+      goto found;
+    }
+  }
+  page = _keel_page_alloc(cls, heap);
+  if (page == NULL) return NULL;
+  __keel_page_collect(page);
+  queue_push_front(q, page);
+found:
+  if (q->first != page) {
+    queue_remove(q, page);
+    queue_push_front(q, page);
+  }
+  heap->direct[cls] = page;
+  return page;
+}
+
+static void *malloc_class(keel_heap_t *heap, unsigned cls, size_t size) {
+  keel_page_t *page = heap->direct[cls];
+  if (keel_likely(!_keel_list_empty(page->free))) return _keel_page_pop(heap, page, cls, size);
+  pthread_mutex_lock(&heap->lock);
+  page = __find_page(heap, cls);
+  pthread_mutex_unlock(&heap->lock);
+  if (page == NULL || _keel_list_empty(page->free)) {
+    errno = ENOMEM;
+    return NULL;
+  }
+  return _keel_page_pop(heap, page, cls, size);
+}
+
+static keel_heap_t *heap_or_init(keel_heap_t *heap) {
+  if (keel_likely(heap != &_keel_empty_heap)) return heap;
+  return _keel_heap_init_thread();
+}
+
+void *_keel_malloc_generic(keel_heap_t *heap, size_t size) {
+  if (size > KEEL_LARGE_MAX) return _keel_large_alloc(size, 0, false);
+  if ((heap = heap_or_init(heap)) == NULL) {
+    errno = ENOMEM;
+    return NULL;
+  }
+  void *p = malloc_class(heap, _keel_class_of(size), size);
+  _keel_purge_schedule();
+  return p;
+}
+
+void *_keel_malloc_in_class(unsigned cls, size_t size) {
+  keel_heap_t *heap = heap_or_init(_keel_heap_tls);
+  if (heap == NULL) {
+    errno = ENOMEM;
+    return NULL;
+  }
+  return malloc_class(heap, cls, size);
+}
+
+/* ---- free slow path ---- */
+
+void _keel_heap_page_emptied(keel_heap_t *heap, keel_page_t *page) {
+  pthread_mutex_lock(&heap->lock);
+  keel_page_queue_t *q = &heap->queue[page->cls];
+  /* Keep the only page of a class: a loop that allocates and frees one
+   * block would otherwise take and return a page every time. */
+  if (page->used == 0 && !(q->first == page && q->last == page)) __page_retire(heap, q, page);
+  pthread_mutex_unlock(&heap->lock);
+  _keel_purge_schedule();
+}
+
+static void free_remote(keel_heap_t *me, keel_page_t *page, keel_block_t *b) {
+  uintptr_t w = keel_load_relaxed(&page->thread_free), nw;
+  unsigned state;
+  do {
+    state = KEEL_TF_STATE(w);
+    if (state == KEEL_TF_USE_DELAYED) {
+      nw = (w & ~(uintptr_t)3) | KEEL_TF_DELAYING;
+    } else {
+      keel_block_t *head = KEEL_TF_PTR(w);
+      b->next = _keel_encode(page, head != NULL ? head : _keel_list_end(page));
+      nw = KEEL_TF_MAKE(b, KEEL_TF_COUNT(w) + 1, state);
+    }
+    /* Release: b's link is written before the block is published; acquire:
+     * on the delayed branch, we read page->heap after claiming DELAYING. */
+  } while (!keel_cas_weak_acq_rel(&page->thread_free, &w, nw));
+  unsigned cls = page->cls;
+  if (state == KEEL_TF_USE_DELAYED) {
+    /* The owner cannot abandon the page while we hold DELAYING (it waits),
+     * so its heap stays valid until we reset the state. */
+    keel_heap_t *owner = keel_load_acquire(&page->heap);
+    keel_block_t *head = keel_load_relaxed(&owner->delayed);
+    do {
+      b->next = (uintptr_t)head;
+    } while (!keel_cas_weak_acq_rel(&owner->delayed, &head, b));
+    w = keel_load_relaxed(&page->thread_free);
+    while (!keel_cas_weak_acq_rel(&page->thread_free, &w, (w & ~(uintptr_t)3) | KEEL_TF_NORMAL)) {}
+  }
+  if (me != &_keel_empty_heap) {
+    _keel_counter_add(&me->counters[cls].frees, 1);
+  } else {
+    keel_fetch_add_relaxed(&_keel_orphan_frees[cls], 1);
+  }
+}
+
+void _keel_free_generic(void *p, const char *call) {
+  if (p == NULL) return;
+  keel_segment_t *seg = _keel_segment_of(p);
+  if (!_keel_segmap_has(seg)) _keel_die_invalid(call, p);
+  if (seg->kind != KEEL_SEG_SMALL) {
+    if (seg->kind == KEEL_SEG_LARGE && (uint8_t *)p == (uint8_t *)seg + seg->user_off) {
+      _keel_large_free(seg);
+      return;
+    }
+    if ((uint8_t *)p == (uint8_t *)seg + seg->user_off) _keel_die_double_free(call, p);
+    _keel_die_invalid(call, p);
+  }
+  keel_page_t *page = _keel_page_of(seg, p);
+  size_t off = (size_t)((uint8_t *)p - page->start);
+  if (page->bsize == 0 || (uint8_t *)p < page->start || !_keel_page_is_block_offset(page, off)) {
+    _keel_die_invalid(call, p);
+  }
+  keel_block_t *b = p;
+  keel_heap_t *heap = _keel_heap_tls;
+  if (keel_load_relaxed(&page->heap) != heap) {
+    free_remote(heap, page, b);
+    return;
+  }
+  if (off >= (size_t)page->capacity * page->bsize) _keel_die_invalid(call, p);
+  if (_keel_block_maybe_free(page, b) && _keel_page_has_free_block(page, b)) {
+    _keel_die_double_free(call, p);
+  }
+  if (keel_load_relaxed(&page->flags) == 0) {
+    /* A false double-free hint: the ordinary local free. */
+    b->next = _keel_encode(page, page->local_free);
+    page->local_free = b;
+    _keel_counter_add(&heap->counters[page->cls].frees, 1);
+    if (--page->used == 0) _keel_heap_page_emptied(heap, page);
+    return;
+  }
+  _keel_counter_add(&heap->counters[page->cls].frees, 1);
+  pthread_mutex_lock(&heap->lock);
+  __free_local(heap, page, b, true);
+  pthread_mutex_unlock(&heap->lock);
+  _keel_purge_schedule();
+}
+
+/* ---- collection ---- */
+
+/* The calling thread's own heap: everything free goes back. */
+static void heap_collect_own(keel_heap_t *heap, bool force) {
+  pthread_mutex_lock(&heap->lock);
+  __drain_delayed(heap, true);
+  for (unsigned c = 0; c < _keel_class_count; c++) {
+    keel_page_queue_t *q = &heap->queue[c];
+    keel_page_t *next;
+    for (keel_page_t *p = q->first; p != NULL; p = next) {
+      next = p->next;
+      __keel_page_collect_thread_free(p);
+      if (p->used == 0 && (force || p != heap->direct[c])) __page_retire(heap, q, p);
+    }
+  }
+  pthread_mutex_unlock(&heap->lock);
+}
+
+typedef struct {
+  keel_heap_t *self;
+  bool force;
+} collect_arg_t;
+
+static void heap_collect_other(keel_heap_t *heap, void *argp) {
+  collect_arg_t *arg = argp;
+  if (heap == arg->self || !heap->active) return;
+  if (keel_load_relaxed(&heap->delayed) == NULL) return;
+  /* Another thread's heap: only its full pages (see the file comment). A
+   * busy owner is left alone unless forced. */
+  if (arg->force)
+    pthread_mutex_lock(&heap->lock);
+  else if (pthread_mutex_trylock(&heap->lock) != 0)
+    return;
+  __drain_delayed(heap, false);
+  pthread_mutex_unlock(&heap->lock);
+}
+
+void _keel_heaps_visit(keel_heap_visit_fn fn, void *arg) {
+  pthread_mutex_lock(&registry_lock);
+  for (keel_heap_t *h = heaps_all; h != NULL; h = h->next_all) fn(h, arg);
+  pthread_mutex_unlock(&registry_lock);
+}
+
+void _keel_heaps_collect(bool force) {
+  keel_heap_t *self = _keel_heap_tls;
+  if (self != &_keel_empty_heap) heap_collect_own(self, force);
+  collect_arg_t arg = {self, force};
+  _keel_heaps_visit(heap_collect_other, &arg);
+}
+
+size_t _keel_heaps_active(void) {
+  return keel_load_relaxed(&heaps_active);
+}
+
+/* ---- fork ---- */
+
+static void lock_heap(keel_heap_t *h, void *arg) {
+  (void)arg;
+  pthread_mutex_lock(&h->lock);
+}
+
+static void unlock_heap(keel_heap_t *h, void *arg) {
+  (void)arg;
+  pthread_mutex_unlock(&h->lock);
+}
+
+/* Every heap lock, the segment and large locks are held across fork, so
+ * the child inherits consistent lists, and released on both sides (the
+ * child's only thread is the one that took them). Other threads' heaps stay
+ * in the child with their pages, as in glibc's arenas; their blocks can
+ * still be freed there (remote path). */
+void _keel_heap_fork_prepare(void) {
+  pthread_mutex_lock(&registry_lock);
+  for (keel_heap_t *h = heaps_all; h != NULL; h = h->next_all) lock_heap(h, NULL);
+  _keel_segments_lock();
+  _keel_large_lock();
+}
+
+void _keel_heap_fork_parent(void) {
+  _keel_large_unlock();
+  _keel_segments_unlock();
+  for (keel_heap_t *h = heaps_all; h != NULL; h = h->next_all) unlock_heap(h, NULL);
+  pthread_mutex_unlock(&registry_lock);
+}
+
+void _keel_heap_fork_child(void) {
+  _keel_heap_fork_parent();
+  _keel_purge_fork_child();
+}
+
+__attribute__((constructor(102))) static void heap_ctor(void) {
+  pthread_atfork(_keel_heap_fork_prepare, _keel_heap_fork_parent, _keel_heap_fork_child);
+}

@@ -1,0 +1,302 @@
+/* keel heap internals: segments, pages, thread heaps. Never installed.
+ *
+ * Layout (why each choice is made is in the file that owns it):
+ *   segment  4 MiB, 4 MiB-aligned, from mmap (segment.c). Slice 0 (the first
+ *            64 KiB) holds the segment header and the descriptors of every
+ *            page: metadata lives out of line, so an overflow out of a user
+ *            block can reach other blocks' free-list links but never a page
+ *            descriptor, a list head or a counter. Slices 1..63 hold pages.
+ *   page     a span of 1, 4 or 16 slices (64 KiB, 256 KiB, 1 MiB) carved
+ *            into blocks of one size class (page.c). A page belongs to one
+ *            thread heap (its owner), or to nobody while abandoned.
+ *   heap     per-thread: the current page of every class plus the owner's
+ *            queues (heap.c). Fast paths (alloc.h) touch only the calling
+ *            thread's heap and that heap's pages.
+ *   large    requests above KEEL_LARGE_MAX are mapped directly (large.c),
+ *            also 4 MiB-aligned, with the same header at their base, so that
+ *            `p & ~(segment size - 1)` finds the header of every keel block.
+ *   segmap   a bitmap over the address space (segment.c): bit set iff the
+ *            4 MiB unit is the base of a live keel segment or large mapping,
+ *            so free() of a pointer keel never returned is detected before
+ *            anything is read through it.
+ *
+ * Free lists are singly linked through the first word of each free block.
+ * That word holds `next ^ page->key` (encode/decode below): the key is random
+ * per page with bit 63 set, so an overflow that writes ordinary data (text,
+ * small integers, pointers: bit 63 clear) over a link decodes to a
+ * non-canonical address and faults at the next allocation from that page
+ * instead of handing out a wild pointer. Lists end with the encoded segment
+ * base, never NULL: every correctly decoded link then lies in the same
+ * segment as its block, which is what the double-free check keys on.
+ */
+#ifndef KEEL_HEAP_INTERNAL_H
+#define KEEL_HEAP_INTERNAL_H
+
+#include <pthread.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "base/atomic.h"
+#include "base/common.h"
+#include "base/tls.h"
+
+#define KEEL_SEGMENT_SHIFT 22 /* 4 MiB: 64 slices; one header slice is 1.6% of address space */
+#define KEEL_SEGMENT_SIZE  ((size_t)1 << KEEL_SEGMENT_SHIFT)
+#define KEEL_SEGMENT_MASK  (KEEL_SEGMENT_SIZE - 1)
+#define KEEL_SLICE_SHIFT   16 /* 64 KiB: the small page */
+#define KEEL_SLICE_SIZE    ((size_t)1 << KEEL_SLICE_SHIFT)
+#define KEEL_SLICES        (KEEL_SEGMENT_SIZE / KEEL_SLICE_SIZE)
+
+/* Size classes (classes.c). */
+#define KEEL_SMALL_MAX       1024 /* served by the one-table lookup in the fast path */
+#define KEEL_LARGE_MAX       ((size_t)256 << 10) /* largest class; above: mapped directly */
+#define KEEL_CLASS_COUNT_MAX 120
+
+/* Blocks are aligned to at least 8; classes that are multiples of 16 to 16. */
+#define KEEL_MIN_ALIGN 8
+
+/* Pages: owner-side state is touched only by the owning thread, or by a
+ * thread holding the owner's heap lock while the page is IN_FULL (the owner's
+ * fast paths never touch a full page: flags != 0 sends them to the slow path),
+ * or under the segment lock while the page is abandoned.
+ *
+ * Invariant (owner view): blocks on `free` + blocks on `local_free` + used
+ *   == capacity, where `used` still counts blocks other threads have pushed
+ *   on `thread_free` but the owner has not collected; capacity <= reserved.
+ */
+typedef struct keel_block {
+  uintptr_t next; /* encoded: see the file comment */
+} keel_block_t;
+
+/* thread_free: [count:16][pointer:46, 8-aligned][state:2]. The count is the
+ * number of blocks on the list, so collecting is one exchange and one
+ * subtraction, not a walk. */
+enum {
+  KEEL_TF_NORMAL = 0,   /* remote frees push on the page */
+  KEEL_TF_USE_DELAYED,  /* page is full: the next remote free goes to the owner heap's list */
+  KEEL_TF_DELAYING,     /* a remote freer is pushing to the owner heap's list right now */
+  KEEL_TF_NEVER_DELAYED /* abandoned, or being abandoned: always push on the page */
+};
+#define KEEL_TF_STATE(w) ((unsigned)((w)&3u))
+#define KEEL_TF_PTR(w)   ((keel_block_t *)((w) & (((uintptr_t)1 << 48) - 8)))
+#define KEEL_TF_COUNT(w) ((uint32_t)((w) >> 48))
+#define KEEL_TF_MAKE(ptr, count, state)                                                            \
+  ((uintptr_t)(ptr) | ((uintptr_t)(count) << 48) | (uintptr_t)(state))
+
+/* flags: any bit set sends the owner's free to the slow path. */
+#define KEEL_PAGE_IN_FULL 1u
+
+struct keel_heap;
+
+typedef struct keel_page {
+  keel_block_t *free;         /* owner: blocks to hand out; empty when (ptr & SEGMENT_MASK) == 0 */
+  keel_block_t *local_free;   /* owner: blocks the owner freed since the last collect */
+  uintptr_t key;              /* encodes this page's links; random, bit 63 set */
+  uint32_t used;              /* owner: blocks handed out and not back on free/local_free */
+  uint32_t capacity;          /* blocks carved so far (lazily, a few KiB at a time) */
+  uint32_t reserved;          /* blocks that fit in the page */
+  uint32_t bsize;             /* block size; 0 while the span is not a page */
+  uint64_t div_magic;         /* ceil(2^64 / bsize): off % bsize == 0 iff off * magic < magic */
+  uint8_t *start;             /* first block */
+  keel_atomic(uint8_t) flags; /* KEEL_PAGE_IN_FULL: written by the owner under its heap lock */
+  uint8_t cls;                /* size class */
+  uint8_t slices;             /* span length in slices */
+  uint8_t abandoned;          /* on the abandoned list (segment lock) */
+  uint32_t pad_;
+  keel_atomic(uintptr_t) thread_free;   /* blocks freed by other threads (see above) */
+  keel_atomic(struct keel_heap *) heap; /* owner; NULL while abandoned or unused */
+  struct keel_page *next, *prev;        /* in the owner's queue / full list, or abandoned */
+  uint64_t pad2_[4];
+} keel_page_t;
+
+_Static_assert(sizeof(keel_page_t) == 128, "page descriptor is indexed by shift");
+
+enum { KEEL_SEG_SMALL = 0x5e6a11, KEEL_SEG_LARGE = 0x5e61a6e, KEEL_SEG_LARGE_CACHED = 0x5e6ca4e };
+
+/* The header at the base of every segment and large mapping. For a large
+ * mapping only the first fields and pages[0] (all zero: bsize 0, heap NULL)
+ * are meaningful; pages[0] makes the small-free fast path fall through to the
+ * slow path for large blocks without a kind test. */
+typedef struct keel_segment {
+  uint32_t kind;
+  uint8_t slice_head[KEEL_SLICES]; /* slice -> first slice of its span */
+  /* small segments, under the segment lock: */
+  uint64_t used_mask;               /* slices in use (bit 0: this header) */
+  uint64_t dirty_mask;              /* free slices whose memory is still resident */
+  uint64_t purge_at;                /* coarse ms after which dirty slices may be purged */
+  struct keel_segment *next, *prev; /* all small segments */
+  /* large mappings: */
+  size_t mapped;   /* bytes mapped from base */
+  size_t user_off; /* user pointer - base */
+  size_t req;      /* bytes asked for */
+  keel_page_t pages[KEEL_SLICES];
+} keel_segment_t;
+
+/* Bytes before a large block's user data: the header and pages[0]. */
+#define KEEL_LARGE_HDR 4096
+_Static_assert(__builtin_offsetof(keel_segment_t, pages) + sizeof(keel_page_t) <= KEEL_LARGE_HDR,
+               "large header covers pages[0]");
+
+/* Per-class counters of one heap. Written only by the owning thread, read by
+ * keel_heap_stats from any thread: relaxed atomics, summed without a lock. */
+typedef struct keel_class_counters {
+  keel_atomic(size_t) allocs;    /* blocks allocated */
+  keel_atomic(size_t) frees;     /* blocks freed by this thread (any owner) */
+  keel_atomic(size_t) requested; /* sum of the sizes asked for */
+} keel_class_counters_t;
+
+typedef struct keel_page_queue {
+  keel_page_t *first, *last;
+} keel_page_queue_t;
+
+/* A thread heap. `direct` and `counters` are the fast path's; the rest is
+ * changed only under `lock`, by the owner (slow paths) or by a collector
+ * working on the owner's full pages. Heaps are never unmapped (recycled
+ * through a free list), so a stale pointer to one is always readable. */
+typedef struct keel_heap {
+  keel_page_t *direct[KEEL_CLASS_COUNT_MAX]; /* current page per class, or &_keel_empty_page */
+  keel_class_counters_t counters[KEEL_CLASS_COUNT_MAX];
+  pthread_mutex_t lock;
+  keel_page_queue_t queue[KEEL_CLASS_COUNT_MAX]; /* pages with free blocks; current first */
+  keel_page_queue_t full;                        /* IN_FULL pages */
+  keel_atomic(keel_block_t *) delayed;           /* remote frees into full pages (raw next links) */
+  uint64_t rng;                                  /* page keys */
+  keel_thread_hook_t exit_hook;
+  struct keel_heap *next_all; /* every heap ever made (registry) */
+  struct keel_heap *next_free;
+  bool active;
+} keel_heap_t;
+
+/* --- globals --- */
+extern keel_page_t _keel_empty_page KEEL_HIDDEN;
+extern keel_heap_t _keel_empty_heap KEEL_HIDDEN;
+extern KEEL_TLS keel_heap_t *_keel_heap_tls KEEL_HIDDEN;
+
+/* --- size classes (classes.c) --- */
+extern uint8_t _keel_class_small[KEEL_SMALL_MAX / 8 + 1] KEEL_HIDDEN; /* (size+7)/8 -> class */
+extern uint32_t _keel_class_size[KEEL_CLASS_COUNT_MAX] KEEL_HIDDEN;
+extern unsigned _keel_class_count KEEL_HIDDEN;
+void _keel_classes_init(void) KEEL_HIDDEN;
+unsigned _keel_class_of(size_t size) KEEL_HIDDEN; /* size <= KEEL_LARGE_MAX */
+unsigned _keel_class_slices(unsigned cls) KEEL_HIDDEN;
+/* Smallest class >= size whose block size is a multiple of align, or -1. */
+int _keel_class_aligned(size_t size, size_t align) KEEL_HIDDEN;
+
+/* --- segments (segment.c) --- */
+extern keel_atomic(uint64_t) _keel_segmap[] KEEL_HIDDEN;
+#define KEEL_SEGMAP_WORDS ((size_t)1 << (47 - KEEL_SEGMENT_SHIFT - 6))
+void _keel_segmap_set(void *seg, bool on) KEEL_HIDDEN;
+keel_page_t *_keel_page_alloc(unsigned cls, keel_heap_t *heap) KEEL_HIDDEN;
+void _keel_page_free(keel_page_t *page) KEEL_HIDDEN;
+void _keel_page_abandon(keel_page_t *page) KEEL_HIDDEN;
+keel_page_t *_keel_page_adopt(unsigned cls, keel_heap_t *heap) KEEL_HIDDEN;
+/* Purges what has been free longer than the delay (all of it with force);
+ * frees abandoned pages whose blocks all came back. Returns bytes purged. */
+size_t _keel_segments_collect(bool force) KEEL_HIDDEN;
+void _keel_segments_lock(void) KEEL_HIDDEN;
+void _keel_segments_unlock(void) KEEL_HIDDEN;
+void _keel_segments_child_reset(void) KEEL_HIDDEN;
+
+typedef struct keel_seg_totals {
+  size_t mapped, committed, purged, abandoned_pages;
+  size_t pages[KEEL_CLASS_COUNT_MAX];
+} keel_seg_totals_t;
+void _keel_segments_totals(keel_seg_totals_t *t) KEEL_HIDDEN;
+
+/* --- pages (page.c) --- */
+void _keel_page_init(keel_page_t *page, unsigned cls, keel_heap_t *heap) KEEL_HIDDEN;
+/* Moves local_free and thread_free onto free; carves more if still empty. */
+void __keel_page_collect(keel_page_t *page) KEEL_HIDDEN;
+/* Subtracts a collected thread_free list from used and appends it to free. */
+void __keel_page_collect_thread_free(keel_page_t *page) KEEL_HIDDEN;
+KEEL_NORETURN void _keel_die_double_free(const char *call, void *p) KEEL_HIDDEN;
+KEEL_NORETURN void _keel_die_invalid(const char *call, const void *p) KEEL_HIDDEN;
+bool _keel_page_has_free_block(keel_page_t *page, keel_block_t *b) KEEL_HIDDEN;
+/* Full check of a page (owner, or lock holder): lists well formed and
+ * free + local_free + used == capacity. For tests and KEEL_ASSERT_FULL. */
+bool _keel_page_validate(const keel_page_t *page) KEEL_HIDDEN;
+
+/* --- heaps (heap.c) --- */
+keel_heap_t *_keel_heap_init_thread(void) KEEL_HIDDEN;
+void *_keel_malloc_generic(keel_heap_t *heap, size_t size) KEEL_HIDDEN;
+void *_keel_malloc_in_class(unsigned cls, size_t size) KEEL_HIDDEN;
+size_t _keel_heaps_active(void) KEEL_HIDDEN;
+void _keel_free_generic(void *p, const char *call) KEEL_HIDDEN;
+void __keel_heap_free_local_slow(keel_heap_t *heap, keel_page_t *page, keel_block_t *b) KEEL_HIDDEN;
+void _keel_heap_page_emptied(keel_heap_t *heap, keel_page_t *page) KEEL_HIDDEN;
+void _keel_heaps_collect(bool force) KEEL_HIDDEN;
+typedef void (*keel_heap_visit_fn)(keel_heap_t *heap, void *arg);
+void _keel_heaps_visit(keel_heap_visit_fn fn, void *arg) KEEL_HIDDEN;
+void _keel_heap_fork_prepare(void) KEEL_HIDDEN;
+void _keel_heap_fork_parent(void) KEEL_HIDDEN;
+void _keel_heap_fork_child(void) KEEL_HIDDEN;
+/* Counters of frees by threads that have no heap (never allocated). */
+extern keel_atomic(size_t) _keel_orphan_frees[KEEL_CLASS_COUNT_MAX] KEEL_HIDDEN;
+
+/* --- large blocks (large.c) --- */
+void *_keel_large_alloc(size_t size, size_t align, bool zero) KEEL_HIDDEN;
+void _keel_large_free(keel_segment_t *seg) KEEL_HIDDEN;
+void *_keel_large_realloc(keel_segment_t *seg, size_t size) KEEL_HIDDEN;
+size_t _keel_large_collect(bool force) KEEL_HIDDEN;
+bool _keel_large_pending(void) KEEL_HIDDEN;
+void _keel_large_totals(size_t *live, size_t *bytes, size_t *cached, size_t *requested) KEEL_HIDDEN;
+void _keel_large_lock(void) KEEL_HIDDEN;
+void _keel_large_unlock(void) KEEL_HIDDEN;
+void _keel_large_child_reset(void) KEEL_HIDDEN;
+
+/* --- background purge (purge.c) --- */
+/* Called after memory was freed for a delayed purge; starts the purge thread
+ * on first use. Must be called with no heap lock held (it may create a thread,
+ * and pthread_create allocates). */
+void _keel_purge_schedule(void) KEEL_HIDDEN;
+void _keel_purge_fork_child(void) KEEL_HIDDEN;
+extern keel_atomic(size_t) _keel_purged_bytes KEEL_HIDDEN;
+
+/* --- the allocation API behind keel_* and the glibc names (alloc.c) --- */
+void *_keel_calloc(size_t n, size_t size) KEEL_HIDDEN;
+void *_keel_realloc(void *p, size_t size) KEEL_HIDDEN;
+void *_keel_aligned_alloc(size_t align, size_t size) KEEL_HIDDEN; /* align: power of two */
+size_t _keel_usable_size(const void *p, const char *call) KEEL_HIDDEN;
+void _keel_collect(bool force) KEEL_HIDDEN;
+void _keel_heap_print_stats_fd(int fd) KEEL_HIDDEN;
+
+/* --- inline helpers --- */
+KEEL_INLINE keel_segment_t *_keel_segment_of(const void *p) {
+  return (keel_segment_t *)((uintptr_t)p & ~(uintptr_t)KEEL_SEGMENT_MASK);
+}
+
+KEEL_INLINE bool _keel_segmap_has(const void *seg) {
+  uintptr_t u = (uintptr_t)seg >> KEEL_SEGMENT_SHIFT;
+  if (keel_unlikely((u >> 6) >= KEEL_SEGMAP_WORDS)) return false;
+  /* Relaxed: a block reaches its freer through the program's own
+   * synchronisation, which orders the bit's setting before it. */
+  return (keel_load_relaxed(&_keel_segmap[u >> 6]) >> (u & 63)) & 1;
+}
+
+KEEL_INLINE keel_page_t *_keel_page_of(keel_segment_t *seg, const void *p) {
+  size_t slice = ((uintptr_t)p - (uintptr_t)seg) >> KEEL_SLICE_SHIFT;
+  return &seg->pages[seg->slice_head[slice]];
+}
+
+KEEL_INLINE uintptr_t _keel_encode(const keel_page_t *page, const void *next) {
+  return (uintptr_t)next ^ page->key;
+}
+KEEL_INLINE keel_block_t *_keel_decode(const keel_page_t *page, uintptr_t w) {
+  return (keel_block_t *)(w ^ page->key);
+}
+KEEL_INLINE bool _keel_list_empty(const keel_block_t *b) {
+  return ((uintptr_t)b & KEEL_SEGMENT_MASK) == 0;
+}
+/* The terminator of every list of this page: its segment base. */
+KEEL_INLINE keel_block_t *_keel_list_end(const keel_page_t *page) {
+  return (keel_block_t *)_keel_segment_of(page);
+}
+
+/* True when off is a multiple of the page's block size (Lemire's test,
+ * valid for off and bsize below 2^32). */
+KEEL_INLINE bool _keel_page_is_block_offset(const keel_page_t *page, size_t off) {
+  return off * page->div_magic < page->div_magic;
+}
+
+#endif /* KEEL_HEAP_INTERNAL_H */

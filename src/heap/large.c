@@ -1,0 +1,226 @@
+/* Large blocks (above 256 KiB): mapped directly, 4 MiB-aligned, with a
+ * one-page header (the segment header layout, so free finds it by masking).
+ *
+ * Choice: a small cache of freed mappings instead of purge-and-refault.
+ * jemalloc and mimalloc carve large blocks out of their arenas and purge
+ * them on a timer, so a program cycling 5-25 MiB buffers refaults (and the
+ * kernel re-zeroes) every page each cycle: 16-20 s of sys time where glibc,
+ * which keeps such chunks in its heap, spends about 1 s. keel keeps up to
+ * 16 freed mappings (at most 1 GiB) for heap_purge_ms; a new large request
+ * takes the closest one and resizes it with mremap, which moves page tables,
+ * not pages: the part that is kept does not fault again, a shrink unmaps the
+ * tail at once (RSS falls), a growth faults only the new part. Mappings that
+ * stay unused past the delay are unmapped.
+ *
+ * realloc of a large block is the same mremap: in place when the address
+ * space after it is free, else moved (MREMAP_FIXED into a fresh aligned
+ * reservation), never copied.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <string.h>
+#include <sys/mman.h>
+
+#include "base/clock.h"
+#include "base/options.h"
+#include "base/os.h"
+#include "heap/internal.h"
+
+#define CACHE_SLOTS     16
+#define CACHE_MAX_BYTES ((size_t)1 << 30)
+
+typedef struct {
+  keel_segment_t *seg;
+  uint64_t freed_at;
+} cache_slot_t;
+
+static pthread_mutex_t large_lock = PTHREAD_MUTEX_INITIALIZER;
+static cache_slot_t cache[CACHE_SLOTS];
+static unsigned cache_n;
+static size_t cache_bytes;
+static keel_atomic(size_t) live_count, live_bytes, live_requested, cached_bytes_pub;
+
+void _keel_large_lock(void) {
+  pthread_mutex_lock(&large_lock);
+}
+void _keel_large_unlock(void) {
+  pthread_mutex_unlock(&large_lock);
+}
+void _keel_large_child_reset(void) {
+  pthread_mutex_init(&large_lock, NULL);
+}
+
+static size_t page_up(size_t n) {
+  return KEEL_ALIGN_UP(n, _keel_os_page_size());
+}
+
+/* Resizes a mapping, moving it (page tables only) if it cannot grow in
+ * place; keeps the segment map in step. NULL if the address space is full. */
+static keel_segment_t *remap(keel_segment_t *seg, size_t old, size_t size) {
+  if (size == old) return seg;
+  void *p = mremap(seg, old, size, 0);
+  if (p == (void *)seg) return seg;
+  void *to = _keel_os_reserve(size, KEEL_SEGMENT_SIZE);
+  if (to == NULL) return NULL;
+  p = mremap(seg, old, size, MREMAP_MAYMOVE | MREMAP_FIXED, to);
+  if (p != to) {
+    _keel_os_release(to, size);
+    return NULL;
+  }
+  _keel_segmap_set(to, true);
+  _keel_segmap_set(seg, false);
+  return to;
+}
+
+/* Takes the cached mapping closest in size to `size` (the smallest that is
+ * large enough, else the largest). */
+static keel_segment_t *cache_take(size_t size) {
+  if (keel_load_relaxed(&cached_bytes_pub) == 0) return NULL;
+  pthread_mutex_lock(&large_lock);
+  int best = -1;
+  for (unsigned i = 0; i < cache_n; i++) {
+    size_t m = cache[i].seg->mapped;
+    if (best < 0) {
+      best = (int)i;
+      continue;
+    }
+    size_t b = cache[best].seg->mapped;
+    bool fits = m >= size, bfits = b >= size;
+    if ((fits && (!bfits || m < b)) || (!fits && !bfits && m > b)) best = (int)i;
+  }
+  keel_segment_t *seg = NULL;
+  if (best >= 0) {
+    seg = cache[best].seg;
+    cache[best] = cache[--cache_n];
+    cache_bytes -= seg->mapped;
+    keel_store_relaxed(&cached_bytes_pub, cache_bytes);
+  }
+  pthread_mutex_unlock(&large_lock);
+  return seg;
+}
+
+static void release(keel_segment_t *seg) {
+  _keel_segmap_set(seg, false);
+  _keel_os_release(seg, seg->mapped);
+}
+
+void *_keel_large_alloc(size_t size, size_t align, bool zero) {
+  size_t off = KEEL_LARGE_HDR;
+  if (align > off) off = align;
+  if (align > KEEL_SEGMENT_SIZE / 2 || size > PTRDIFF_MAX - off - KEEL_SEGMENT_SIZE) {
+    errno = ENOMEM;
+    return NULL;
+  }
+  size_t need = page_up(off + size);
+  keel_segment_t *seg = cache_take(need);
+  bool fresh = seg == NULL;
+  if (seg != NULL) {
+    keel_segment_t *s = remap(seg, seg->mapped, need);
+    if (s == NULL) {
+      release(seg);
+      fresh = true;
+    }
+    seg = s;
+  }
+  if (seg == NULL) {
+    seg = _keel_os_alloc(need, KEEL_SEGMENT_SIZE);
+    if (seg == NULL || ((uintptr_t)seg >> KEEL_SEGMENT_SHIFT >> 6) >= KEEL_SEGMAP_WORDS) {
+      if (seg != NULL) _keel_os_release(seg, need);
+      errno = ENOMEM;
+      return NULL;
+    }
+    _keel_segmap_set(seg, true);
+  }
+  seg->kind = KEEL_SEG_LARGE;
+  seg->mapped = need;
+  seg->user_off = off;
+  seg->req = size;
+  uint8_t *p = (uint8_t *)seg + off;
+  if (zero && !fresh) memset(p, 0, size);
+  keel_fetch_add_relaxed(&live_count, 1);
+  keel_fetch_add_relaxed(&live_bytes, need);
+  keel_fetch_add_relaxed(&live_requested, size);
+  return p;
+}
+
+void _keel_large_free(keel_segment_t *seg) {
+  keel_fetch_sub_relaxed(&live_count, 1);
+  keel_fetch_sub_relaxed(&live_bytes, seg->mapped);
+  keel_fetch_sub_relaxed(&live_requested, seg->req);
+  seg->kind = KEEL_SEG_LARGE_CACHED;
+  bool cached = false;
+  if (_keel_option(KEEL_OPT_heap_purge_ms) > 0) {
+    pthread_mutex_lock(&large_lock);
+    if (cache_n < CACHE_SLOTS && cache_bytes + seg->mapped <= CACHE_MAX_BYTES) {
+      cache[cache_n].seg = seg;
+      cache[cache_n].freed_at = keel_clock_coarse_ms();
+      cache_n++;
+      cache_bytes += seg->mapped;
+      keel_store_relaxed(&cached_bytes_pub, cache_bytes);
+      cached = true;
+    }
+    pthread_mutex_unlock(&large_lock);
+  }
+  if (!cached) {
+    release(seg);
+  } else {
+    _keel_purge_schedule();
+  }
+}
+
+void *_keel_large_realloc(keel_segment_t *seg, size_t size) {
+  size_t off = seg->user_off;
+  if (size > PTRDIFF_MAX - off - KEEL_SEGMENT_SIZE) {
+    errno = ENOMEM;
+    return NULL;
+  }
+  size_t old = seg->mapped, oldreq = seg->req, need = page_up(off + size);
+  keel_segment_t *s = remap(seg, old, need);
+  if (s == NULL) {
+    errno = ENOMEM;
+    return NULL;
+  }
+  s->mapped = need;
+  s->req = size;
+  keel_fetch_add_relaxed(&live_bytes, need - old);
+  keel_fetch_add_relaxed(&live_requested, size - oldreq);
+  return (uint8_t *)s + off;
+}
+
+size_t _keel_large_collect(bool force) {
+  if (keel_load_relaxed(&cached_bytes_pub) == 0) return 0;
+  uint64_t now = keel_clock_coarse_ms();
+  uint64_t delay = (uint64_t)_keel_option(KEEL_OPT_heap_purge_ms);
+  keel_segment_t *out[CACHE_SLOTS];
+  unsigned n = 0;
+  pthread_mutex_lock(&large_lock);
+  for (unsigned i = 0; i < cache_n;) {
+    if (force || now >= cache[i].freed_at + delay) {
+      out[n++] = cache[i].seg;
+      cache_bytes -= cache[i].seg->mapped;
+      cache[i] = cache[--cache_n];
+    } else {
+      i++;
+    }
+  }
+  keel_store_relaxed(&cached_bytes_pub, cache_bytes);
+  pthread_mutex_unlock(&large_lock);
+  size_t bytes = 0;
+  for (unsigned i = 0; i < n; i++) {
+    bytes += out[i]->mapped;
+    release(out[i]);
+  }
+  keel_fetch_add_relaxed(&_keel_purged_bytes, bytes);
+  return bytes;
+}
+
+bool _keel_large_pending(void) {
+  return keel_load_relaxed(&cached_bytes_pub) != 0;
+}
+
+void _keel_large_totals(size_t *live, size_t *bytes, size_t *cached, size_t *requested) {
+  *live = keel_load_relaxed(&live_count);
+  *bytes = keel_load_relaxed(&live_bytes);
+  *cached = keel_load_relaxed(&cached_bytes_pub);
+  *requested = keel_load_relaxed(&live_requested);
+}

@@ -1,0 +1,189 @@
+/* The drop-in malloc: glibc's allocation names over keel's heap, built only
+ * into libkeel-malloc.so (KEEL_MALLOC_OVERRIDE).
+ *
+ * Start-up: nothing here runs before the first malloc call, and that call
+ * needs nothing but zero-initialised globals and initial-exec TLS (both
+ * ready before any code of the process runs): no dlsym, no constructor that
+ * allocates, no stdio on the malloc path. Options are parsed in place from
+ * the environment on first use.
+ *
+ * Edge cases follow glibc: malloc(0) returns a unique pointer (an 8-byte
+ * block); realloc(NULL, n) allocates; realloc(p, 0) frees and returns NULL;
+ * free(NULL) does nothing; overflowing calloc/reallocarray and impossible
+ * sizes return NULL with ENOMEM; posix_memalign returns EINVAL for an
+ * alignment that is not a power of two multiple of sizeof(void *), and
+ * aligned_alloc/memalign set EINVAL for one that is not a power of two.
+ *
+ * The glibc-only introspection calls (malloc_trim, mallinfo2, malloc_info,
+ * malloc_stats) are answered from keel's own state, so they never fall
+ * through to glibc's empty arena.
+ */
+#ifdef KEEL_MALLOC_OVERRIDE
+#define _GNU_SOURCE
+#include <errno.h>
+#include <malloc.h>
+#include <stdio.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "base/os.h"
+#include "heap/alloc.h"
+
+#include <keel/heap.h>
+
+#define KEEL_EXPORT __attribute__((visibility("default")))
+
+KEEL_EXPORT void *malloc(size_t size) {
+  return _keel_malloc_fast(size);
+}
+
+KEEL_EXPORT void free(void *p) {
+  _keel_free_fast(p, "free");
+}
+
+KEEL_EXPORT void cfree(void *p) {
+  _keel_free_fast(p, "free");
+}
+
+KEEL_EXPORT void free_sized(void *p, size_t size) {
+  (void)size;
+  _keel_free_fast(p, "free");
+}
+
+KEEL_EXPORT void free_aligned_sized(void *p, size_t align, size_t size) {
+  (void)align, (void)size;
+  _keel_free_fast(p, "free");
+}
+
+KEEL_EXPORT void *calloc(size_t n, size_t size) {
+  return _keel_calloc(n, size);
+}
+
+KEEL_EXPORT void *realloc(void *p, size_t size) {
+  return _keel_realloc(p, size);
+}
+
+KEEL_EXPORT void *reallocarray(void *p, size_t n, size_t size) {
+  size_t total;
+  if (__builtin_mul_overflow(n, size, &total)) {
+    errno = ENOMEM;
+    return NULL;
+  }
+  return _keel_realloc(p, total);
+}
+
+KEEL_EXPORT int posix_memalign(void **out, size_t align, size_t size) {
+  if (!KEEL_IS_POW2(align) || align % sizeof(void *) != 0) return EINVAL;
+  int saved = errno;
+  void *p = _keel_aligned_alloc(align, size);
+  if (p == NULL) {
+    int e = errno;
+    errno = saved;
+    return e == 0 ? ENOMEM : e;
+  }
+  *out = p;
+  return 0;
+}
+
+KEEL_EXPORT void *aligned_alloc(size_t align, size_t size) {
+  if (!KEEL_IS_POW2(align)) {
+    errno = EINVAL;
+    return NULL;
+  }
+  return _keel_aligned_alloc(align, size);
+}
+
+KEEL_EXPORT void *memalign(size_t align, size_t size) {
+  if (!KEEL_IS_POW2(align)) {
+    errno = EINVAL;
+    return NULL;
+  }
+  return _keel_aligned_alloc(align, size);
+}
+
+KEEL_EXPORT void *valloc(size_t size) {
+  return _keel_aligned_alloc(_keel_os_page_size(), size);
+}
+
+KEEL_EXPORT void *pvalloc(size_t size) {
+  size_t ps = _keel_os_page_size();
+  if (size > SIZE_MAX - ps) {
+    errno = ENOMEM;
+    return NULL;
+  }
+  return _keel_aligned_alloc(ps, KEEL_ALIGN_UP(size == 0 ? 1 : size, ps));
+}
+
+KEEL_EXPORT size_t malloc_usable_size(void *p) {
+  return _keel_usable_size(p, "malloc_usable_size");
+}
+
+KEEL_EXPORT int malloc_trim(size_t pad) {
+  (void)pad;
+  keel_heap_stats_t st;
+  keel_heap_stats(&st);
+  size_t before = st.purged_bytes;
+  _keel_collect(true);
+  keel_heap_stats(&st);
+  return st.purged_bytes != before;
+}
+
+KEEL_EXPORT struct mallinfo2 mallinfo2(void) {
+  keel_heap_stats_t st;
+  keel_heap_stats(&st);
+  struct mallinfo2 mi;
+  memset(&mi, 0, sizeof(mi));
+  mi.arena = st.mapped_bytes - st.large_bytes; /* heap segments */
+  mi.hblks = st.large_live;
+  mi.hblkhd = st.large_bytes;
+  mi.uordblks = st.live_bytes;
+  mi.fordblks = st.committed_bytes > st.live_bytes ? st.committed_bytes - st.live_bytes : 0;
+  mi.keepcost = 0;
+  return mi;
+}
+
+KEEL_EXPORT struct mallinfo mallinfo(void) {
+  struct mallinfo2 m2 = mallinfo2();
+  struct mallinfo mi;
+  memset(&mi, 0, sizeof(mi));
+  mi.arena = (int)m2.arena;
+  mi.hblks = (int)m2.hblks;
+  mi.hblkhd = (int)m2.hblkhd;
+  mi.uordblks = (int)m2.uordblks;
+  mi.fordblks = (int)m2.fordblks;
+  return mi;
+}
+
+KEEL_EXPORT void malloc_stats(void) {
+  _keel_heap_print_stats_fd(STDERR_FILENO);
+}
+
+KEEL_EXPORT int malloc_info(int options, FILE *fp) {
+  if (options != 0) {
+    errno = EINVAL;
+    return -1;
+  }
+  keel_heap_stats_t st;
+  keel_heap_stats(&st);
+  fprintf(fp, "<malloc version=\"keel-1\">\n");
+  for (size_t c = 0; c < st.n_classes; c++) {
+    const keel_heap_class_stats_t *cs = &st.classes[c];
+    if (cs->live == 0 && cs->pages == 0) continue;
+    fprintf(fp, "<size from=\"%zu\" to=\"%zu\" total=\"%zu\" count=\"%zu\" pages=\"%zu\"/>\n",
+            c == 0 ? (size_t)0 : st.classes[c - 1].size + 1, cs->size, cs->usable_bytes, cs->live,
+            cs->pages);
+  }
+  fprintf(fp,
+          "<total type=\"mmap\" count=\"%zu\" size=\"%zu\"/>\n"
+          "<system type=\"current\" size=\"%zu\"/>\n<system type=\"max\" size=\"%zu\"/>\n"
+          "<aspace type=\"total\" size=\"%zu\"/>\n</malloc>\n",
+          st.large_live, st.large_bytes, st.committed_bytes, st.committed_bytes, st.mapped_bytes);
+  return 0;
+}
+
+KEEL_EXPORT int mallopt(int param, int value) {
+  (void)param, (void)value;
+  return 1;
+}
+
+#endif /* KEEL_MALLOC_OVERRIDE */

@@ -1,0 +1,154 @@
+/* Pages: block carving, collecting freed blocks, free-list validation.
+ *
+ * A page keeps three lists (see keel_page_t in internal.h): `free`, which the
+ * malloc fast path pops; `local_free`, which the owner's free fast path
+ * pushes; `thread_free`, which other threads push with one CAS. Keeping the
+ * owner's frees off `free` means the fast path never has to look at two
+ * lists, and gives the slow path a regular point (free runs dry) to collect
+ * the other two — mimalloc's "free list sharding".
+ *
+ * Carving is lazy: when all three lists are empty the owner carves up to
+ * 4 KiB worth of new blocks (at least one). A page that is never filled never
+ * touches its tail, which is what keeps a 131072 x 4108 B load at 1.07x RSS.
+ */
+#include "base/clock.h"
+#include "base/die.h"
+#include "heap/internal.h"
+
+void _keel_die_double_free(const char *call, void *p) {
+  keel_die(call, "double free of %p", p);
+}
+
+void _keel_die_invalid(const char *call, const void *p) {
+  keel_die(call, "invalid pointer %p", p);
+}
+
+static uint64_t splitmix64(uint64_t *state) {
+  uint64_t z = (*state += 0x9e3779b97f4a7c15ull);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
+void _keel_page_init(keel_page_t *page, unsigned cls, keel_heap_t *heap) {
+  keel_segment_t *seg = _keel_segment_of(page);
+  size_t idx = (size_t)(page - seg->pages);
+  uint32_t bsize = _keel_class_size[cls];
+  page->start = (uint8_t *)seg + (idx << KEEL_SLICE_SHIFT);
+  page->bsize = bsize;
+  page->cls = (uint8_t)cls;
+  page->reserved = (uint32_t)(((size_t)page->slices << KEEL_SLICE_SHIFT) / bsize);
+  page->capacity = 0;
+  page->used = 0;
+  page->div_magic = UINT64_MAX / bsize + 1;
+  /* Bit 63 set: see the encoding argument in internal.h. */
+  page->key = (splitmix64(&heap->rng) | ((uint64_t)1 << 63)) & ~(uint64_t)7;
+  page->free = page->local_free = _keel_list_end(page);
+  page->abandoned = 0;
+  page->next = page->prev = NULL;
+  keel_store_relaxed(&page->flags, 0);
+  keel_store_relaxed(&page->thread_free, KEEL_TF_MAKE(NULL, 0, KEEL_TF_NORMAL));
+  keel_store_release(&page->heap, heap);
+}
+
+/* Carves up to 4 KiB of new blocks (at least one) onto the empty free list,
+ * in address order so consecutive allocations are adjacent. */
+static void page_extend(keel_page_t *page) {
+  uint32_t n = page->reserved - page->capacity;
+  uint32_t step = 4096 / page->bsize;
+  if (step == 0) step = 1;
+  if (n > step) n = step;
+  if (n == 0) return;
+  uint8_t *first = page->start + (size_t)page->capacity * page->bsize;
+  uint8_t *b = first;
+  for (uint32_t i = 1; i < n; i++, b += page->bsize) {
+    ((keel_block_t *)b)->next = _keel_encode(page, b + page->bsize);
+  }
+  ((keel_block_t *)b)->next = _keel_encode(page, _keel_list_end(page));
+  page->free = (keel_block_t *)first;
+  page->capacity += n;
+}
+
+/* Appends list `head` (terminated by the list end) to page->free. */
+static void page_append_free(keel_page_t *page, keel_block_t *head) {
+  if (_keel_list_empty(page->free)) {
+    page->free = head;
+    return;
+  }
+  keel_block_t *tail = head;
+  for (keel_block_t *n; !_keel_list_empty(n = _keel_decode(page, tail->next));) tail = n;
+  tail->next = _keel_encode(page, page->free);
+  page->free = head;
+}
+
+void __keel_page_collect_thread_free(keel_page_t *page) {
+  uintptr_t w = keel_load_relaxed(&page->thread_free);
+  do {
+    if (KEEL_TF_PTR(w) == NULL) return;
+    /* Acquire: the pushers' writes of each block's link (made before their
+     * release CAS) are visible before we walk or hand out the blocks. */
+  } while (!keel_cas_weak_acq_rel(&page->thread_free, &w, KEEL_TF_MAKE(NULL, 0, KEEL_TF_STATE(w))));
+  KEEL_ASSERT(page->used >= KEEL_TF_COUNT(w));
+  page->used -= KEEL_TF_COUNT(w);
+  page_append_free(page, KEEL_TF_PTR(w));
+}
+
+void __keel_page_collect(keel_page_t *page) {
+  if (!_keel_list_empty(page->local_free)) {
+    page_append_free(page, page->local_free);
+    page->local_free = _keel_list_end(page);
+  }
+  __keel_page_collect_thread_free(page);
+  if (_keel_list_empty(page->free)) page_extend(page);
+}
+
+static bool list_has(const keel_page_t *page, keel_block_t *list, keel_block_t *b) {
+  /* Bounded by the page's block count, so a corrupted (cyclic) list ends. */
+  for (uint32_t i = 0; i <= page->reserved && !_keel_list_empty(list); i++) {
+    if (list == b) return true;
+    uintptr_t off = (uintptr_t)list - (uintptr_t)page->start;
+    if (off >= (size_t)page->reserved * page->bsize) return false; /* corrupt link */
+    list = _keel_decode(page, list->next);
+  }
+  return false;
+}
+
+bool _keel_page_has_free_block(keel_page_t *page, keel_block_t *b) {
+  /* Owner only: free and local_free are the owner's; thread_free is only
+   * ever emptied by the owner, so its blocks stay put while we walk. */
+  uintptr_t w = keel_load_acquire(&page->thread_free);
+  return list_has(page, page->free, b) || list_has(page, page->local_free, b) ||
+         (KEEL_TF_PTR(w) != NULL && list_has(page, KEEL_TF_PTR(w), b));
+}
+
+/* Counts a list, checking every block lies on a block boundary inside the
+ * carved part of the page; -1 if not. */
+static long list_count(const keel_page_t *page, keel_block_t *list) {
+  long n = 0;
+  size_t carved = (size_t)page->capacity * page->bsize;
+  while (!_keel_list_empty(list)) {
+    size_t off = (size_t)((uint8_t *)list - page->start);
+    if ((uint8_t *)list < page->start || off >= carved || !_keel_page_is_block_offset(page, off) ||
+        n > (long)page->capacity) {
+      return -1;
+    }
+    n++;
+    list = _keel_decode(page, list->next);
+    if (_keel_list_empty(list) && list != _keel_list_end(page)) return -1; /* bad terminator */
+  }
+  return n;
+}
+
+bool _keel_page_validate(const keel_page_t *page) {
+  if (page->bsize != _keel_class_size[page->cls] || page->capacity > page->reserved) return false;
+  if ((size_t)page->reserved * page->bsize > ((size_t)page->slices << KEEL_SLICE_SHIFT))
+    return false;
+  if ((page->key >> 63) == 0) return false;
+  long nfree = list_count(page, page->free), nlocal = list_count(page, page->local_free);
+  uintptr_t w = keel_load_acquire(&page->thread_free);
+  long nthread = KEEL_TF_PTR(w) == NULL ? 0 : list_count(page, KEEL_TF_PTR(w));
+  if (nfree < 0 || nlocal < 0 || nthread < 0 || nthread != (long)KEEL_TF_COUNT(w)) return false;
+  /* used counts blocks on thread_free until the owner collects them. */
+  return (size_t)nfree + (size_t)nlocal + page->used == page->capacity &&
+         (size_t)nthread <= page->used;
+}

@@ -1,0 +1,302 @@
+/* Segments: 4 MiB of address space carved into pages, and the segment map.
+ *
+ * Choice: segments are process-wide (not owned by a thread, as in mimalloc),
+ * behind one mutex. Pages are what threads own; a segment only hands out and
+ * takes back spans of slices, which happens once per 64 KiB-1 MiB page, not
+ * per block, so the lock is taken about once per 100-8000 allocations. That
+ * buys simple abandonment (a page is self-contained; its segment does not
+ * care which thread owns it) and lets any thread, or the purge thread,
+ * return a free span to the OS.
+ *
+ * Spans are 1, 4 or 16 slices, aligned to their length (slice 0 is the
+ * header), so a span search is a few mask tests on a 64-bit word.
+ *
+ * Purge: a freed span stays resident ("dirty") for heap_purge_ms, then is
+ * returned with madvise(MADV_DONTNEED); a segment with no pages left is
+ * unmapped after the same delay. The delay keeps a free/alloc cycle that
+ * crosses a page boundary from paying a fault and a zeroing per page (the
+ * purge-and-refault churn jemalloc and mimalloc show on some loads). The
+ * madvise calls run with the lock dropped: the span is marked in use while
+ * it is purged, so no one allocates it meanwhile.
+ *
+ * Segment map: one bit per 4 MiB of the 47-bit user address space (4 MiB of
+ * zero-fill BSS, of which only the words covering keel's segments are ever
+ * touched). Bits change only under the lock; readers use relaxed loads.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <string.h>
+
+#include "base/clock.h"
+#include "base/die.h"
+#include "base/options.h"
+#include "base/os.h"
+#include "heap/internal.h"
+
+keel_atomic(uint64_t) _keel_segmap[KEEL_SEGMAP_WORDS];
+
+static pthread_mutex_t seg_lock = PTHREAD_MUTEX_INITIALIZER;
+static keel_segment_t *segments; /* every small segment, most recently created first */
+static size_t n_segments;
+static keel_page_queue_t abandoned[KEEL_CLASS_COUNT_MAX];
+static size_t n_abandoned;
+/* Abandoned pages per class, read without the lock as a hint by adopters. */
+static keel_atomic(size_t) abandoned_hint[KEEL_CLASS_COUNT_MAX];
+static size_t class_pages[KEEL_CLASS_COUNT_MAX]; /* pages per class, under the lock */
+static size_t dirty_slices, used_slices;
+keel_atomic(size_t) _keel_purged_bytes;
+
+void _keel_segments_lock(void) {
+  pthread_mutex_lock(&seg_lock);
+}
+void _keel_segments_unlock(void) {
+  pthread_mutex_unlock(&seg_lock);
+}
+void _keel_segments_child_reset(void) {
+  pthread_mutex_init(&seg_lock, NULL);
+}
+
+void _keel_segmap_set(void *seg, bool on) {
+  uintptr_t u = (uintptr_t)seg >> KEEL_SEGMENT_SHIFT;
+  uint64_t bit = (uint64_t)1 << (u & 63);
+  if (on) {
+    keel_fetch_or_acq_rel(&_keel_segmap[u >> 6], bit);
+  } else {
+    keel_fetch_and_acq_rel(&_keel_segmap[u >> 6], ~bit);
+  }
+}
+
+static uint64_t span_mask(unsigned first, unsigned n) {
+  return (n == 64 ? ~(uint64_t)0 : (((uint64_t)1 << n) - 1)) << first;
+}
+
+/* First span of n slices (aligned to n) free in seg, preferring one whose
+ * memory is still resident (no fault to reuse it); -1 if none. */
+static int span_find(const keel_segment_t *seg, unsigned n) {
+  int any = -1;
+  for (unsigned i = n; i + n <= KEEL_SLICES; i += n) {
+    uint64_t m = span_mask(i, n);
+    if ((seg->used_mask & m) != 0) continue;
+    if ((seg->dirty_mask & m) == m) return (int)i;
+    if (any < 0) any = (int)i;
+  }
+  return any;
+}
+
+static keel_segment_t *segment_new(void) {
+  keel_segment_t *seg = _keel_os_alloc(KEEL_SEGMENT_SIZE, KEEL_SEGMENT_SIZE);
+  if (seg == NULL) return NULL;
+  if (((uintptr_t)seg >> KEEL_SEGMENT_SHIFT >> 6) >= KEEL_SEGMAP_WORDS) {
+    /* Above the 47-bit space the map covers (5-level paging hands such
+     * addresses out only on request, so this does not happen in practice). */
+    _keel_os_release(seg, KEEL_SEGMENT_SIZE);
+    errno = ENOMEM;
+    return NULL;
+  }
+  seg->kind = KEEL_SEG_SMALL;
+  seg->used_mask = 1;
+  seg->next = segments;
+  seg->prev = NULL;
+  if (segments != NULL) segments->prev = seg;
+  segments = seg;
+  n_segments++;
+  _keel_segmap_set(seg, true);
+  return seg;
+}
+
+static void segment_release(keel_segment_t *seg) {
+  if (seg->prev != NULL)
+    seg->prev->next = seg->next;
+  else
+    segments = seg->next;
+  if (seg->next != NULL) seg->next->prev = seg->prev;
+  n_segments--;
+  _keel_segmap_set(seg, false);
+  _keel_os_release(seg, KEEL_SEGMENT_SIZE);
+}
+
+keel_page_t *_keel_page_alloc(unsigned cls, keel_heap_t *heap) {
+  unsigned n = _keel_class_slices(cls);
+  pthread_mutex_lock(&seg_lock);
+  keel_segment_t *seg;
+  int first = -1;
+  for (seg = segments; seg != NULL; seg = seg->next) {
+    if (~seg->used_mask == 0) continue;
+    if ((first = span_find(seg, n)) >= 0) break;
+  }
+  if (seg == NULL) {
+    seg = segment_new();
+    if (seg == NULL) {
+      pthread_mutex_unlock(&seg_lock);
+      return NULL;
+    }
+    first = (int)n;
+  }
+  uint64_t m = span_mask((unsigned)first, n);
+  dirty_slices -= (size_t)__builtin_popcountll(seg->dirty_mask & m);
+  used_slices += n;
+  seg->used_mask |= m;
+  seg->dirty_mask &= ~m;
+  for (unsigned i = 0; i < n; i++) seg->slice_head[first + (int)i] = (uint8_t)first;
+  class_pages[cls]++;
+  keel_page_t *page = &seg->pages[first];
+  page->slices = (uint8_t)n;
+  pthread_mutex_unlock(&seg_lock);
+  _keel_page_init(page, cls, heap);
+  return page;
+}
+
+static size_t purge_delay_ms(void) {
+  return (size_t)_keel_option(KEEL_OPT_heap_purge_ms);
+}
+
+/* Caller holds seg_lock. */
+static void __page_free(keel_page_t *page) {
+  keel_segment_t *seg = _keel_segment_of(page);
+  unsigned first = (unsigned)(page - seg->pages), n = page->slices;
+  uint64_t m = span_mask(first, n);
+  class_pages[page->cls]--;
+  page->bsize = 0;
+  page->div_magic = 0;
+  keel_store_relaxed(&page->heap, NULL);
+  seg->used_mask &= ~m;
+  seg->dirty_mask |= m;
+  used_slices -= n;
+  dirty_slices += n;
+  seg->purge_at = keel_clock_coarse_ms() + purge_delay_ms();
+}
+
+void _keel_page_free(keel_page_t *page) {
+  pthread_mutex_lock(&seg_lock);
+  __page_free(page);
+  pthread_mutex_unlock(&seg_lock);
+  if (purge_delay_ms() == 0) _keel_segments_collect(true);
+}
+
+void _keel_page_abandon(keel_page_t *page) {
+  pthread_mutex_lock(&seg_lock);
+  keel_page_queue_t *q = &abandoned[page->cls];
+  page->abandoned = 1;
+  page->next = NULL;
+  page->prev = q->last;
+  if (q->last != NULL)
+    q->last->next = page;
+  else
+    q->first = page;
+  q->last = page;
+  n_abandoned++;
+  keel_store_relaxed(&abandoned_hint[page->cls], keel_load_relaxed(&abandoned_hint[page->cls]) + 1);
+  pthread_mutex_unlock(&seg_lock);
+}
+
+static void __abandoned_unlink(keel_page_t *page) {
+  keel_page_queue_t *q = &abandoned[page->cls];
+  if (page->prev != NULL)
+    page->prev->next = page->next;
+  else
+    q->first = page->next;
+  if (page->next != NULL)
+    page->next->prev = page->prev;
+  else
+    q->last = page->prev;
+  page->next = page->prev = NULL;
+  page->abandoned = 0;
+  n_abandoned--;
+  keel_store_relaxed(&abandoned_hint[page->cls], keel_load_relaxed(&abandoned_hint[page->cls]) - 1);
+}
+
+/* Moves an abandoned page's thread_free state back to NORMAL for its new
+ * owner. The page is off every list, so only remote freers race with us. */
+static void page_tf_set_normal(keel_page_t *page) {
+  uintptr_t w = keel_load_relaxed(&page->thread_free);
+  while (!keel_cas_weak_acq_rel(&page->thread_free, &w, (w & ~(uintptr_t)3) | KEEL_TF_NORMAL)) {}
+}
+
+keel_page_t *_keel_page_adopt(unsigned cls, keel_heap_t *heap) {
+  if (keel_load_relaxed(&abandoned_hint[cls]) == 0) return NULL;
+  pthread_mutex_lock(&seg_lock);
+  keel_page_t *page = abandoned[cls].first;
+  if (page != NULL) __abandoned_unlink(page);
+  pthread_mutex_unlock(&seg_lock);
+  if (page == NULL) return NULL;
+  page_tf_set_normal(page);
+  /* Release: the new owner's view of the page's lists (taken under the lock)
+   * is published before any free sees heap == owner. Only the owner itself
+   * acts on that equality, so this is belt and braces. */
+  keel_store_release(&page->heap, heap);
+  __keel_page_collect_thread_free(page);
+  return page;
+}
+
+/* Caller holds seg_lock: frees abandoned pages whose blocks all came back. */
+static void __abandoned_collect(void) {
+  for (unsigned c = 0; c < _keel_class_count; c++) {
+    keel_page_t *next;
+    for (keel_page_t *p = abandoned[c].first; p != NULL; p = next) {
+      next = p->next;
+      __keel_page_collect_thread_free(p);
+      if (p->used == 0) {
+        __abandoned_unlink(p);
+        __page_free(p);
+      }
+    }
+  }
+}
+
+/* Purges the dirty runs of one segment, dropping the lock around madvise.
+ * Caller holds seg_lock; returns with it held. */
+static size_t __segment_purge(keel_segment_t *seg) {
+  uint64_t dirty = seg->dirty_mask;
+  seg->dirty_mask = 0;
+  seg->used_mask |= dirty; /* nobody allocates a span while it is purged */
+  dirty_slices -= (size_t)__builtin_popcountll(dirty);
+  pthread_mutex_unlock(&seg_lock);
+  size_t bytes = 0;
+  while (dirty != 0) {
+    unsigned first = (unsigned)__builtin_ctzll(dirty);
+    uint64_t rest = dirty >> first;
+    unsigned n = ~rest == 0 ? 64 - first : (unsigned)__builtin_ctzll(~rest);
+    _keel_os_purge((uint8_t *)seg + ((size_t)first << KEEL_SLICE_SHIFT),
+                   (size_t)n << KEEL_SLICE_SHIFT, false);
+    bytes += (size_t)n << KEEL_SLICE_SHIFT;
+    dirty &= ~span_mask(first, n);
+  }
+  pthread_mutex_lock(&seg_lock);
+  return bytes;
+}
+
+size_t _keel_segments_collect(bool force) {
+  uint64_t now = keel_clock_coarse_ms();
+  size_t bytes = 0;
+  pthread_mutex_lock(&seg_lock);
+  __abandoned_collect();
+  keel_segment_t *next;
+  for (keel_segment_t *seg = segments; seg != NULL; seg = next) {
+    next = seg->next;
+    if (!force && now < seg->purge_at) continue;
+    if (seg->used_mask == 1) {
+      bytes += (size_t)__builtin_popcountll(seg->dirty_mask) << KEEL_SLICE_SHIFT;
+      dirty_slices -= (size_t)__builtin_popcountll(seg->dirty_mask);
+      segment_release(seg);
+      continue;
+    }
+    if (seg->dirty_mask == 0) continue;
+    uint64_t purging = seg->dirty_mask;
+    bytes += __segment_purge(seg);
+    seg->used_mask &= ~purging;
+    next = seg->next; /* the list may have changed while the lock was dropped */
+  }
+  pthread_mutex_unlock(&seg_lock);
+  keel_fetch_add_relaxed(&_keel_purged_bytes, bytes);
+  return bytes;
+}
+
+void _keel_segments_totals(keel_seg_totals_t *t) {
+  pthread_mutex_lock(&seg_lock);
+  t->mapped = n_segments * KEEL_SEGMENT_SIZE;
+  t->committed = (used_slices + dirty_slices) << KEEL_SLICE_SHIFT;
+  t->abandoned_pages = n_abandoned;
+  memcpy(t->pages, class_pages, sizeof(t->pages));
+  pthread_mutex_unlock(&seg_lock);
+  t->purged = keel_load_relaxed(&_keel_purged_bytes);
+}

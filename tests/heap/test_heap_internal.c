@@ -1,0 +1,395 @@
+/* Invariants of the heap's internals: the class table, page validators,
+ * encoded free lists, cross-thread frees into full pages, abandonment at
+ * thread exit, purge (forced and by the purge thread), large blocks, and the
+ * bad-input aborts. The broad API and stress suites live in other files.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "base/options.h"
+#include "harness.h"
+#include "heap/internal.h"
+
+#include <keel/heap.h>
+
+static keel_page_t *page_of(void *p) {
+  return _keel_page_of(_keel_segment_of(p), p);
+}
+
+static void test_class_steps(void) {
+  _keel_classes_init();
+  KT_CHECK(_keel_class_count <= KEEL_HEAP_MAX_CLASSES && _keel_class_count <= KEEL_CLASS_COUNT_MAX);
+  for (size_t s = 0; s <= 64; s++) {
+    size_t want = s == 0 ? 8 : KEEL_ALIGN_UP(s, 8);
+    KT_EQ(_keel_class_size[keel_heap_class_of(s)], want);
+  }
+  int bad = 0;
+  for (size_t s = 64; s <= KEEL_LARGE_MAX; s++) {
+    int c = keel_heap_class_of(s);
+    size_t size = _keel_class_size[c];
+    /* the smallest class that fits, wasting less than 1/8 */
+    if (size < s || (size - s) * 8 >= size || (c > 0 && _keel_class_size[c - 1] >= s)) bad++;
+  }
+  KT_EQ(bad, 0);
+  KT_EQ(keel_heap_class_of(KEEL_LARGE_MAX + 1), -1);
+  KT_EQ(_keel_class_size[keel_heap_class_of(4108)], 4352);
+  for (unsigned c = 1; c < _keel_class_count; c++) {
+    KT_CHECK(_keel_class_size[c] > _keel_class_size[c - 1]);
+  }
+}
+
+static void test_class_info(void) {
+  keel_heap_class_info_t info[KEEL_HEAP_MAX_CLASSES];
+  size_t n = keel_heap_classes(info, KEEL_HEAP_MAX_CLASSES);
+  KT_EQ(n, _keel_class_count);
+  for (size_t c = 0; c < n; c++) {
+    KT_CHECK(info[c].per_page >= 4);
+    KT_CHECK(info[c].size <= 8192 ? info[c].per_page >= 8 : 1);
+    if (info[c].size > 64) KT_CHECK(info[c].worst_waste < 0.125);
+    if (c > 0) KT_EQ(info[c].min_req, info[c - 1].max_req + 1);
+  }
+  /* Squid: 4108-byte objects cost at most 1.07x with the page remainder. */
+  const keel_heap_class_info_t *sq = &info[keel_heap_class_of(4108)];
+  double cost = (double)sq->page_size / (double)sq->per_page;
+  KT_CHECK(cost / 4108.0 < 1.07);
+}
+
+static void check_sizes(size_t size, int n) {
+  void **v = calloc((size_t)n, sizeof(void *));
+  for (int i = 0; i < n; i++) {
+    v[i] = keel_malloc(size);
+    KT_REQUIRE(v[i] != NULL);
+    memset(v[i], 0xa5, size);
+    KT_CHECK(keel_usable_size(v[i]) >= size);
+  }
+  for (int i = 0; i < n; i++) {
+    if (size <= KEEL_LARGE_MAX) KT_CHECK(_keel_page_validate(page_of(v[i])));
+  }
+  for (int i = 0; i < n; i += 2) keel_free(v[i]);
+  for (int i = 1; i < n; i += 2) {
+    if (size <= KEEL_LARGE_MAX) KT_CHECK(_keel_page_validate(page_of(v[i])));
+  }
+  for (int i = 1; i < n; i += 2) keel_free(v[i]);
+  free(v);
+}
+
+static void test_page_validate(void) {
+  static const size_t sizes[] = {0, 8, 24, 100, 1000, 1025, 4108, 20000, 100000, 262144};
+  for (size_t i = 0; i < KEEL_ARRAY_SIZE(sizes); i++) {
+    check_sizes(sizes[i], sizes[i] > 50000 ? 40 : 3000);
+  }
+}
+
+static void test_encoded_lists(void) {
+  uint8_t *a = keel_malloc(48), *b = keel_malloc(48);
+  KT_REQUIRE(page_of(a) == page_of(b));
+  keel_page_t *page = page_of(a);
+  keel_free(a);
+  keel_free(b);
+  uintptr_t raw = *(uintptr_t *)b;
+  KT_CHECK(raw != (uintptr_t)a); /* not a plain pointer */
+  KT_CHECK((raw >> 63) == 1);    /* key bit 63: non-canonical if corrupted */
+  KT_CHECK((uintptr_t)_keel_decode(page, raw) == (uintptr_t)a);
+  KT_CHECK(_keel_page_validate(page));
+  void *c = keel_malloc(48);
+  KT_CHECK(page_of(c) == page); /* the current page still serves its class */
+  keel_free(c);
+}
+
+typedef struct {
+  void **v;
+  int n;
+  size_t size;
+} batch_t;
+
+static void *alloc_batch(void *arg) {
+  batch_t *b = arg;
+  for (int i = 0; i < b->n; i++) {
+    b->v[i] = keel_malloc(b->size);
+    memset(b->v[i], i, b->size);
+  }
+  return NULL;
+}
+
+static void *free_batch(void *arg) {
+  batch_t *b = arg;
+  for (int i = 0; i < b->n; i++) keel_free(b->v[i]);
+  return NULL;
+}
+
+static size_t class_live(size_t size) {
+  static keel_heap_stats_t st;
+  keel_heap_stats(&st);
+  return st.classes[keel_heap_class_of(size)].live;
+}
+
+/* Blocks of exited threads are freed by others; every abandoned page must
+ * be freed once its blocks are back. */
+static void test_abandon_and_collect(void) {
+  enum { T = 4 };
+  int n = (int)kt_scale(20000);
+  batch_t b[T];
+  pthread_t t[T];
+  size_t live0 = class_live(200);
+  for (int i = 0; i < T; i++) {
+    b[i] = (batch_t){calloc((size_t)n, sizeof(void *)), n, 200};
+    pthread_create(&t[i], NULL, alloc_batch, &b[i]);
+  }
+  for (int i = 0; i < T; i++) pthread_join(t[i], NULL);
+  static keel_heap_stats_t st;
+  keel_heap_stats(&st);
+  KT_CHECK(st.abandoned_pages > 0);
+  KT_EQ(class_live(200), live0 + (size_t)(T * n));
+  for (int i = 0; i < T; i++) pthread_create(&t[i], NULL, free_batch, &b[i]);
+  for (int i = 0; i < T; i++) pthread_join(t[i], NULL);
+  KT_EQ(class_live(200), live0);
+  keel_heap_collect(true);
+  keel_heap_stats(&st);
+  KT_EQ(st.abandoned_pages, 0);
+  for (int i = 0; i < T; i++) free(b[i].v);
+}
+
+/* An owner that filled its pages and went idle: the pages come back to the
+ * segments once other threads free every block (delayed list drained by a
+ * collector on the owner's behalf). */
+static pthread_mutex_t idle_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t idle_cv = PTHREAD_COND_INITIALIZER;
+static int idle_phase;
+
+static void *alloc_then_idle(void *arg) {
+  alloc_batch(arg);
+  pthread_mutex_lock(&idle_mu);
+  idle_phase = 1;
+  pthread_cond_broadcast(&idle_cv);
+  while (idle_phase != 2) pthread_cond_wait(&idle_cv, &idle_mu);
+  pthread_mutex_unlock(&idle_mu);
+  return NULL;
+}
+
+static void test_idle_owner_full_pages(void) {
+  int n = (int)kt_scale(40000);
+  batch_t b = {calloc((size_t)n, sizeof(void *)), n, 512};
+  pthread_t owner, freer;
+  idle_phase = 0;
+  pthread_create(&owner, NULL, alloc_then_idle, &b);
+  pthread_mutex_lock(&idle_mu);
+  while (idle_phase != 1) pthread_cond_wait(&idle_cv, &idle_mu);
+  pthread_mutex_unlock(&idle_mu);
+  static keel_heap_stats_t st;
+  keel_heap_stats(&st);
+  size_t pages_before = st.classes[keel_heap_class_of(512)].pages;
+  pthread_create(&freer, NULL, free_batch, &b);
+  pthread_join(freer, NULL);
+  keel_heap_collect(true);
+  keel_heap_stats(&st);
+  size_t pages_after = st.classes[keel_heap_class_of(512)].pages;
+  /* At most the owner's current page and one being filled stay. */
+  KT_CHECK(pages_after <= 2);
+  KT_CHECK(pages_before > 4);
+  pthread_mutex_lock(&idle_mu);
+  idle_phase = 2;
+  pthread_cond_broadcast(&idle_cv);
+  pthread_mutex_unlock(&idle_mu);
+  pthread_join(owner, NULL);
+  free(b.v);
+}
+
+static void test_purge_forced(void) {
+  int n = 64 << 10; /* 64 MiB of 1 KiB blocks */
+  void **v = calloc((size_t)n, sizeof(void *));
+  for (int i = 0; i < n; i++) {
+    v[i] = keel_malloc(1000);
+    memset(v[i], 1, 1000);
+  }
+  size_t rss1 = kt_rss_kb();
+  for (int i = 0; i < n; i++) keel_free(v[i]);
+  keel_heap_collect(true);
+  size_t rss2 = kt_rss_kb();
+  KT_CHECK(rss2 + 48 * 1024 < rss1);
+  static keel_heap_stats_t st;
+  keel_heap_stats(&st);
+  KT_CHECK(st.committed_bytes < (size_t)16 << 20);
+  free(v);
+}
+
+/* Without any further malloc call, the purge thread returns memory. */
+static void test_purge_background(void) {
+  _keel_option_set(KEEL_OPT_heap_purge_ms, 50);
+  int n = 32 << 10;
+  batch_t b = {calloc((size_t)n, sizeof(void *)), n, 1000};
+  pthread_t t;
+  pthread_create(&t, NULL, alloc_batch, &b);
+  pthread_join(t, NULL);
+  pthread_create(&t, NULL, free_batch, &b);
+  pthread_join(t, NULL);
+  static keel_heap_stats_t st;
+  size_t committed = 0;
+  for (int i = 0; i < 100; i++) {
+    usleep(20000);
+    keel_heap_stats(&st);
+    committed = st.committed_bytes;
+    if (committed < (size_t)8 << 20) break;
+  }
+  KT_CHECK(committed < (size_t)8 << 20);
+  _keel_option_set(KEEL_OPT_heap_purge_ms, 1000);
+  free(b.v);
+}
+
+static void test_large(void) {
+  size_t n = (size_t)5 << 20;
+  uint8_t *p = keel_malloc(n);
+  KT_REQUIRE(p != NULL);
+  for (size_t i = 0; i < n; i += 4096) p[i] = (uint8_t)(i >> 12);
+  KT_CHECK(keel_usable_size(p) >= n);
+  uint8_t *q = keel_realloc(p, (size_t)25 << 20);
+  KT_REQUIRE(q != NULL);
+  int bad = 0;
+  for (size_t i = 0; i < n; i += 4096) bad += q[i] != (uint8_t)(i >> 12);
+  KT_EQ(bad, 0);
+  q = keel_realloc(q, (size_t)1 << 20);
+  for (size_t i = 0; i < ((size_t)1 << 20); i += 4096) bad += q[i] != (uint8_t)(i >> 12);
+  KT_EQ(bad, 0);
+  keel_free(q);
+  /* A freed mapping is reused for the next large request. */
+  void *a = keel_malloc((size_t)8 << 20);
+  keel_free(a);
+  void *b = keel_malloc((size_t)6 << 20);
+  KT_CHECK(a == b);
+  keel_free(b);
+  static keel_heap_stats_t st;
+  keel_heap_stats(&st);
+  KT_EQ(st.large_live, 0);
+  keel_heap_collect(true);
+}
+
+static void test_aligned(void) {
+  static const size_t sizes[] = {1, 24, 100, 4108, 70000, 300000};
+  for (size_t align = 8; align <= ((size_t)1 << 20); align <<= 1) {
+    for (size_t i = 0; i < KEEL_ARRAY_SIZE(sizes); i++) {
+      void *p = keel_aligned_alloc(align, sizes[i]);
+      KT_REQUIRE(p != NULL);
+      KT_CHECK(((uintptr_t)p & (align - 1)) == 0);
+      KT_CHECK(keel_usable_size(p) >= sizes[i]);
+      memset(p, 1, sizes[i]);
+      keel_free(p);
+    }
+  }
+  errno = 0;
+  KT_CHECK(keel_aligned_alloc(24, 10) == NULL && errno == EINVAL);
+}
+
+static void test_enomem(void) {
+  errno = 0;
+  KT_CHECK(keel_malloc(SIZE_MAX) == NULL && errno == ENOMEM);
+  errno = 0;
+  KT_CHECK(keel_calloc(SIZE_MAX / 2, 3) == NULL && errno == ENOMEM);
+  void *p = keel_malloc(0);
+  void *q = keel_malloc(0);
+  KT_CHECK(p != NULL && q != NULL && p != q);
+  keel_free(p);
+  keel_free(q);
+  KT_CHECK(keel_realloc(keel_malloc(10), 0) == NULL);
+}
+
+static void do_double_free(void *arg) {
+  (void)arg;
+  void *p = keel_malloc(40);
+  keel_malloc(40);
+  keel_free(p);
+  keel_free(p);
+}
+
+static void do_double_free_last(void *arg) {
+  (void)arg;
+  void *p = keel_malloc(3000); /* alone on its list: terminator link */
+  keel_free(p);
+  keel_free(p);
+}
+
+static void do_free_stack(void *arg) {
+  (void)arg;
+  int x;
+  keel_free(&x);
+}
+
+static void do_free_interior(void *arg) {
+  (void)arg;
+  char *p = keel_malloc(100);
+  keel_free(p + 8);
+}
+
+static void do_free_mmap(void *arg) {
+  (void)arg;
+  void *m = mmap(NULL, 1 << 16, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  keel_free((char *)m + 64);
+}
+
+static void do_free_large_interior(void *arg) {
+  (void)arg;
+  char *p = keel_malloc(1 << 20);
+  keel_free(p + 4096);
+}
+
+static void do_realloc_interior(void *arg) {
+  (void)arg;
+  char *p = keel_malloc(100);
+  keel_realloc(p + 16, 200);
+}
+
+static void test_bad_input(void) {
+  KT_EXPECT_ABORT(do_double_free, NULL, "keel: free: double free of 0x");
+  KT_EXPECT_ABORT(do_double_free_last, NULL, "keel: free: double free of 0x");
+  KT_EXPECT_ABORT(do_free_stack, NULL, "keel: free: invalid pointer 0x");
+  KT_EXPECT_ABORT(do_free_interior, NULL, "keel: free: invalid pointer 0x");
+  KT_EXPECT_ABORT(do_free_mmap, NULL, "keel: free: invalid pointer 0x");
+  KT_EXPECT_ABORT(do_free_large_interior, NULL, "keel: free: invalid pointer 0x");
+  KT_EXPECT_ABORT(do_realloc_interior, NULL, "invalid pointer 0x");
+}
+
+static void *churn(void *arg) {
+  _Atomic int *stop = arg;
+  void *v[64] = {0};
+  for (unsigned i = 0; !*stop; i++) {
+    keel_free(v[i % 64]);
+    v[i % 64] = keel_malloc(16 + (i * 37) % 2000);
+  }
+  for (int i = 0; i < 64; i++) keel_free(v[i]);
+  return NULL;
+}
+
+/* A child forked while threads allocate can allocate and free at once. */
+static void test_fork(void) {
+  enum { T = 8 };
+  _Atomic int stop = 0;
+  pthread_t t[T];
+  for (int i = 0; i < T; i++) pthread_create(&t[i], NULL, churn, (void *)&stop);
+  for (int k = 0; k < 10; k++) {
+    pid_t pid = fork();
+    if (pid == 0) {
+      void *v[1000];
+      for (int i = 0; i < 1000; i++) v[i] = keel_malloc((size_t)i * 7);
+      for (int i = 0; i < 1000; i++) keel_free(v[i]);
+      keel_free(keel_malloc((size_t)1 << 20));
+      _exit(0);
+    }
+    int status = -1;
+    waitpid(pid, &status, 0);
+    KT_CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+  }
+  stop = 1;
+  for (int i = 0; i < T; i++) pthread_join(t[i], NULL);
+}
+
+KT_MAIN(KT_CASE(test_class_steps), KT_CASE(test_class_info), KT_CASE(test_page_validate),
+        KT_CASE(test_encoded_lists), KT_CASE(test_abandon_and_collect),
+        KT_CASE(test_idle_owner_full_pages), KT_CASE(test_purge_forced),
+        KT_CASE(test_purge_background), KT_CASE(test_large), KT_CASE(test_aligned),
+        KT_CASE(test_enomem), KT_CASE(test_bad_input), KT_CASE(test_fork))
