@@ -23,11 +23,15 @@
 extern "C" {
 #endif
 
-/* Allocates size bytes aligned to 16 (a unique pointer for size 0); NULL and
- * errno ENOMEM on failure or overflow. */
+/* Allocates size bytes (a unique pointer for size 0); NULL and errno ENOMEM
+ * on failure or overflow. Aligned to 16, except that a size that is not a
+ * multiple of 16 may get an 8-aligned block (it cannot hold an array of
+ * 16-aligned objects; C11's rule, and mimalloc's). Lock-free; no system
+ * call unless a new page or a large block (above 256 KiB) is needed. */
 KEEL_API void *keel_malloc(size_t size);
 
-/* Frees a block from keel_malloc & co; NULL is a no-op. */
+/* Frees a block from keel_malloc & co; NULL is a no-op. Any thread may free
+ * any block (another thread's block: one atomic push). Lock-free. */
 KEEL_API void keel_free(void *p);
 
 /* keel_free when the caller knows the size it asked for (a hint; checked in
@@ -60,7 +64,8 @@ KEEL_API void keel_heap_collect(bool force);
 
 typedef struct keel_heap_class_stats {
   size_t size;            /* block size of this class (usable bytes) */
-  size_t requested_bytes; /* sum of sizes asked for by live blocks */
+  size_t requested_bytes; /* sizes asked for by live blocks: live x the class's
+                             mean request since start (free is not told sizes) */
   size_t usable_bytes;    /* live blocks * size */
   size_t live;            /* live blocks */
   size_t pages;           /* pages (spans) currently holding this class */
@@ -82,8 +87,9 @@ typedef struct keel_heap_stats {
 } keel_heap_stats_t;
 
 /* Fills *st with process-wide totals and per-class figures. The figures are
- * summed from per-thread counters without stopping threads: each is exact
- * for a quiescent heap and approximate while others allocate. */
+ * summed from per-page and per-thread counters without stopping threads:
+ * exact for a quiescent heap, approximate while others allocate. Takes
+ * internal locks briefly; does not allocate. */
 KEEL_API void keel_heap_stats(keel_heap_stats_t *st);
 
 /* Prints the stats as a table: one row per size class in use, then totals. */

@@ -3,7 +3,7 @@
  * Layout (why each choice is made is in the file that owns it):
  *   segment  4 MiB, 4 MiB-aligned, from mmap (segment.c). Slice 0 (the first
  *            64 KiB) holds the segment header and the descriptors of every
- *            page: metadata lives out of line, so an overflow out of a user
+ *            page (with slice 1: their double-free bitmaps): metadata lives out of line, so an overflow out of a user
  *            block can reach other blocks' free-list links but never a page
  *            descriptor, a list head or a counter. Slices 1..63 hold pages.
  *   page     a span of 1, 4 or 16 slices (64 KiB, 256 KiB, 1 MiB) carved
@@ -47,6 +47,7 @@
 #define KEEL_SLICE_SHIFT   16 /* 64 KiB: the small page */
 #define KEEL_SLICE_SIZE    ((size_t)1 << KEEL_SLICE_SHIFT)
 #define KEEL_SLICES        (KEEL_SEGMENT_SIZE / KEEL_SLICE_SIZE)
+#define KEEL_HEADER_SLICES 2 /* the segment header with its bitmaps: 72 KiB */
 
 /* Size classes (classes.c). */
 #define KEEL_SMALL_MAX       1024 /* served by the one-table lookup in the fast path */
@@ -107,7 +108,14 @@ typedef struct keel_page {
   keel_atomic(uintptr_t) thread_free;   /* blocks freed by other threads (see above) */
   keel_atomic(struct keel_heap *) heap; /* owner; NULL while abandoned or unused */
   struct keel_page *next, *prev;        /* in the owner's queue / full list, or abandoned */
-  uint64_t pad2_[4];
+  /* Statistics, written by the owner with relaxed load+store (no atomic
+   * add), read by keel_heap_stats under the segment lock; folded into the
+   * class totals when the page is freed. Kept in the page, not the heap, so
+   * the fast paths reach them without indexing by class. */
+  keel_atomic(size_t) allocs;    /* blocks handed out */
+  keel_atomic(size_t) requested; /* bytes asked for by them */
+  keel_atomic(size_t) frees;     /* blocks freed by the owner (remote frees: heap counters) */
+  uint64_t *freed_bits;          /* owner: bit i set iff block i is on local_free (see alloc.h) */
 } keel_page_t;
 
 _Static_assert(sizeof(keel_page_t) == 128, "page descriptor is indexed by shift");
@@ -131,6 +139,10 @@ typedef struct keel_segment {
   size_t user_off; /* user pointer - base */
   size_t req;      /* bytes asked for */
   keel_page_t pages[KEEL_SLICES];
+  /* Per slice, a bitmap of the page's blocks that are on its local_free
+   * list: 1 KiB, enough for 8-byte blocks of a 64 KiB page. Only the words a
+   * page uses are ever touched. */
+  uint64_t freed_bits[KEEL_SLICES][KEEL_SLICE_SIZE / 8 / 64];
 } keel_segment_t;
 
 /* Bytes before a large block's user data: the header and pages[0]. */
@@ -138,32 +150,28 @@ typedef struct keel_segment {
 _Static_assert(__builtin_offsetof(keel_segment_t, pages) + sizeof(keel_page_t) <= KEEL_LARGE_HDR,
                "large header covers pages[0]");
 
-/* Per-class counters of one heap. Written only by the owning thread, read by
- * keel_heap_stats from any thread: relaxed atomics, summed without a lock. */
-typedef struct keel_class_counters {
-  keel_atomic(size_t) allocs;    /* blocks allocated */
-  keel_atomic(size_t) frees;     /* blocks freed by this thread (any owner) */
-  keel_atomic(size_t) requested; /* sum of the sizes asked for */
-} keel_class_counters_t;
-
 typedef struct keel_page_queue {
   keel_page_t *first, *last;
 } keel_page_queue_t;
 
-/* A thread heap. `direct` and `counters` are the fast path's; the rest is
+/* A thread heap. `direct` is the fast path's; the rest is
  * changed only under `lock`, by the owner (slow paths) or by a collector
  * working on the owner's full pages. Heaps are never unmapped (recycled
  * through a free list), so a stale pointer to one is always readable. */
 typedef struct keel_heap {
   keel_page_t *direct[KEEL_CLASS_COUNT_MAX]; /* current page per class, or &_keel_empty_page */
-  keel_class_counters_t counters[KEEL_CLASS_COUNT_MAX];
-  pthread_mutex_t lock;
+  /* Blocks of other threads' pages this thread freed, per class: written by
+   * this thread only (relaxed load+store), summed by keel_heap_stats. */
+  keel_atomic(size_t) remote_frees[KEEL_CLASS_COUNT_MAX];
+  keel_atomic(int) lock;       /* collectors, and owners without membarrier (heap.c) */
+  keel_atomic(int) owner_busy; /* owner is in a slow path (asymmetric handshake) */
+  keel_atomic(int) collector;  /* a collector holds the heap (asymmetric handshake) */
   keel_page_queue_t queue[KEEL_CLASS_COUNT_MAX]; /* pages with free blocks; current first */
   keel_page_queue_t full;                        /* IN_FULL pages */
   keel_atomic(keel_block_t *) delayed;           /* remote frees into full pages (raw next links) */
   uint64_t rng;                                  /* page keys */
   keel_thread_hook_t exit_hook;
-  struct keel_heap *next_all; /* every heap ever made (registry) */
+  struct keel_heap *next_all, *prev_all; /* every mapped heap (registry) */
   struct keel_heap *next_free;
   bool active;
 } keel_heap_t;
@@ -201,6 +209,7 @@ void _keel_segments_child_reset(void) KEEL_HIDDEN;
 typedef struct keel_seg_totals {
   size_t mapped, committed, purged, abandoned_pages;
   size_t pages[KEEL_CLASS_COUNT_MAX];
+  size_t allocs[KEEL_CLASS_COUNT_MAX], requested[KEEL_CLASS_COUNT_MAX], frees[KEEL_CLASS_COUNT_MAX];
 } keel_seg_totals_t;
 void _keel_segments_totals(keel_seg_totals_t *t) KEEL_HIDDEN;
 
@@ -231,7 +240,8 @@ void _keel_heaps_visit(keel_heap_visit_fn fn, void *arg) KEEL_HIDDEN;
 void _keel_heap_fork_prepare(void) KEEL_HIDDEN;
 void _keel_heap_fork_parent(void) KEEL_HIDDEN;
 void _keel_heap_fork_child(void) KEEL_HIDDEN;
-/* Counters of frees by threads that have no heap (never allocated). */
+/* Frees of other threads' blocks by threads without a heap (never allocated,
+ * or exited). */
 extern keel_atomic(size_t) _keel_orphan_frees[KEEL_CLASS_COUNT_MAX] KEEL_HIDDEN;
 
 /* --- large blocks (large.c) --- */
@@ -250,6 +260,11 @@ void _keel_large_child_reset(void) KEEL_HIDDEN;
  * on first use. Must be called with no heap lock held (it may create a thread,
  * and pthread_create allocates). */
 void _keel_purge_schedule(void) KEEL_HIDDEN;
+/* Records that something waits for a delayed purge (a freed span, a cached
+ * large mapping, an abandoned page, a delayed list): only then does
+ * _keel_purge_schedule start the thread, so a process that never frees
+ * memory back never gets one. Any lock may be held. */
+void _keel_purge_note_work(void) KEEL_HIDDEN;
 void _keel_purge_fork_child(void) KEEL_HIDDEN;
 extern keel_atomic(size_t) _keel_purged_bytes KEEL_HIDDEN;
 
@@ -268,7 +283,7 @@ KEEL_INLINE keel_segment_t *_keel_segment_of(const void *p) {
 
 KEEL_INLINE bool _keel_segmap_has(const void *seg) {
   uintptr_t u = (uintptr_t)seg >> KEEL_SEGMENT_SHIFT;
-  if (keel_unlikely((u >> 6) >= KEEL_SEGMAP_WORDS)) return false;
+  if (keel_unlikely(u >> (47 - KEEL_SEGMENT_SHIFT) != 0)) return false; /* not user space */
   /* Relaxed: a block reaches its freer through the program's own
    * synchronisation, which orders the bit's setting before it. */
   return (keel_load_relaxed(&_keel_segmap[u >> 6]) >> (u & 63)) & 1;
@@ -276,7 +291,9 @@ KEEL_INLINE bool _keel_segmap_has(const void *seg) {
 
 KEEL_INLINE keel_page_t *_keel_page_of(keel_segment_t *seg, const void *p) {
   size_t slice = ((uintptr_t)p - (uintptr_t)seg) >> KEEL_SLICE_SHIFT;
-  return &seg->pages[seg->slice_head[slice]];
+  /* One address computation (gcc otherwise recomputes it per field). */
+  uintptr_t head = seg->slice_head[slice];
+  return (keel_page_t *)((uintptr_t)seg + __builtin_offsetof(keel_segment_t, pages) + (head << 7));
 }
 
 KEEL_INLINE uintptr_t _keel_encode(const keel_page_t *page, const void *next) {
@@ -291,6 +308,36 @@ KEEL_INLINE bool _keel_list_empty(const keel_block_t *b) {
 /* The terminator of every list of this page: its segment base. */
 KEEL_INLINE keel_block_t *_keel_list_end(const keel_page_t *page) {
   return (keel_block_t *)_keel_segment_of(page);
+}
+
+/* Block index of byte offset off in the page; false if off is not on a
+ * block boundary. One 64x64->128 multiply gives both: the high half is the
+ * quotient, the low half below the magic means no remainder (Lemire, Kaser
+ * and Kurz 2019, valid for off and bsize below 2^32). */
+KEEL_INLINE bool _keel_page_block_index(const keel_page_t *page, size_t off, size_t *idx) {
+  unsigned __int128 m = (unsigned __int128)off * page->div_magic;
+  *idx = (size_t)(m >> 64);
+  return (uint64_t)m < page->div_magic;
+}
+
+/* The double-free bitmap (owner only): bit set iff the block is on local_free. */
+KEEL_INLINE void _keel_page_mark_freed(keel_page_t *page, const void *b) {
+  size_t idx;
+  _keel_page_block_index(page, (size_t)((const uint8_t *)b - page->start), &idx);
+  page->freed_bits[idx >> 6] |= (uint64_t)1 << (idx & 63);
+}
+KEEL_INLINE bool _keel_page_is_marked_freed(const keel_page_t *page, const void *b) {
+  size_t idx;
+  _keel_page_block_index(page, (size_t)((const uint8_t *)b - page->start), &idx);
+  return (page->freed_bits[idx >> 6] >> (idx & 63)) & 1;
+}
+
+/* A freed block's first word decodes to a link into its own segment; a live
+ * block's first word does that with probability about 2^-42 (key bit 63 is
+ * set, so user pointers and small values decode outside user space; malloc
+ * clears the word of the block it hands out). */
+KEEL_INLINE bool _keel_block_maybe_free(const keel_page_t *page, const keel_block_t *b) {
+  return (((uintptr_t)_keel_decode(page, b->next) ^ (uintptr_t)b) >> KEEL_SEGMENT_SHIFT) == 0;
 }
 
 /* True when off is a multiple of the page's block size (Lemire's test,

@@ -158,6 +158,7 @@ void _keel_large_free(keel_segment_t *seg) {
       cache_bytes += seg->mapped;
       keel_store_relaxed(&cached_bytes_pub, cache_bytes);
       cached = true;
+      _keel_purge_note_work();
     }
     pthread_mutex_unlock(&large_lock);
   }

@@ -11,8 +11,10 @@
  * block); realloc(NULL, n) allocates; realloc(p, 0) frees and returns NULL;
  * free(NULL) does nothing; overflowing calloc/reallocarray and impossible
  * sizes return NULL with ENOMEM; posix_memalign returns EINVAL for an
- * alignment that is not a power of two multiple of sizeof(void *), and
- * aligned_alloc/memalign set EINVAL for one that is not a power of two.
+ * alignment that is not a power of two multiple of sizeof(void *),
+ * aligned_alloc sets EINVAL for one that is not a power of two, and memalign
+ * rounds such an alignment up to one. Alignments above 2 MiB get ENOMEM
+ * (a large block's header must sit in its first 4 MiB).
  *
  * The glibc-only introspection calls (malloc_trim, mallinfo2, malloc_info,
  * malloc_stats) are answered from keel's own state, so they never fall
@@ -94,9 +96,15 @@ KEEL_EXPORT void *aligned_alloc(size_t align, size_t size) {
 }
 
 KEEL_EXPORT void *memalign(size_t align, size_t size) {
+  /* glibc rounds an alignment that is not a power of two up to one. */
   if (!KEEL_IS_POW2(align)) {
-    errno = EINVAL;
-    return NULL;
+    if (align > ((size_t)1 << 62)) {
+      errno = EINVAL;
+      return NULL;
+    }
+    size_t a = 16;
+    while (a < align) a <<= 1;
+    align = a;
   }
   return _keel_aligned_alloc(align, size);
 }

@@ -25,6 +25,11 @@
 
 enum { BG_NONE, BG_STARTING, BG_RUNNING, BG_FAILED };
 static keel_atomic(int) bg_state;
+static keel_atomic(int) work_noted;
+
+void _keel_purge_note_work(void) {
+  if (!keel_load_relaxed(&work_noted)) keel_store_relaxed(&work_noted, 1);
+}
 
 static void *purge_main(void *arg) {
   (void)arg;
@@ -44,6 +49,7 @@ static void *purge_main(void *arg) {
 
 void _keel_purge_schedule(void) {
   if (keel_likely(keel_load_relaxed(&bg_state) != BG_NONE)) return;
+  if (!keel_load_relaxed(&work_noted)) return;
   if (_keel_option(KEEL_OPT_heap_purge_ms) == 0) return;
   int expected = BG_NONE;
   if (!keel_cas_strong_acq_rel(&bg_state, &expected, BG_STARTING)) return;

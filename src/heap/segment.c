@@ -32,8 +32,12 @@
 #include "base/options.h"
 #include "base/os.h"
 #include "heap/internal.h"
+#include "heap/track.h"
 
 keel_atomic(uint64_t) _keel_segmap[KEEL_SEGMAP_WORDS];
+
+#define HEADER_MASK (((uint64_t)1 << KEEL_HEADER_SLICES) - 1)
+_Static_assert(sizeof(keel_segment_t) <= KEEL_HEADER_SLICES * KEEL_SLICE_SIZE, "header fits");
 
 static pthread_mutex_t seg_lock = PTHREAD_MUTEX_INITIALIZER;
 static keel_segment_t *segments; /* every small segment, most recently created first */
@@ -43,6 +47,9 @@ static size_t n_abandoned;
 /* Abandoned pages per class, read without the lock as a hint by adopters. */
 static keel_atomic(size_t) abandoned_hint[KEEL_CLASS_COUNT_MAX];
 static size_t class_pages[KEEL_CLASS_COUNT_MAX]; /* pages per class, under the lock */
+/* Counters of freed pages, per class, under the lock (see keel_page_t). */
+static size_t retired_allocs[KEEL_CLASS_COUNT_MAX], retired_requested[KEEL_CLASS_COUNT_MAX],
+    retired_frees[KEEL_CLASS_COUNT_MAX];
 static size_t dirty_slices, used_slices;
 keel_atomic(size_t) _keel_purged_bytes;
 
@@ -74,7 +81,7 @@ static uint64_t span_mask(unsigned first, unsigned n) {
  * memory is still resident (no fault to reuse it); -1 if none. */
 static int span_find(const keel_segment_t *seg, unsigned n) {
   int any = -1;
-  for (unsigned i = n; i + n <= KEEL_SLICES; i += n) {
+  for (unsigned i = n < KEEL_HEADER_SLICES ? KEEL_HEADER_SLICES : n; i + n <= KEEL_SLICES; i += n) {
     uint64_t m = span_mask(i, n);
     if ((seg->used_mask & m) != 0) continue;
     if ((seg->dirty_mask & m) == m) return (int)i;
@@ -94,7 +101,7 @@ static keel_segment_t *segment_new(void) {
     return NULL;
   }
   seg->kind = KEEL_SEG_SMALL;
-  seg->used_mask = 1;
+  seg->used_mask = HEADER_MASK;
   seg->next = segments;
   seg->prev = NULL;
   if (segments != NULL) segments->prev = seg;
@@ -112,6 +119,7 @@ static void segment_release(keel_segment_t *seg) {
   if (seg->next != NULL) seg->next->prev = seg->prev;
   n_segments--;
   _keel_segmap_set(seg, false);
+  KEEL_TRACK_RESET(seg, KEEL_SEGMENT_SIZE);
   _keel_os_release(seg, KEEL_SEGMENT_SIZE);
 }
 
@@ -130,7 +138,7 @@ keel_page_t *_keel_page_alloc(unsigned cls, keel_heap_t *heap) {
       pthread_mutex_unlock(&seg_lock);
       return NULL;
     }
-    first = (int)n;
+    first = span_find(seg, n);
   }
   uint64_t m = span_mask((unsigned)first, n);
   dirty_slices -= (size_t)__builtin_popcountll(seg->dirty_mask & m);
@@ -141,6 +149,8 @@ keel_page_t *_keel_page_alloc(unsigned cls, keel_heap_t *heap) {
   class_pages[cls]++;
   keel_page_t *page = &seg->pages[first];
   page->slices = (uint8_t)n;
+  page->cls = (uint8_t)cls;
+  page->bsize = _keel_class_size[cls];
   pthread_mutex_unlock(&seg_lock);
   _keel_page_init(page, cls, heap);
   return page;
@@ -156,6 +166,12 @@ static void __page_free(keel_page_t *page) {
   unsigned first = (unsigned)(page - seg->pages), n = page->slices;
   uint64_t m = span_mask(first, n);
   class_pages[page->cls]--;
+  retired_allocs[page->cls] += keel_load_relaxed(&page->allocs);
+  retired_requested[page->cls] += keel_load_relaxed(&page->requested);
+  retired_frees[page->cls] += keel_load_relaxed(&page->frees);
+  keel_store_relaxed(&page->allocs, 0);
+  keel_store_relaxed(&page->requested, 0);
+  keel_store_relaxed(&page->frees, 0);
   page->bsize = 0;
   page->div_magic = 0;
   keel_store_relaxed(&page->heap, NULL);
@@ -166,11 +182,21 @@ static void __page_free(keel_page_t *page) {
   seg->purge_at = keel_clock_coarse_ms() + purge_delay_ms();
 }
 
+static size_t __segment_purge(keel_segment_t *seg);
+
 void _keel_page_free(keel_page_t *page) {
+  keel_segment_t *seg = _keel_segment_of(page);
   pthread_mutex_lock(&seg_lock);
   __page_free(page);
+  size_t bytes = 0;
+  if (purge_delay_ms() == 0) { /* heap_purge_ms=0: this span at once */
+    uint64_t purging = seg->dirty_mask;
+    bytes = __segment_purge(seg);
+    seg->used_mask &= ~purging;
+  }
   pthread_mutex_unlock(&seg_lock);
-  if (purge_delay_ms() == 0) _keel_segments_collect(true);
+  if (bytes != 0) keel_fetch_add_relaxed(&_keel_purged_bytes, bytes);
+  _keel_purge_note_work();
 }
 
 void _keel_page_abandon(keel_page_t *page) {
@@ -185,6 +211,7 @@ void _keel_page_abandon(keel_page_t *page) {
     q->first = page;
   q->last = page;
   n_abandoned++;
+  _keel_purge_note_work();
   keel_store_relaxed(&abandoned_hint[page->cls], keel_load_relaxed(&abandoned_hint[page->cls]) + 1);
   pthread_mutex_unlock(&seg_lock);
 }
@@ -274,7 +301,7 @@ size_t _keel_segments_collect(bool force) {
   for (keel_segment_t *seg = segments; seg != NULL; seg = next) {
     next = seg->next;
     if (!force && now < seg->purge_at) continue;
-    if (seg->used_mask == 1) {
+    if (seg->used_mask == HEADER_MASK) {
       bytes += (size_t)__builtin_popcountll(seg->dirty_mask) << KEEL_SLICE_SHIFT;
       dirty_slices -= (size_t)__builtin_popcountll(seg->dirty_mask);
       segment_release(seg);
@@ -297,6 +324,19 @@ void _keel_segments_totals(keel_seg_totals_t *t) {
   t->committed = (used_slices + dirty_slices) << KEEL_SLICE_SHIFT;
   t->abandoned_pages = n_abandoned;
   memcpy(t->pages, class_pages, sizeof(t->pages));
+  memcpy(t->allocs, retired_allocs, sizeof(t->allocs));
+  memcpy(t->requested, retired_requested, sizeof(t->requested));
+  memcpy(t->frees, retired_frees, sizeof(t->frees));
+  for (keel_segment_t *seg = segments; seg != NULL; seg = seg->next) {
+    for (unsigned i = KEEL_HEADER_SLICES; i < KEEL_SLICES; i++) {
+      const keel_page_t *p = &seg->pages[i];
+      /* Span heads of pages in use (bsize and cls are set under the lock). */
+      if (!((seg->used_mask >> i) & 1) || seg->slice_head[i] != i || p->bsize == 0) continue;
+      t->allocs[p->cls] += keel_load_relaxed(&p->allocs);
+      t->requested[p->cls] += keel_load_relaxed(&p->requested);
+      t->frees[p->cls] += keel_load_relaxed(&p->frees);
+    }
+  }
   pthread_mutex_unlock(&seg_lock);
   t->purged = keel_load_relaxed(&_keel_purged_bytes);
 }

@@ -19,43 +19,44 @@
 #include <keel/heap.h>
 
 typedef struct {
-  size_t allocs[KEEL_CLASS_COUNT_MAX], frees[KEEL_CLASS_COUNT_MAX], req[KEEL_CLASS_COUNT_MAX];
+  size_t remote_frees[KEEL_CLASS_COUNT_MAX];
 } sums_t;
 
 static void sum_heap(keel_heap_t *h, void *arg) {
   sums_t *s = arg;
   for (unsigned c = 0; c < _keel_class_count; c++) {
-    s->allocs[c] += keel_load_relaxed(&h->counters[c].allocs);
-    s->frees[c] += keel_load_relaxed(&h->counters[c].frees);
-    s->req[c] += keel_load_relaxed(&h->counters[c].requested);
+    s->remote_frees[c] += keel_load_relaxed(&h->remote_frees[c]);
   }
 }
 
 KEEL_API void keel_heap_stats(keel_heap_stats_t *st) {
   _keel_classes_init();
   memset(st, 0, sizeof(*st));
-  static sums_t sums; /* too big for a small thread stack; guarded below */
-  static pthread_mutex_t sums_lock = PTHREAD_MUTEX_INITIALIZER;
+  /* Static (too big for a small thread stack), under a lock of their own. */
+  static sums_t sums;
   static keel_seg_totals_t seg;
+  static pthread_mutex_t sums_lock = PTHREAD_MUTEX_INITIALIZER;
   pthread_mutex_lock(&sums_lock);
   memset(&sums, 0, sizeof(sums));
+  /* Remote frees first, page counters second: a block allocated and freed
+   * remotely in between is then counted as allocated, never as freed only. */
   _keel_heaps_visit(sum_heap, &sums);
   _keel_segments_totals(&seg);
   st->n_classes = _keel_class_count;
   for (unsigned c = 0; c < _keel_class_count; c++) {
     keel_heap_class_stats_t *cs = &st->classes[c];
-    size_t frees = sums.frees[c] + keel_load_relaxed(&_keel_orphan_frees[c]);
+    size_t frees = seg.frees[c] + sums.remote_frees[c] + keel_load_relaxed(&_keel_orphan_frees[c]);
     cs->size = _keel_class_size[c];
-    cs->allocs = sums.allocs[c];
+    cs->allocs = seg.allocs[c];
     cs->frees = frees;
     /* Counters are read one by one while others run: clamp a transient
      * negative to zero. */
-    cs->live = sums.allocs[c] > frees ? sums.allocs[c] - frees : 0;
+    cs->live = seg.allocs[c] > frees ? seg.allocs[c] - frees : 0;
     cs->usable_bytes = cs->live * cs->size;
     cs->requested_bytes =
-        sums.allocs[c] == 0
+        seg.allocs[c] == 0
             ? 0
-            : (size_t)((double)sums.req[c] / (double)sums.allocs[c] * (double)cs->live);
+            : (size_t)((double)seg.requested[c] / (double)seg.allocs[c] * (double)cs->live);
     cs->pages = seg.pages[c];
     st->live_bytes += cs->usable_bytes;
     st->requested_bytes += cs->requested_bytes;

@@ -299,6 +299,85 @@ static void test_enomem(void) {
   KT_CHECK(keel_realloc(keel_malloc(10), 0) == NULL);
 }
 
+/* Threads allocate, fill, hand blocks to each other, verify and free, while
+ * a collector drains full pages on the owners' behalf: every path between
+ * owner, remote freer and collector runs against the others. */
+enum { ST_THREADS = 8, ST_BOX = 256 };
+typedef struct {
+  pthread_mutex_t mu;
+  uint64_t *items[ST_BOX];
+  int n;
+} st_box_t;
+static st_box_t st_boxes[ST_THREADS];
+static _Atomic int st_stop, st_bad;
+
+static void st_fill(uint64_t *p, size_t words, uint64_t tag) {
+  p[0] = words;
+  for (size_t i = 1; i < words; i++) p[i] = tag ^ i;
+}
+
+static void st_check_free(uint64_t *p) {
+  size_t words = (size_t)p[0];
+  uint64_t tag = p[1] ^ 1;
+  for (size_t i = 1; i < words; i++) {
+    if (p[i] != (tag ^ i)) st_bad++;
+  }
+  keel_free(p);
+}
+
+static void *st_worker(void *arg) {
+  int me = (int)(intptr_t)arg;
+  uint64_t seed = (uint64_t)me * 0x9e3779b97f4a7c15ull + 1;
+  long iters = kt_scale(200000);
+  for (long i = 0; i < iters; i++) {
+    seed ^= seed << 13, seed ^= seed >> 7, seed ^= seed << 17;
+    size_t words = 2 + seed % 256;
+    uint64_t *p = keel_malloc(words * 8);
+    st_fill(p, words, seed);
+    st_box_t *to = &st_boxes[(me + 1 + (int)(seed >> 40) % (ST_THREADS - 1)) % ST_THREADS];
+    pthread_mutex_lock(&to->mu);
+    if (to->n < ST_BOX) {
+      to->items[to->n++] = p;
+      p = NULL;
+    }
+    pthread_mutex_unlock(&to->mu);
+    if (p != NULL) st_check_free(p);
+    st_box_t *mine = &st_boxes[me];
+    pthread_mutex_lock(&mine->mu);
+    uint64_t *q = mine->n > 0 ? mine->items[--mine->n] : NULL;
+    pthread_mutex_unlock(&mine->mu);
+    if (q != NULL) st_check_free(q);
+  }
+  return NULL;
+}
+
+static void *st_collector(void *arg) {
+  (void)arg;
+  while (!st_stop) {
+    keel_heap_collect(false);
+    usleep(1000);
+  }
+  return NULL;
+}
+
+static void test_cross_thread_stress(void) {
+  pthread_t t[ST_THREADS], c;
+  for (int i = 0; i < ST_THREADS; i++) pthread_mutex_init(&st_boxes[i].mu, NULL);
+  pthread_create(&c, NULL, st_collector, NULL);
+  for (int i = 0; i < ST_THREADS; i++) pthread_create(&t[i], NULL, st_worker, (void *)(intptr_t)i);
+  for (int i = 0; i < ST_THREADS; i++) pthread_join(t[i], NULL);
+  st_stop = 1;
+  pthread_join(c, NULL);
+  for (int i = 0; i < ST_THREADS; i++) {
+    while (st_boxes[i].n > 0) st_check_free(st_boxes[i].items[--st_boxes[i].n]);
+  }
+  KT_EQ(st_bad, 0);
+  keel_heap_collect(true);
+  static keel_heap_stats_t st;
+  keel_heap_stats(&st);
+  KT_EQ(st.abandoned_pages, 0);
+}
+
 static void do_double_free(void *arg) {
   (void)arg;
   void *p = keel_malloc(40);
@@ -344,6 +423,14 @@ static void do_realloc_interior(void *arg) {
   keel_realloc(p + 16, 200);
 }
 
+KEEL_UNUSED static void do_use_after_free(void *arg) {
+  (void)arg;
+  volatile char *p = keel_malloc(64);
+  p[20] = 1;
+  keel_free((void *)p);
+  p[20] = 2;
+}
+
 static void test_bad_input(void) {
   KT_EXPECT_ABORT(do_double_free, NULL, "keel: free: double free of 0x");
   KT_EXPECT_ABORT(do_double_free_last, NULL, "keel: free: double free of 0x");
@@ -352,6 +439,10 @@ static void test_bad_input(void) {
   KT_EXPECT_ABORT(do_free_mmap, NULL, "keel: free: invalid pointer 0x");
   KT_EXPECT_ABORT(do_free_large_interior, NULL, "keel: free: invalid pointer 0x");
   KT_EXPECT_ABORT(do_realloc_interior, NULL, "invalid pointer 0x");
+#if defined(KEEL_ASAN)
+  /* Freed blocks are poisoned (track.h); ASAN_OPTIONS=abort_on_error=1. */
+  KT_EXPECT_ABORT(do_use_after_free, NULL, "use-after-poison");
+#endif
 }
 
 static void *churn(void *arg) {
@@ -392,4 +483,5 @@ KT_MAIN(KT_CASE(test_class_steps), KT_CASE(test_class_info), KT_CASE(test_page_v
         KT_CASE(test_encoded_lists), KT_CASE(test_abandon_and_collect),
         KT_CASE(test_idle_owner_full_pages), KT_CASE(test_purge_forced),
         KT_CASE(test_purge_background), KT_CASE(test_large), KT_CASE(test_aligned),
-        KT_CASE(test_enomem), KT_CASE(test_bad_input), KT_CASE(test_fork))
+        KT_CASE(test_enomem), KT_CASE(test_cross_thread_stress), KT_CASE(test_bad_input),
+        KT_CASE(test_fork))
