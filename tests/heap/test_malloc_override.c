@@ -127,7 +127,19 @@ static void *alloc_with(int how, size_t size) {
   }
 }
 
+/* The first free that leaves memory for a delayed purge starts keel's purge
+ * thread, and pthread_create allocates that thread's bookkeeping through
+ * malloc, which is keel here: one block that stays live. Start it before a
+ * case counts live blocks. */
+static void start_purge_thread(void) {
+  void *p[64];
+  for (int i = 0; i < 64; i++) p[i] = malloc(4108);
+  for (int i = 0; i < 64; i++) free(p[i]);
+  free(malloc(8 * MiB));
+}
+
 static void stats_see_every_allocator(void) {
+  start_purge_thread();
   static const char *names[] = {"malloc",       "calloc",         "realloc",
                                 "reallocarray", "posix_memalign", "aligned_alloc",
                                 "memalign",     "valloc",         "pvalloc"};
@@ -152,7 +164,10 @@ static void stats_see_every_allocator(void) {
         memset(p[i], 0x11, sizes[s]);
         free(p[i]);
       }
-      KT_EQ(live_total(), before);
+      size_t end = live_total();
+      if (end != before)
+        kt_fail(__FILE__, __LINE__, "%s(%zu): %zu live blocks before, %zu after freeing all",
+                names[how], sizes[s], before, end);
     }
 }
 
