@@ -936,6 +936,27 @@ static void realloc_after_free_child(void *p) {
   (void)q;
 }
 
+/* Bug pinned here: keel_realloc of a freed block that would stay in place
+ * (new size between half the block and the block) returned the freed block
+ * unchecked, so it was live for the caller and on the page's free list at
+ * once; and a realloc that moves copied from the freed block before the
+ * free of it found the double free (ASan reports that read first). */
+static void realloc_in_place_child(void *p) {
+  keel_free(p);
+  void *q = keel_realloc(ht_launder(p), 180);
+  (void)q;
+}
+
+static void realloc_in_place_of_freed_block_aborts(void) {
+  void *keep = keel_malloc(200);
+  void *p = keel_malloc(200);
+  char expect[64];
+  snprintf(expect, sizeof(expect), "double free of %p", p);
+  KT_EXPECT_ABORT(realloc_in_place_child, p, expect);
+  keel_free(p);
+  keel_free(keep);
+}
+
 static void realloc_after_free_aborts(void) {
   void *keep = keel_malloc(200);
   void *p = keel_malloc(200);
@@ -963,4 +984,5 @@ KT_MAIN(KT_CASE(malloc_zero_unique), KT_CASE(free_null), KT_CASE(malloc_alignmen
         KT_CASE(purge_after_delay), KT_CASE(bad_free_stack_address),
         KT_CASE(bad_free_interior_pointer), KT_CASE(bad_free_foreign_mmap),
         KT_CASE(bad_realloc_invalid_pointer), KT_CASE(double_free_small),
-        KT_CASE(double_free_large), KT_CASE(realloc_after_free_aborts))
+        KT_CASE(double_free_large), KT_CASE(realloc_after_free_aborts),
+        KT_CASE(realloc_in_place_of_freed_block_aborts))
