@@ -660,6 +660,21 @@ static void free_sized_matches(void) {
   free(st);
 }
 
+/* Debug builds check the size hint: one larger than the block aborts. */
+static void free_sized_child(void *p) {
+  keel_free_sized(p, keel_usable_size(p) + 1);
+}
+
+static void free_sized_too_large_aborts_in_debug(void) {
+#if defined(KEEL_DEBUG) && KEEL_DEBUG >= 1
+  void *p = keel_malloc(100);
+  KT_EXPECT_ABORT(free_sized_child, p, "keel: free_sized: size ");
+  keel_free(p);
+#else
+  printf("  (release build: the size hint is not checked)\n");
+#endif
+}
+
 /* ---- stats ---------------------------------------------------------- */
 
 static void stats_track_small_blocks(void) {
@@ -978,11 +993,11 @@ KT_MAIN(KT_CASE(malloc_zero_unique), KT_CASE(free_null), KT_CASE(malloc_alignmen
         KT_CASE(blocks_do_not_overlap), KT_CASE(cross_thread_free),
         KT_CASE(realloc_across_classes_preserves_contents), KT_CASE(realloc_small_large_roundtrip),
         KT_CASE(realloc_large_grow_shrink), KT_CASE(realloc_large_grow_with_neighbour),
-        KT_CASE(free_sized_matches), KT_CASE(stats_track_small_blocks),
-        KT_CASE(stats_track_large_blocks), KT_CASE(print_stats_lists_classes_in_use),
-        KT_CASE(collect_returns_rss_small), KT_CASE(collect_returns_rss_large),
-        KT_CASE(purge_after_delay), KT_CASE(bad_free_stack_address),
-        KT_CASE(bad_free_interior_pointer), KT_CASE(bad_free_foreign_mmap),
-        KT_CASE(bad_realloc_invalid_pointer), KT_CASE(double_free_small),
-        KT_CASE(double_free_large), KT_CASE(realloc_after_free_aborts),
+        KT_CASE(free_sized_matches), KT_CASE(free_sized_too_large_aborts_in_debug),
+        KT_CASE(stats_track_small_blocks), KT_CASE(stats_track_large_blocks),
+        KT_CASE(print_stats_lists_classes_in_use), KT_CASE(collect_returns_rss_small),
+        KT_CASE(collect_returns_rss_large), KT_CASE(purge_after_delay),
+        KT_CASE(bad_free_stack_address), KT_CASE(bad_free_interior_pointer),
+        KT_CASE(bad_free_foreign_mmap), KT_CASE(bad_realloc_invalid_pointer),
+        KT_CASE(double_free_small), KT_CASE(double_free_large), KT_CASE(realloc_after_free_aborts),
         KT_CASE(realloc_in_place_of_freed_block_aborts))
