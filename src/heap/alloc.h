@@ -66,14 +66,15 @@ KEEL_INLINE void _keel_free_fast(void *p, const char *call) {
   if (keel_likely(_keel_segmap_has(seg))) { /* NULL: segment 0 is never mapped */
     keel_page_t *page = _keel_page_of(seg, p);
     keel_heap_t *heap = _keel_heap_tls;
+    keel_heap_t *owner = keel_load_relaxed(&page->heap);
     size_t idx;
-    if (keel_likely(keel_load_relaxed(&page->heap) == heap &&
+    if (keel_likely(owner == heap &&
                     keel_load_acquire(&page->flags) == 0 && /* pairs with a collector's unfull */
                     _keel_page_block_index(page, (size_t)((uint8_t *)p - page->start), &idx))) {
       /* Double free: the block's bit says it is on local_free already. The
        * bitmap is metadata, usually cached; reading the block itself would
        * stall on a cache miss for every cold block freed. */
-      uint64_t *w = &page->freed_bits[idx >> 6], bit = (uint64_t)1 << (idx & 63);
+      uint64_t *w = _keel_page_bits_word(page, idx), bit = (uint64_t)1 << (idx & 63);
       if (keel_likely((*w & bit) == 0)) {
         *w |= bit;
         _keel_push_local(page, p);
@@ -84,6 +85,9 @@ KEEL_INLINE void _keel_free_fast(void *p, const char *call) {
         }
         return;
       }
+    } else if (owner != heap) {
+      _keel_free_other(page, p, call); /* another thread's block: one CAS */
+      return;
     }
   }
   _keel_free_generic(p, call);

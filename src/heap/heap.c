@@ -14,10 +14,11 @@
  * (mimalloc's delayed free, which this follows.)
  *
  * Owners that stop allocating: full pages of a heap whose thread is idle are
- * still returned. The purge thread takes the heap's lock and drains its
- * `delayed` list itself: this is safe because an owner's fast paths never
- * touch a full page (its flags send them to the slow path, which takes the
- * same lock). When all of a full page's blocks are back it is freed to its
+ * still returned. The purge thread holds the heap as a collector (see the
+ * owner/collector exclusion below) and drains its `delayed` list itself:
+ * this is safe because an owner's fast paths never touch a full page (its
+ * flags send them to the slow path, which excludes the collector). When all
+ * of a full page's blocks are back it is freed to its
  * segment and purged after the delay. This is what keeps producer/consumer
  * servers from holding memory their consumers freed (mimalloc #333, #1364).
  * Pages still in an idle owner's queue (not full) keep their remote frees
@@ -28,16 +29,24 @@
  * all back, and abandons the rest to a global per-class list that other
  * threads adopt from before taking new pages; the purge thread frees
  * abandoned pages once their last block comes back. The heap struct goes on
- * a free list for the next thread, so 10,000 short-lived threads use a
- * handful of heaps and no more pages than the live ones need.
+ * a small free list for the next thread (beyond 8 it is unmapped), so
+ * 10,000 short-lived threads use a handful of heaps and no more pages than
+ * the live ones need.
  *
- * Locks: heap->lock is taken only in slow paths (once per page switch, not
- * per block); order: registry_lock > heap->lock > segment lock > large lock.
+ * Double free: a block on its page's local_free has its bit set in the
+ * page's bitmap, which the free fast path tests (alloc.h). A block that has
+ * moved on to the page's `free` list (the owner collected local_free) is
+ * caught when its free takes the slow path, by its first word decoding to a
+ * link into its own segment, confirmed by walking the page's lists.
+ *
+ * Locks: owner slow paths take no lock (the handshake below); collectors
+ * and the fork handler take heap->lock; order: registry_lock > heap (lock
+ * or handshake) > segment lock > large lock.
  */
 #define _GNU_SOURCE
 #include <errno.h>
-#include <pthread.h>
 #include <limits.h>
+#include <pthread.h>
 #include <linux/futex.h>
 #include <linux/membarrier.h>
 #include <sched.h>
@@ -356,6 +365,12 @@ static void __drain_delayed(keel_heap_t *heap, bool owner) {
 
 static void heap_thread_exit(void *arg);
 
+/* Set once this thread's exit hook ran. A thread that only frees (a consumer) gets a heap for its counters on its
+ * first free (free_remote): one shared atomic counter per class would bounce between
+ * every consumer's cache. Not after its exit hook ran (the heap would never
+ * be handed back). */
+static KEEL_TLS bool tls_exited;
+
 static keel_heap_t *heap_get(void) {
   pthread_mutex_lock(&registry_lock);
   if (heaps_all == NULL) asym_init(); /* before the first heap exists */
@@ -426,6 +441,7 @@ static void heap_thread_exit(void *arg) {
   keel_heap_t *heap = arg;
   /* From here this thread frees like a stranger (remote path). */
   _keel_heap_tls = &_keel_empty_heap;
+  tls_exited = true;
   owner_enter(heap);
   __heap_abandon_pages(heap);
   owner_exit(heap);
@@ -485,6 +501,7 @@ static keel_page_t *__find_page(keel_heap_t *heap, unsigned cls) {
   __keel_page_collect(page);
   queue_push_front(q, page);
 found:
+  KEEL_ASSERT_FULL(_keel_page_validate(page)); /* debug-full builds: walk the page */
   if (q->first != page) {
     queue_remove(q, page);
     queue_push_front(q, page);
@@ -579,6 +596,23 @@ static void free_remote(keel_heap_t *me, keel_page_t *page, keel_block_t *b) {
   } else {
     keel_fetch_add_relaxed(&_keel_orphan_frees[cls], 1);
   }
+}
+
+static keel_heap_t *counting_heap(keel_heap_t *me) {
+  if (keel_likely(me != &_keel_empty_heap) || tls_exited) return me;
+  keel_heap_t *h = _keel_heap_init_thread();
+  return h != NULL ? h : me;
+}
+
+void _keel_free_other(keel_page_t *page, void *p, const char *call) {
+  size_t off = (size_t)((uint8_t *)p - page->start);
+  /* bsize 0: a large block, a header, a free span: the generic path sorts
+   * them out (and dies for the invalid ones). */
+  if (page->bsize == 0 || (uint8_t *)p < page->start || !_keel_page_is_block_offset(page, off)) {
+    _keel_free_generic(p, call);
+    return;
+  }
+  free_remote(counting_heap(_keel_heap_tls), page, p);
 }
 
 void _keel_free_generic(void *p, const char *call) {

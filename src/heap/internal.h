@@ -115,7 +115,7 @@ typedef struct keel_page {
   keel_atomic(size_t) allocs;    /* blocks handed out */
   keel_atomic(size_t) requested; /* bytes asked for by them */
   keel_atomic(size_t) frees;     /* blocks freed by the owner (remote frees: heap counters) */
-  uint64_t *freed_bits;          /* owner: bit i set iff block i is on local_free (see alloc.h) */
+  uint64_t *freed_bits; /* owner: bit i set iff block i is on local_free (_keel_page_bits_word) */
 } keel_page_t;
 
 _Static_assert(sizeof(keel_page_t) == 128, "page descriptor is indexed by shift");
@@ -140,9 +140,9 @@ typedef struct keel_segment {
   size_t req;      /* bytes asked for */
   keel_page_t pages[KEEL_SLICES];
   /* Per slice, a bitmap of the page's blocks that are on its local_free
-   * list: 1 KiB, enough for 8-byte blocks of a 64 KiB page. Only the words a
-   * page uses are ever touched. */
-  uint64_t freed_bits[KEEL_SLICES][KEEL_SLICE_SIZE / 8 / 64];
+   * list: 128 words, enough for 8-byte blocks of a 64 KiB page, stored
+   * column-wise (see _keel_page_bits_word). */
+  uint64_t freed_bits[KEEL_SLICE_SIZE / 8 / 64][KEEL_SLICES];
 } keel_segment_t;
 
 /* Bytes before a large block's user data: the header and pages[0]. */
@@ -154,10 +154,12 @@ typedef struct keel_page_queue {
   keel_page_t *first, *last;
 } keel_page_queue_t;
 
-/* A thread heap. `direct` is the fast path's; the rest is
- * changed only under `lock`, by the owner (slow paths) or by a collector
- * working on the owner's full pages. Heaps are never unmapped (recycled
- * through a free list), so a stale pointer to one is always readable. */
+/* A thread heap. `direct` is the fast path's; queues, the full list and
+ * full pages are changed by the owner in its slow paths or by a collector
+ * working on the owner's full pages, never both at once (heap.c: the
+ * owner/collector exclusion). Nothing but the registry (under its lock) and
+ * remote freers in the DELAYING state (which abandonment waits out) reach a
+ * heap from another thread, so an exited thread's heap may be unmapped. */
 typedef struct keel_heap {
   keel_page_t *direct[KEEL_CLASS_COUNT_MAX]; /* current page per class, or &_keel_empty_page */
   /* Blocks of other threads' pages this thread freed, per class: written by
@@ -232,6 +234,9 @@ void *_keel_malloc_generic(keel_heap_t *heap, size_t size) KEEL_HIDDEN;
 void *_keel_malloc_in_class(unsigned cls, size_t size) KEEL_HIDDEN;
 size_t _keel_heaps_active(void) KEEL_HIDDEN;
 void _keel_free_generic(void *p, const char *call) KEEL_HIDDEN;
+/* free of a block whose page another heap owns (or nobody): the segment map
+ * was checked; validates the offset and pushes on the page's thread_free. */
+void _keel_free_other(keel_page_t *page, void *p, const char *call) KEEL_HIDDEN;
 void __keel_heap_free_local_slow(keel_heap_t *heap, keel_page_t *page, keel_block_t *b) KEEL_HIDDEN;
 void _keel_heap_page_emptied(keel_heap_t *heap, keel_page_t *page) KEEL_HIDDEN;
 void _keel_heaps_collect(bool force) KEEL_HIDDEN;
@@ -320,16 +325,25 @@ KEEL_INLINE bool _keel_page_block_index(const keel_page_t *page, size_t off, siz
   return (uint64_t)m < page->div_magic;
 }
 
-/* The double-free bitmap (owner only): bit set iff the block is on local_free. */
+/* The double-free bitmap (owner only): bit set iff the block is on local_free.
+ * Stored column-wise: word w of the page at slice s is freed_bits[w][s], so
+ * pages of classes of 64 bytes or more (at most 16 words) touch only the
+ * first 8 KiB of the 64 KiB bitmap area, not a 1 KiB stripe per slice (that
+ * cost 1.5% of RSS on the Squid load). Word w is at page->freed_bits +
+ * w * KEEL_SLICES, i.e. at index (idx & ~63) for block idx. */
+KEEL_INLINE uint64_t *_keel_page_bits_word(const keel_page_t *page, size_t idx) {
+  return &page->freed_bits[idx & ~(size_t)63];
+}
+_Static_assert(KEEL_SLICES == 64, "bitmap word stride is 64 entries");
 KEEL_INLINE void _keel_page_mark_freed(keel_page_t *page, const void *b) {
   size_t idx;
   _keel_page_block_index(page, (size_t)((const uint8_t *)b - page->start), &idx);
-  page->freed_bits[idx >> 6] |= (uint64_t)1 << (idx & 63);
+  *_keel_page_bits_word(page, idx) |= (uint64_t)1 << (idx & 63);
 }
 KEEL_INLINE bool _keel_page_is_marked_freed(const keel_page_t *page, const void *b) {
   size_t idx;
   _keel_page_block_index(page, (size_t)((const uint8_t *)b - page->start), &idx);
-  return (page->freed_bits[idx >> 6] >> (idx & 63)) & 1;
+  return (*_keel_page_bits_word(page, idx) >> (idx & 63)) & 1;
 }
 
 /* A freed block's first word decodes to a link into its own segment; a live

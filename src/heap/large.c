@@ -9,7 +9,12 @@
  * 16 freed mappings (at most 1 GiB) for heap_purge_ms; a new large request
  * takes the closest one and resizes it with mremap, which moves page tables,
  * not pages: the part that is kept does not fault again, a shrink unmaps the
- * tail at once (RSS falls), a growth faults only the new part. Mappings that
+ * tail at once (RSS falls), a growth faults only the new part. A mapping at
+ * most twice the request is used as it is: shrinking it would only make the
+ * next, larger request fault the tail back in (measured on 5-25 MiB blocks:
+ * sys time 0.37 s with shrinking, 0.32 s without, glibc 0.28 s; peak RSS
+ * 363 -> 382 MiB, glibc 416 MiB). The cost: up to one request's worth of
+ * resident tail per reused mapping until it is freed. Mappings that
  * stay unused past the delay are unmapped.
  *
  * realloc of a large block is the same mremap: in place when the address
@@ -114,7 +119,9 @@ void *_keel_large_alloc(size_t size, size_t align, bool zero) {
   size_t need = page_up(off + size);
   keel_segment_t *seg = cache_take(need);
   bool fresh = seg == NULL;
-  if (seg != NULL) {
+  if (seg != NULL && seg->mapped >= need && seg->mapped - need <= need) {
+    need = seg->mapped; /* keep its tail resident: no unmap now, no refault later */
+  } else if (seg != NULL) {
     keel_segment_t *s = remap(seg, seg->mapped, need);
     if (s == NULL) {
       release(seg);

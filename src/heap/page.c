@@ -33,6 +33,11 @@ static uint64_t splitmix64(uint64_t *state) {
   return z ^ (z >> 31);
 }
 
+/* Clears the double-free bits of blocks 0 .. n-1. */
+static void bits_clear(keel_page_t *page, size_t n) {
+  for (size_t idx = 0; idx < n; idx += 64) *_keel_page_bits_word(page, idx) = 0;
+}
+
 void _keel_page_init(keel_page_t *page, unsigned cls, keel_heap_t *heap) {
   keel_segment_t *seg = _keel_segment_of(page);
   size_t idx = (size_t)(page - seg->pages);
@@ -47,8 +52,8 @@ void _keel_page_init(keel_page_t *page, unsigned cls, keel_heap_t *heap) {
   /* Bit 63 set: see the encoding argument in internal.h. */
   page->key = (splitmix64(&heap->rng) | ((uint64_t)1 << 63)) & ~(uint64_t)7;
   page->free = page->local_free = _keel_list_end(page);
-  page->freed_bits = seg->freed_bits[idx];
-  memset(page->freed_bits, 0, ((size_t)page->reserved + 63) / 64 * 8);
+  page->freed_bits = &seg->freed_bits[0][idx];
+  bits_clear(page, page->reserved);
   page->abandoned = 0;
   page->next = page->prev = NULL;
   keel_store_relaxed(&page->flags, 0);
@@ -104,7 +109,7 @@ void __keel_page_collect(keel_page_t *page) {
     page->local_free = _keel_list_end(page);
     /* Their blocks are on `free` now: a second free of one of them is left
      * to the link check in the slow path. */
-    memset(page->freed_bits, 0, ((size_t)page->capacity + 63) / 64 * 8);
+    bits_clear(page, page->capacity);
   }
   __keel_page_collect_thread_free(page);
   if (_keel_list_empty(page->free)) page_extend(page);
