@@ -661,9 +661,11 @@ static void free_sized_matches(void) {
 }
 
 /* Debug builds check the size hint: one larger than the block aborts. */
+#if defined(KEEL_DEBUG) && KEEL_DEBUG >= 1
 static void free_sized_child(void *p) {
   keel_free_sized(p, keel_usable_size(p) + 1);
 }
+#endif
 
 static void free_sized_too_large_aborts_in_debug(void) {
 #if defined(KEEL_DEBUG) && KEEL_DEBUG >= 1
