@@ -938,6 +938,51 @@ static void double_free_small(void) {
   }
 }
 
+/* Double frees where one free or both come from a thread that does not own
+ * the block: the first free pushes it on the page's remote list, where it
+ * is still "on a free list of its page" (the issue's detection bound) until
+ * the owner collects it. */
+static void *free_in_thread(void *p) {
+  keel_free(p);
+  return NULL;
+}
+
+static void free_by_thread(void *p) {
+  pthread_t t;
+  if (pthread_create(&t, NULL, free_in_thread, p) == 0) pthread_join(t, NULL);
+}
+
+static void remote_then_remote_child(void *p) {
+  free_by_thread(p);
+  free_by_thread(ht_launder(p));
+}
+
+static void remote_then_owner_child(void *p) {
+  free_by_thread(p);
+  keel_free(ht_launder(p));
+}
+
+static void owner_then_remote_child(void *p) {
+  keel_free(p);
+  free_by_thread(ht_launder(p));
+}
+
+static void double_free_across_threads(void) {
+  void (*children[])(void *) = {remote_then_remote_child, remote_then_owner_child,
+                                owner_then_remote_child};
+  const char *names[] = {"remote, remote", "remote, owner", "owner, remote"};
+  for (size_t i = 0; i < sizeof(children) / sizeof(children[0]); i++) {
+    void *keep = keel_malloc(64);
+    void *p = keel_malloc(64);
+    char expect[64], out[4096];
+    snprintf(expect, sizeof(expect), "keel: free: double free of %p", p);
+    if (!kt_expect_abort(__FILE__, __LINE__, children[i], p, expect, out, sizeof(out)))
+      printf("  (double free %s: not detected)\n", names[i]);
+    keel_free(p);
+    keel_free(keep);
+  }
+}
+
 static void double_free_large(void) {
   void *p = keel_malloc(8 * MiB);
   KT_REQUIRE(p != NULL);
@@ -1001,5 +1046,5 @@ KT_MAIN(KT_CASE(malloc_zero_unique), KT_CASE(free_null), KT_CASE(malloc_alignmen
         KT_CASE(collect_returns_rss_large), KT_CASE(purge_after_delay),
         KT_CASE(bad_free_stack_address), KT_CASE(bad_free_interior_pointer),
         KT_CASE(bad_free_foreign_mmap), KT_CASE(bad_realloc_invalid_pointer),
-        KT_CASE(double_free_small), KT_CASE(double_free_large), KT_CASE(realloc_after_free_aborts),
-        KT_CASE(realloc_in_place_of_freed_block_aborts))
+        KT_CASE(double_free_small), KT_CASE(double_free_across_threads), KT_CASE(double_free_large),
+        KT_CASE(realloc_after_free_aborts), KT_CASE(realloc_in_place_of_freed_block_aborts))

@@ -469,12 +469,21 @@ static void *child_thread(void *arg) {
 
 #endif
 
-static void child_after_fork(void) {
+static void child_after_fork(forkx_t *f) {
   alarm(20); /* a deadlock kills the child with SIGALRM */
   uint64_t rng = (uint64_t)getpid();
   enum { N = 256 };
   msg_t *b[N];
   int bad = 0;
+  /* Blocks the parent's threads posted and nobody received yet: their
+   * owners do not exist in the child, so every one is a free into a heap
+   * whose thread is gone. */
+  for (int i = 0; i < f->nthreads; i++)
+    for (msg_t *r = mb_take_all(&f->boxes[i]), *next; r != NULL; r = next) {
+      next = r->next;
+      if (!verify(r)) bad++;
+      keel_free(r);
+    }
   for (int round = 0; round < 8; round++) {
     for (int i = 0; i < N; i++) {
       size_t size = stress_size(&rng);
@@ -578,7 +587,7 @@ static void *fork_worker(void *arg) {
     int req = atomic_load_explicit(&f->fork_requests, memory_order_relaxed);
     if (req > 0 && atomic_compare_exchange_strong(&f->fork_requests, &req, req - 1)) {
       pid_t pid = fork();
-      if (pid == 0) child_after_fork();
+      if (pid == 0) child_after_fork(f);
       note_child(f, pid);
       atomic_fetch_add(&f->forks_done, 1);
     }
@@ -606,7 +615,7 @@ static void fork_while_threads_allocate(void) {
     struct timespec ts = {0, 5 * 1000 * 1000};
     nanosleep(&ts, NULL);
     pid_t pid = fork();
-    if (pid == 0) child_after_fork();
+    if (pid == 0) child_after_fork(&f);
     note_child(&f, pid);
   }
   /* Wait (bounded) for the workers' forks. */
