@@ -388,6 +388,30 @@ static void malloc_trim_returns_memory(void) {
   free(p);
 }
 
+/* malloc_info describes keel's classes, not glibc's empty arena. */
+static void malloc_info_reports_keel(void) {
+  enum { N = 500 };
+  void *p[N];
+  for (int i = 0; i < N; i++) p[i] = malloc(3000);
+  FILE *f = tmpfile();
+  KT_REQUIRE(f != NULL);
+  KT_EQ(malloc_info(0, f), 0);
+  long len = ftell(f);
+  char *text = calloc(1, (size_t)len + 1);
+  rewind(f);
+  KT_EQ(fread(text, 1, (size_t)len, f), len);
+  fclose(f);
+  char count[64];
+  snprintf(count, sizeof(count), "count=\"%d\"", N);
+  KT_CONTAINS(text, "<malloc version=");
+  KT_CONTAINS(text, count); /* the class of 3000 bytes holds exactly these */
+  free(text);
+  for (int i = 0; i < N; i++) free(p[i]);
+  errno = 0;
+  KT_EQ(malloc_info(1, stderr), -1); /* glibc: options must be 0 */
+  KT_EQ(errno, EINVAL);
+}
+
 static void malloc_stats_and_mallopt(void) {
   char buf[16384];
   void *p = malloc(12345);
@@ -595,6 +619,7 @@ static const kt_case_t cases[] = {
     KT_CASE(mallinfo2_reports_keel),
     KT_CASE(malloc_trim_returns_memory),
     KT_CASE(malloc_stats_and_mallopt),
+    KT_CASE(malloc_info_reports_keel),
     KT_CASE(invalid_free_aborts),
     KT_CASE(double_free_aborts),
     KT_CASE(stats_option_prints_table_at_exit),
