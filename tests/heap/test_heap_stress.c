@@ -433,6 +433,76 @@ static void thread_churn(void) {
             st.abandoned_pages);
 }
 
+/* ---- many live threads ---------------------------------------------- */
+
+/* KEEL_TEST_LIVE_THREADS (512) threads are alive at once, each holding a
+ * few small blocks of two classes: RSS per thread must stay a few pages
+ * (its stack, its heap and a sliver of two pages), not a page per class
+ * or an arena. The bound, 64 KiB a thread, is several times what that
+ * costs; glibc's arenas are capped by count (MALLOC_ARENA_MAX), per-thread
+ * caches are what grows with threads. */
+typedef struct live_threads {
+  pthread_barrier_t ready, done;
+  _Atomic long bad;
+} live_threads_t;
+
+static void *live_thread(void *arg) {
+  live_threads_t *lt = arg;
+  msg_t *b[16];
+  for (int i = 0; i < 16; i++) {
+    size_t size = i & 1 ? 48 : 200;
+    b[i] = keel_malloc(size);
+    if (b[i] == NULL) {
+      atomic_fetch_add(&lt->bad, 1);
+      b[i] = NULL;
+      continue;
+    }
+    stamp(b[i], size, (uint32_t)i);
+  }
+  pthread_barrier_wait(&lt->ready);
+  pthread_barrier_wait(&lt->done);
+  for (int i = 0; i < 16; i++)
+    if (b[i] != NULL) {
+      if (!verify(b[i])) atomic_fetch_add(&lt->bad, 1);
+      keel_free(b[i]);
+    }
+  return NULL;
+}
+
+static void many_live_threads_rss_per_thread(void) {
+  int n = (int)kt_env_int("KEEL_TEST_LIVE_THREADS", 512);
+  if (kt_sanitized() && n > 128) n = 128;
+  live_threads_t lt = {0};
+  pthread_t *t = calloc((size_t)n, sizeof(pthread_t));
+  pthread_attr_t attr;
+  pthread_attr_init(&attr);
+  pthread_attr_setstacksize(&attr, 128 << 10);
+  pthread_barrier_init(&lt.ready, NULL, (unsigned)n + 1);
+  pthread_barrier_init(&lt.done, NULL, (unsigned)n + 1);
+  keel_heap_collect(true);
+  size_t rss0 = kt_rss_kb();
+  int started = 0;
+  for (; started < n; started++)
+    if (pthread_create(&t[started], &attr, live_thread, &lt) != 0) break;
+  KT_REQUIRE(started == n); /* a barrier with missing threads would hang */
+  pthread_barrier_wait(&lt.ready);
+  size_t rss1 = kt_rss_kb();
+  static keel_heap_stats_t st;
+  keel_heap_stats(&st);
+  pthread_barrier_wait(&lt.done);
+  for (int i = 0; i < n; i++) pthread_join(t[i], NULL);
+  printf("  %d live threads: RSS %zu -> %zu KiB (%zu KiB a thread), %zu thread heaps\n", n, rss0,
+         rss1, (rss1 > rss0 ? rss1 - rss0 : 0) / (size_t)n, st.threads);
+  KT_EQ(atomic_load(&lt.bad), 0);
+  KT_CHECK(st.threads >= (size_t)n);
+  if (!kt_sanitized() && rss1 > rss0 + (size_t)n * 64)
+    kt_fail(__FILE__, __LINE__, "%d threads cost %zu KiB of RSS", n, rss1 - rss0);
+  pthread_barrier_destroy(&lt.ready);
+  pthread_barrier_destroy(&lt.done);
+  pthread_attr_destroy(&attr);
+  free(t);
+}
+
 /* ---- fork while threads allocate ------------------------------------ */
 
 typedef struct forkx {
@@ -890,6 +960,7 @@ static void remote_free_vs_page_reuse_keeps_class_counts(void) {
 }
 
 KT_MAIN(KT_CASE(cross_thread_exchange), KT_CASE(rss_bounded_with_64_threads_cross_freeing),
-        KT_CASE(thread_churn), KT_CASE(fork_while_threads_allocate),
-        KT_CASE(producer_consumer_streaming), KT_CASE(producer_consumer_burst_then_collect),
+        KT_CASE(thread_churn), KT_CASE(many_live_threads_rss_per_thread),
+        KT_CASE(fork_while_threads_allocate), KT_CASE(producer_consumer_streaming),
+        KT_CASE(producer_consumer_burst_then_collect),
         KT_CASE(remote_free_vs_page_reuse_keeps_class_counts))
