@@ -663,6 +663,7 @@ void _keel_free_generic(void *p, const char *call) {
 
 /* The calling thread's own heap: everything free goes back. */
 static void heap_collect_own(keel_heap_t *heap, bool force) {
+  size_t purged = 0;
   owner_enter(heap);
   __drain_delayed(heap, true);
   for (unsigned c = 0; c < _keel_class_count; c++) {
@@ -671,10 +672,15 @@ static void heap_collect_own(keel_heap_t *heap, bool force) {
     for (keel_page_t *p = q->first; p != NULL; p = next) {
       next = p->next;
       __keel_page_collect_thread_free(p);
-      if (p->used == 0 && (force || p != heap->direct[c])) __page_retire(heap, q, p);
+      if (p->used == 0 && (force || p != heap->direct[c])) {
+        __page_retire(heap, q, p);
+      } else if (force) {
+        purged += __keel_page_purge_free(p);
+      }
     }
   }
   owner_exit(heap);
+  keel_fetch_add_relaxed(&_keel_purged_bytes, purged);
 }
 
 typedef struct {

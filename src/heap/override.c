@@ -194,4 +194,28 @@ KEEL_EXPORT int mallopt(int param, int value) {
   return 1;
 }
 
+/* glibc's internal names, which a few programs and libraries call directly:
+ * a block from glibc's arena reaching keel's free would abort as invalid. */
+KEEL_EXPORT void *__libc_malloc(size_t size) {
+  return _keel_malloc_fast(size);
+}
+KEEL_EXPORT void __libc_free(void *p) {
+  _keel_free_fast(p, "free");
+}
+KEEL_EXPORT void *__libc_calloc(size_t n, size_t size) {
+  return _keel_calloc(n, size);
+}
+KEEL_EXPORT void *__libc_realloc(void *p, size_t size) {
+  return _keel_realloc(p, size);
+}
+KEEL_EXPORT void *__libc_memalign(size_t align, size_t size) {
+  return memalign(align, size);
+}
+KEEL_EXPORT void *__libc_valloc(size_t size) {
+  return valloc(size);
+}
+KEEL_EXPORT void *__libc_pvalloc(size_t size) {
+  return pvalloc(size);
+}
+
 #endif /* KEEL_MALLOC_OVERRIDE */

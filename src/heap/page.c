@@ -14,6 +14,7 @@
 #include <string.h>
 
 #include "base/clock.h"
+#include "base/os.h"
 #include "base/die.h"
 #include "heap/internal.h"
 #include "heap/track.h"
@@ -113,6 +114,23 @@ void __keel_page_collect(keel_page_t *page) {
   }
   __keel_page_collect_thread_free(page);
   if (_keel_list_empty(page->free)) page_extend(page);
+}
+
+size_t __keel_page_purge_free(keel_page_t *page) {
+  size_t ps = 4096, bytes = 0;
+  if (page->bsize <= ps) return 0; /* no block spans a whole OS page past its link */
+  if (!_keel_list_empty(page->local_free)) {
+    page_append_free(page, page->local_free);
+    page->local_free = _keel_list_end(page);
+    bits_clear(page, page->capacity);
+  }
+  __keel_page_collect_thread_free(page);
+  for (keel_block_t *b = page->free; !_keel_list_empty(b); b = _keel_decode(page, b->next)) {
+    uintptr_t lo = KEEL_ALIGN_UP((uintptr_t)b + sizeof(keel_block_t), ps);
+    uintptr_t hi = KEEL_ALIGN_DOWN((uintptr_t)b + page->bsize, ps);
+    if (hi > lo && _keel_os_purge((void *)lo, hi - lo, false) == 0) bytes += hi - lo;
+  }
+  return bytes;
 }
 
 static bool list_has(const keel_page_t *page, keel_block_t *list, keel_block_t *b) {

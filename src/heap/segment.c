@@ -256,7 +256,8 @@ keel_page_t *_keel_page_adopt(unsigned cls, keel_heap_t *heap) {
 }
 
 /* Caller holds seg_lock: frees abandoned pages whose blocks all came back. */
-static void __abandoned_collect(void) {
+static size_t __abandoned_collect(bool force) {
+  size_t bytes = 0;
   for (unsigned c = 0; c < _keel_class_count; c++) {
     keel_page_t *next;
     for (keel_page_t *p = abandoned[c].first; p != NULL; p = next) {
@@ -265,9 +266,12 @@ static void __abandoned_collect(void) {
       if (p->used == 0) {
         __abandoned_unlink(p);
         __page_free(p);
+      } else if (force) {
+        bytes += __keel_page_purge_free(p);
       }
     }
   }
+  return bytes;
 }
 
 /* Purges the dirty runs of one segment, dropping the lock around madvise.
@@ -296,7 +300,7 @@ size_t _keel_segments_collect(bool force) {
   uint64_t now = keel_clock_coarse_ms();
   size_t bytes = 0;
   pthread_mutex_lock(&seg_lock);
-  __abandoned_collect();
+  bytes += __abandoned_collect(force);
   keel_segment_t *next;
   for (keel_segment_t *seg = segments; seg != NULL; seg = next) {
     next = seg->next;
