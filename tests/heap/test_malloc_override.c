@@ -80,6 +80,15 @@ static void symbols_resolve_to_keel(void) {
       "mallinfo2",
       "malloc_stats",
       "mallopt",
+      "malloc_info",
+      /* glibc's internal names, which some programs and libraries call */
+      "__libc_malloc",
+      "__libc_free",
+      "__libc_calloc",
+      "__libc_realloc",
+      "__libc_memalign",
+      "__libc_valloc",
+      "__libc_pvalloc",
   };
   for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++) {
     void *sym = dlsym(RTLD_DEFAULT, names[i]);
