@@ -939,9 +939,14 @@ static void double_free_small(void) {
 }
 
 /* Double frees where one free or both come from a thread that does not own
- * the block: the first free pushes it on the page's remote list, where it
- * is still "on a free list of its page" (the issue's detection bound) until
- * the owner collects it. */
+ * the block: the first free puts it on a list of its page (the owner's
+ * local free list, or the page's remote list until the owner collects it),
+ * which is the issue's detection bound. Bug pinned here: the remote free
+ * path pushes without any check, so "owner, remote", "remote, owner" and
+ * "remote, remote" all go undetected; the block sits twice on the page's
+ * lists and a later malloc from that page dies of SIGSEGV in the fast path
+ * (the encoded link decodes to a wild address) instead of keel_die naming
+ * the double free at the second free. */
 static void *free_in_thread(void *p) {
   keel_free(p);
   return NULL;

@@ -869,7 +869,14 @@ static void producer_consumer_burst_then_collect(void) {
 
 /* ---- remote frees racing page reuse ---------------------------------- */
 
-/* Waves of short-lived producers allocate bursts of blocks from classes that
+/* Bug pinned here (seen by TSan on every run): free_remote reads page->cls
+ * after the CAS that publishes the block on the page's remote list; from
+ * then on the owner (or the collector of an abandoned page) may collect it,
+ * retire the emptied page and _keel_page_alloc may re-initialise the same
+ * descriptor for another class while the read is in flight, so the free is
+ * charged to the wrong class. Reading the class before the CAS fixes it.
+ *
+ * Waves of short-lived producers allocate bursts of blocks from classes that
  * fill a 64 KiB page with a handful of blocks, hand them to four consumers
  * that free them remotely, and exit; their pages are abandoned, freed once
  * every block came back (the main thread collects between waves), and
