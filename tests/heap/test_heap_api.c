@@ -211,7 +211,8 @@ static void calloc_zeroes(void) {
     }
   }
   /* Large blocks, including one whose memory was used and freed before. */
-  for (size_t size = 2 * large_threshold(); size <= 32 * MiB; size *= 2) {
+  size_t top = kt_sanitized() ? 8 * MiB : 32 * MiB; /* byte loops are slow instrumented */
+  for (size_t size = 2 * large_threshold(); size <= top; size *= 2) {
     uint8_t *p = keel_calloc(size / 8, 8);
     KT_REQUIRE(p != NULL);
     KT_CHECK(all_zero(p, size));
@@ -606,7 +607,7 @@ static void realloc_small_large_roundtrip(void) {
 }
 
 static void realloc_large_grow_shrink(void) {
-  size_t top = kt_sanitized() ? 48 * MiB : 160 * MiB;
+  size_t top = kt_sanitized() ? 24 * MiB : 160 * MiB;
   size_t sizes[64], n = 0;
   for (size_t s = MiB + 5; s <= top && n < 32; s += s / 2) sizes[n++] = s;
   for (size_t i = n; i-- > 0 && n < 63;) sizes[n++] = sizes[i] - 4095;
