@@ -7,15 +7,23 @@
  *    it to a random thread's mailbox; the receiver verifies every byte, some
  *    times reallocs it (a realloc of another thread's block), and frees it.
  *    Any overlap, lost write or stray free shows as a pattern mismatch.
+ *    After it, with no call into the heap, idle RSS must fall back.
+ *  - rss_bounded_with_64_threads_cross_freeing: the same exchange; peak RSS
+ *    must stay within a few times the live set (plain build only).
  *  - thread_churn: KEEL_TEST_CHURN (10,000) short-lived threads allocate,
  *    leave some blocks live for others to free, and exit: RSS must stay
  *    bounded and the stats must not count dead threads.
+ *  - many_live_threads_rss_per_thread: 512 threads alive at once cost a few
+ *    pages each, not a page per class.
  *  - fork_while_threads_allocate: 64 threads allocate and free across
  *    threads while the main thread and workers fork; each child must malloc,
- *    free, collect and exit 0 at once (alarm: a deadlock fails the case).
+ *    free blocks of threads that do not exist in it, collect and exit 0 at
+ *    once (alarm: a deadlock fails the case).
  *  - producer_consumer_*: consumers only free (never allocate); RSS must track
  *    the bytes in flight, not the bytes ever allocated, and fall back after
  *    keel_heap_collect(true) (mimalloc #333/#1364 are what this pins).
+ *  - remote_free_vs_page_reuse_keeps_class_counts: remote frees racing the
+ *    retirement and re-initialisation of their page; per-class counts exact.
  *
  * Mailboxes are Treiber stacks drained with one exchange: push is a CAS on
  * the head, the owner takes the whole list at once, so there is no ABA (no
