@@ -14,9 +14,16 @@
 size_t _keel_usable_size(const void *p, const char *call) {
   if (p == NULL) return 0;
   keel_segment_t *seg = _keel_segment_of(p);
-  if (!_keel_segmap_has(seg)) _keel_die_invalid(call, p);
+  if (!_keel_segmap_has(seg)) {
+    size_t huge = _keel_huge_usable(p); /* aligned to more than 2 MiB */
+    if (huge != 0) return huge;
+    _keel_die_invalid(call, p);
+  }
   if (seg->kind == KEEL_SEG_LARGE && (const uint8_t *)p == (uint8_t *)seg + seg->user_off) {
     return seg->mapped - seg->user_off;
+  }
+  if (seg->kind == KEEL_SEG_LARGE_CACHED && (const uint8_t *)p == (uint8_t *)seg + seg->user_off) {
+    _keel_die_double_free(call, (void *)p); /* a large block freed and not reused yet */
   }
   if (seg->kind != KEEL_SEG_SMALL) _keel_die_invalid(call, p);
   keel_page_t *page = _keel_page_of(seg, p);
@@ -48,6 +55,16 @@ void *_keel_realloc(void *p, size_t size) {
   /* An invalid pointer is reported as free's, which realloc is doing. */
   size_t usable = _keel_usable_size(p, "free");
   keel_segment_t *seg = _keel_segment_of(p);
+  if (!_keel_segmap_has(seg)) { /* aligned to more than 2 MiB: move it */
+    void *q = _keel_malloc_fast(size);
+    if (q == NULL) return NULL;
+    memcpy(q, p, size < usable ? size : usable);
+    _keel_huge_free(p);
+    return q;
+  }
+  /* A freed block must not come back to life in place, nor be copied from
+   * before its free finds the double free. */
+  if (seg->kind == KEEL_SEG_SMALL) _keel_check_not_free(_keel_page_of(seg, p), p, "realloc");
   if (seg->kind == KEEL_SEG_LARGE) {
     if (size > KEEL_LARGE_MAX) return _keel_large_realloc(seg, size);
   } else if (size <= usable && size >= usable / 2) {

@@ -52,6 +52,7 @@
 /* Size classes (classes.c). */
 #define KEEL_SMALL_MAX       1024 /* served by the one-table lookup in the fast path */
 #define KEEL_LARGE_MAX       ((size_t)256 << 10) /* largest class; above: mapped directly */
+#define KEEL_SHARED_MIN      ((size_t)8 << 10)   /* classes above: shared heaps (heap.c) */
 #define KEEL_CLASS_COUNT_MAX 120
 
 /* Blocks are aligned to at least 8; classes that are multiples of 16 to 16. */
@@ -240,6 +241,9 @@ void *_keel_malloc_generic(keel_heap_t *heap, size_t size) KEEL_HIDDEN;
 void *_keel_malloc_in_class(unsigned cls, size_t size) KEEL_HIDDEN;
 size_t _keel_heaps_active(void) KEEL_HIDDEN;
 void _keel_free_generic(void *p, const char *call) KEEL_HIDDEN;
+/* Dies with "double free" if p, a block of page, is on one of the page's
+ * free lists (checked when the calling thread owns the page). */
+void _keel_check_not_free(keel_page_t *page, void *p, const char *call) KEEL_HIDDEN;
 /* free of a block whose page another heap owns (or nobody): the segment map
  * was checked; validates the offset and pushes on the page's thread_free. */
 void _keel_free_other(keel_page_t *page, void *p, const char *call) KEEL_HIDDEN;
@@ -261,6 +265,10 @@ void _keel_large_free(keel_segment_t *seg) KEEL_HIDDEN;
 void *_keel_large_realloc(keel_segment_t *seg, size_t size) KEEL_HIDDEN;
 size_t _keel_large_collect(bool force) KEEL_HIDDEN;
 bool _keel_large_pending(void) KEEL_HIDDEN;
+/* Blocks aligned to more than 2 MiB (not in the segment map): frees p and
+ * returns true if it is one; its usable size, or 0 if it is not one. */
+bool _keel_huge_free(void *p) KEEL_HIDDEN;
+size_t _keel_huge_usable(const void *p) KEEL_HIDDEN;
 void _keel_large_totals(size_t *live, size_t *bytes, size_t *cached, size_t *requested) KEEL_HIDDEN;
 void _keel_large_lock(void) KEEL_HIDDEN;
 void _keel_large_unlock(void) KEEL_HIDDEN;

@@ -109,10 +109,80 @@ static void release(keel_segment_t *seg) {
   _keel_os_release(seg, seg->mapped);
 }
 
+/* Alignments above half a segment: the user pointer is then segment-aligned
+ * itself, so no header can sit at `p & ~(segment size - 1)`. Such blocks
+ * are not in the segment map; they are found on this list (under
+ * large_lock) by the slow paths that meet a pointer the map does not know,
+ * before they call it invalid. Rare (posix_memalign of 4 MiB and up), so a
+ * list walk is fine. Layout: the header at the mapping's base, the block at
+ * base + align (address space only: the gap is never touched). */
+typedef struct huge_hdr {
+  struct huge_hdr *next;
+  void *user;
+  size_t mapped, size;
+} huge_hdr_t;
+
+static huge_hdr_t *huge_list;
+
+static void *huge_alloc(size_t size, size_t align) {
+  if (size > PTRDIFF_MAX - align - KEEL_SEGMENT_SIZE) {
+    errno = ENOMEM;
+    return NULL;
+  }
+  size_t mapped = page_up(align + size);
+  huge_hdr_t *h = _keel_os_alloc(mapped, align);
+  if (h == NULL) return NULL;
+  h->user = (uint8_t *)h + align;
+  h->mapped = mapped;
+  h->size = size;
+  pthread_mutex_lock(&large_lock);
+  h->next = huge_list;
+  huge_list = h;
+  pthread_mutex_unlock(&large_lock);
+  keel_fetch_add_relaxed(&live_count, 1);
+  keel_fetch_add_relaxed(&live_bytes, mapped);
+  keel_fetch_add_relaxed(&live_requested, size);
+  return h->user;
+}
+
+/* The huge block starting at p: unlinked when `take`. Caller holds large_lock. */
+static huge_hdr_t *__huge_find(const void *p, bool take) {
+  for (huge_hdr_t **link = &huge_list; *link != NULL; link = &(*link)->next) {
+    huge_hdr_t *h = *link;
+    if (h->user != p) continue;
+    if (take) *link = h->next;
+    return h;
+  }
+  return NULL;
+}
+
+bool _keel_huge_free(void *p) {
+  if (keel_load_relaxed(&live_count) == 0) return false;
+  pthread_mutex_lock(&large_lock);
+  huge_hdr_t *h = __huge_find(p, true);
+  pthread_mutex_unlock(&large_lock);
+  if (h == NULL) return false;
+  keel_fetch_sub_relaxed(&live_count, 1);
+  keel_fetch_sub_relaxed(&live_bytes, h->mapped);
+  keel_fetch_sub_relaxed(&live_requested, h->size);
+  _keel_os_release(h, h->mapped);
+  return true;
+}
+
+size_t _keel_huge_usable(const void *p) {
+  if (keel_load_relaxed(&live_count) == 0) return 0;
+  pthread_mutex_lock(&large_lock);
+  huge_hdr_t *h = __huge_find(p, false);
+  size_t n = h != NULL ? h->mapped - (size_t)((uint8_t *)h->user - (uint8_t *)h) : 0;
+  pthread_mutex_unlock(&large_lock);
+  return n;
+}
+
 void *_keel_large_alloc(size_t size, size_t align, bool zero) {
   size_t off = KEEL_LARGE_HDR;
   if (align > off) off = align;
-  if (align > KEEL_SEGMENT_SIZE / 2 || size > PTRDIFF_MAX - off - KEEL_SEGMENT_SIZE) {
+  if (align > KEEL_SEGMENT_SIZE / 2) return huge_alloc(size, align); /* zero: fresh mapping */
+  if (size > PTRDIFF_MAX - off - KEEL_SEGMENT_SIZE) {
     errno = ENOMEM;
     return NULL;
   }

@@ -13,8 +13,7 @@
  * sizes return NULL with ENOMEM; posix_memalign returns EINVAL for an
  * alignment that is not a power of two multiple of sizeof(void *),
  * aligned_alloc sets EINVAL for one that is not a power of two, and memalign
- * rounds such an alignment up to one. Alignments above 2 MiB get ENOMEM
- * (a large block's header must sit in its first 4 MiB).
+ * rounds such an alignment up to one.
  *
  * The glibc-only introspection calls (malloc_trim, mallinfo2, malloc_info,
  * malloc_stats) are answered from keel's own state, so they never fall

@@ -314,6 +314,17 @@ static void test_aligned(void) {
       keel_free(p);
     }
   }
+  /* Above 2 MiB: blocks outside the segment map, found by their list. */
+  for (size_t align = (size_t)4 << 20; align <= ((size_t)64 << 20); align <<= 2) {
+    char *p = keel_aligned_alloc(align, 5000);
+    KT_REQUIRE(p != NULL);
+    KT_CHECK(((uintptr_t)p & (align - 1)) == 0 && keel_usable_size(p) >= 5000);
+    memset(p, 3, 5000);
+    p = keel_realloc(p, 10000);
+    KT_CHECK(p != NULL && p[4999] == 3);
+    keel_free(p);
+    keel_free(keel_aligned_alloc(align, 1));
+  }
   errno = 0;
   KT_CHECK(keel_aligned_alloc(24, 10) == NULL && errno == EINVAL);
 }
@@ -425,6 +436,16 @@ static void do_double_free_last(void *arg) {
   keel_free(p);
 }
 
+/* Bug pin (found by the heaptest suite): realloc of a freed block that
+ * would stay in place returned it, live and on a free list at once. */
+static void do_realloc_freed(void *arg) {
+  (void)arg;
+  void *keep = keel_malloc(200), *p = keel_malloc(200);
+  keel_free(p);
+  keel_realloc(p, 180);
+  keel_free(keep);
+}
+
 static void do_free_stack(void *arg) {
   (void)arg;
   int x;
@@ -466,6 +487,7 @@ KEEL_UNUSED static void do_use_after_free(void *arg) {
 static void test_bad_input(void) {
   KT_EXPECT_ABORT(do_double_free, NULL, "keel: free: double free of 0x");
   KT_EXPECT_ABORT(do_double_free_last, NULL, "keel: free: double free of 0x");
+  KT_EXPECT_ABORT(do_realloc_freed, NULL, "keel: realloc: double free of 0x");
   KT_EXPECT_ABORT(do_free_stack, NULL, "keel: free: invalid pointer 0x");
   KT_EXPECT_ABORT(do_free_interior, NULL, "keel: free: invalid pointer 0x");
   KT_EXPECT_ABORT(do_free_mmap, NULL, "keel: free: invalid pointer 0x");
