@@ -333,11 +333,13 @@ static void cross_thread_exchange(void) {
 
 /* The same exchange, checking peak RSS against what is live. At most
  * KEEL_TEST_INFLIGHT_MB (64 MiB) is in flight, plus 32 slots per thread;
- * the live set measured by keel_heap_stats stays near 60 MiB. Measured on
- * this workload with 64 threads (2 cores): glibc 31 MiB RSS, jemalloc 63,
- * tcmalloc 183, mimalloc 276. The bound, 4x the in-flight cap plus 64 MiB,
- * leaves every peer room; a heap that keeps a page per class per thread
- * (64 threads x 24 classes of 1 MiB pages) passes it several times over. */
+ * keel_heap_stats puts the live set near 60 MiB. Random sizes over ~100
+ * classes fragment every allocator: peak RSS measured on this case (64
+ * threads, 2 cores, 1.28M blocks) was tcmalloc 190 MiB, jemalloc 305, glibc
+ * 422, mimalloc 442. The bound, 6x the in-flight cap plus 64 MiB (448 MiB),
+ * is "no worse than the worst peer". The bug it pins: a heap that keeps a
+ * page per class per thread (64 threads x 24 classes of 1 MiB pages) peaked
+ * at 790 MiB here; keel now takes classes above 8 KiB from shared heaps. */
 static void rss_bounded_with_64_threads_cross_freeing(void) {
   if (kt_sanitized()) {
     printf("  (sanitizer shadow memory makes RSS meaningless here: skipped)\n");
@@ -345,8 +347,8 @@ static void rss_bounded_with_64_threads_cross_freeing(void) {
   }
   size_t rss_start, rss_peak;
   keel_heap_collect(true);
-  run_exchange(kt_scale(kt_env_int("KEEL_TEST_ITERS", 20000)) / 2, &rss_start, &rss_peak);
-  size_t bound = 4 * (size_t)kt_env_int("KEEL_TEST_INFLIGHT_MB", 64) * KiB + 64 * KiB;
+  run_exchange(kt_scale(kt_env_int("KEEL_TEST_ITERS", 20000)), &rss_start, &rss_peak);
+  size_t bound = 6 * (size_t)kt_env_int("KEEL_TEST_INFLIGHT_MB", 64) * KiB + 64 * KiB;
   printf("  RSS %zu KiB before, peak %zu KiB (bound: +%zu KiB)\n", rss_start, rss_peak, bound);
   if (rss_peak > rss_start + bound)
     kt_fail(__FILE__, __LINE__, "peak RSS grew %zu KiB for a live set under %zu KiB",
