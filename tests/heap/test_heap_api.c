@@ -977,16 +977,18 @@ static void double_free_across_threads(void) {
   void (*children[])(void *) = {remote_then_remote_child, remote_then_owner_child,
                                 owner_then_remote_child};
   const char *names[] = {"remote, remote", "remote, owner", "owner, remote"};
-  for (size_t i = 0; i < sizeof(children) / sizeof(children[0]); i++) {
-    void *keep = keel_malloc(64);
-    void *p = keel_malloc(64);
-    char expect[64], out[4096];
-    snprintf(expect, sizeof(expect), "keel: free: double free of %p", p);
-    if (!kt_expect_abort(__FILE__, __LINE__, children[i], p, expect, out, sizeof(out)))
-      printf("  (double free %s: not detected)\n", names[i]);
-    keel_free(p);
-    keel_free(keep);
-  }
+  const size_t sizes[] = {64, 20000}; /* a thread-local class, a shared one */
+  for (size_t s = 0; s < sizeof(sizes) / sizeof(sizes[0]); s++)
+    for (size_t i = 0; i < sizeof(children) / sizeof(children[0]); i++) {
+      void *keep = keel_malloc(sizes[s]);
+      void *p = keel_malloc(sizes[s]);
+      char expect[64], out[4096];
+      snprintf(expect, sizeof(expect), "keel: free: double free of %p", p);
+      if (!kt_expect_abort(__FILE__, __LINE__, children[i], p, expect, out, sizeof(out)))
+        printf("  (double free of a %zu-byte block, %s: not detected)\n", sizes[s], names[i]);
+      keel_free(p);
+      keel_free(keep);
+    }
 }
 
 static void double_free_large(void) {
