@@ -349,14 +349,29 @@ static void __free_local(keel_heap_t *heap, keel_page_t *page, keel_block_t *b, 
   }
 }
 
+static void push_delayed(keel_heap_t *heap, keel_block_t *b) {
+  keel_block_t *head = keel_load_relaxed(&heap->delayed);
+  do {
+    b->next = (uintptr_t)head;
+    /* Release: the link is written before the block is published. */
+  } while (!keel_cas_weak_acq_rel(&heap->delayed, &head, b));
+}
+
 static void __drain_delayed(keel_heap_t *heap, bool owner) {
   if (keel_load_relaxed(&heap->delayed) == NULL) return;
   /* Acquire: the pushers' link writes happen before their release CAS. */
   keel_block_t *b = keel_xchg_acquire(&heap->delayed, NULL);
   while (b != NULL) {
     keel_block_t *next = (keel_block_t *)b->next;
-    keel_segment_t *seg = _keel_segment_of(b);
-    __free_local(heap, _keel_page_of(seg, b), b, owner);
+    keel_page_t *page = _keel_page_of(_keel_segment_of(b), b);
+    /* Its freer has pushed it but not yet reset the page's DELAYING state:
+     * freeing it now could retire the page under that freer's last CAS.
+     * Leave it for the next drain (a few instructions from now). */
+    if (KEEL_TF_STATE(keel_load_acquire(&page->thread_free)) == KEEL_TF_DELAYING) {
+      push_delayed(heap, b);
+    } else {
+      __free_local(heap, page, b, owner);
+    }
     b = next;
   }
 }
@@ -414,10 +429,19 @@ keel_heap_t *_keel_heap_init_thread(void) {
 static void __heap_abandon_pages(keel_heap_t *heap) {
   /* First stop remote freers from using the delayed list, then drain it:
    * after this no one will push to heap->delayed again. */
+  /* Every page, not only full ones: a page put back in the queue may still
+   * be DELAYING (its freer has not reset it yet), and the drain would defer
+   * that block forever. */
   for (keel_page_t *p = heap->full.first; p != NULL; p = p->next) {
     tf_set_state(p, KEEL_TF_NEVER_DELAYED);
   }
+  for (unsigned c = 0; c < _keel_class_count; c++) {
+    for (keel_page_t *p = heap->queue[c].first; p != NULL; p = p->next) {
+      tf_set_state(p, KEEL_TF_NEVER_DELAYED);
+    }
+  }
   __drain_delayed(heap, true);
+  KEEL_ASSERT(keel_load_relaxed(&heap->delayed) == NULL);
   for (unsigned c = 0; c <= _keel_class_count; c++) {
     keel_page_queue_t *q = c < _keel_class_count ? &heap->queue[c] : &heap->full;
     keel_page_t *page;
@@ -622,6 +646,9 @@ void _keel_heap_page_emptied(keel_heap_t *heap, keel_page_t *page) {
 }
 
 static void free_remote(keel_heap_t *me, keel_page_t *page, keel_block_t *b) {
+  /* Everything read from the page is read before b is published: once it
+   * is, the owner may take it, empty the page and give it to another class. */
+  unsigned cls = page->cls;
   KEEL_TRACK_FREE(b, page->bsize);
   uintptr_t w = keel_load_relaxed(&page->thread_free), nw;
   unsigned state;
@@ -637,15 +664,12 @@ static void free_remote(keel_heap_t *me, keel_page_t *page, keel_block_t *b) {
     /* Release: b's link is written before the block is published; acquire:
      * on the delayed branch, we read page->heap after claiming DELAYING. */
   } while (!keel_cas_weak_acq_rel(&page->thread_free, &w, nw));
-  unsigned cls = page->cls;
   if (state == KEEL_TF_USE_DELAYED) {
-    /* The owner cannot abandon the page while we hold DELAYING (it waits),
-     * so its heap stays valid until we reset the state. */
+    /* While we hold DELAYING the owner cannot abandon the page (it waits)
+     * nor free b from its delayed list (it defers it), so the page and its
+     * heap stay as they are until we reset the state. */
     keel_heap_t *owner = keel_load_acquire(&page->heap);
-    keel_block_t *head = keel_load_relaxed(&owner->delayed);
-    do {
-      b->next = (uintptr_t)head;
-    } while (!keel_cas_weak_acq_rel(&owner->delayed, &head, b));
+    push_delayed(owner, b);
     w = keel_load_relaxed(&page->thread_free);
     while (!keel_cas_weak_acq_rel(&page->thread_free, &w, (w & ~(uintptr_t)3) | KEEL_TF_NORMAL)) {}
     /* The owner may be idle: the purge thread drains its list if so. */
