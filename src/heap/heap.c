@@ -501,12 +501,25 @@ static void heap_thread_exit(void *arg) {
 static keel_page_t *__find_page(keel_heap_t *heap, unsigned cls) {
   __drain_delayed(heap, true);
   keel_page_queue_t *q = &heap->queue[cls];
-  keel_page_t *page, *next;
+  keel_page_t *page, *next, *uncarved = NULL;
+  /* Blocks freed back to any page of the class are used before fresh memory
+   * is carved: other threads' frees land on older pages while the current
+   * one is still being carved, and carving first grows RSS by what they
+   * freed. */
   for (page = q->first; page != NULL; page = next) {
     next = page->next;
-    __keel_page_collect(page);
+    __keel_page_collect_lists(page);
     if (!_keel_list_empty(page->free)) goto found;
+    if (page->capacity < page->reserved) {
+      if (uncarved == NULL) uncarved = page;
+      continue;
+    }
     if (!__page_to_full(heap, page)) next = page; /* blocks raced in: collect again */
+  }
+  if (uncarved != NULL) {
+    __keel_page_extend(uncarved);
+    page = uncarved;
+    goto found;
   }
   while ((page = _keel_page_adopt(cls, heap)) != NULL) {
     __keel_page_collect(page);

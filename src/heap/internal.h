@@ -220,6 +220,9 @@ void _keel_segments_totals(keel_seg_totals_t *t) KEEL_HIDDEN;
 void _keel_page_init(keel_page_t *page, unsigned cls, keel_heap_t *heap) KEEL_HIDDEN;
 /* Moves local_free and thread_free onto free; carves more if still empty. */
 void __keel_page_collect(keel_page_t *page) KEEL_HIDDEN;
+/* The two halves: collect only, and carve only (if free is empty). */
+void __keel_page_collect_lists(keel_page_t *page) KEEL_HIDDEN;
+void __keel_page_extend(keel_page_t *page) KEEL_HIDDEN;
 /* Moves local_free and thread_free onto free, then returns to the OS the
  * whole OS pages inside free blocks (all but the page holding each block's
  * link): what malloc_trim can give back from pages that still hold live

@@ -105,6 +105,15 @@ void __keel_page_collect_thread_free(keel_page_t *page) {
 }
 
 void __keel_page_collect(keel_page_t *page) {
+  __keel_page_collect_lists(page);
+  if (_keel_list_empty(page->free)) page_extend(page);
+}
+
+void __keel_page_extend(keel_page_t *page) {
+  if (_keel_list_empty(page->free)) page_extend(page);
+}
+
+void __keel_page_collect_lists(keel_page_t *page) {
   if (!_keel_list_empty(page->local_free)) {
     page_append_free(page, page->local_free);
     page->local_free = _keel_list_end(page);
@@ -113,7 +122,6 @@ void __keel_page_collect(keel_page_t *page) {
     bits_clear(page, page->capacity);
   }
   __keel_page_collect_thread_free(page);
-  if (_keel_list_empty(page->free)) page_extend(page);
 }
 
 size_t __keel_page_purge_free(keel_page_t *page) {

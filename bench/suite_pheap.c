@@ -1,0 +1,496 @@
+/* Benchmark suite "pheap": keel's persistent heap against libpmemobj (PMDK
+ * 1.12) in the same run, same file system (/dev/shm), same flush mode.
+ *
+ * Modes: "force" cases run keel with pheap_flush=clwb (or the best CPU
+ * flush) and libpmemobj with PMEM_IS_PMEM_FORCE=1: both treat the mapping as
+ * persistent memory and flush cache lines. "msync" cases run keel with
+ * pheap_flush=msync and libpmemobj with PMEM_IS_PMEM_FORCE=0, where both
+ * call msync. libpmemobj is linked only when pkg-config finds it; otherwise
+ * its impl prints a note and is skipped.
+ *
+ * Throughput cases run for a fixed window (0.25 s x scale). Where an
+ * operation leaves objects behind (tx-alloc, publish), they are freed in
+ * untimed gaps between timed batches of 64, so the heap stays small and only
+ * the measured operation is charged; seconds are the mean per-thread timed
+ * time. Every throughput case reports flushes and barriers per operation as
+ * extras: keel's own counters. For libpmemobj the same extras come from
+ * interposing libpmem's pmem_flush/drain/persist/msync/mem* from this binary;
+ * libpmemobj 1.12 calls them through its own internal pointers, so they read
+ * 0 there (its counts are not measured here; PMDK's own figures are ~3 per
+ * atomic alloc, ~5 per tx_alloc). Objects are 64 bytes unless named.
+ */
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <keel/pheap.h>
+
+#include "bench.h"
+#include "pheap/pheap_int.h"
+
+#ifdef KEEL_HAVE_PMEMOBJ
+#include <libpmemobj.h>
+#endif
+
+#define PB_MAXT  256
+#define PB_BATCH 64
+#define PB_POOL  ((size_t)512 << 20)
+
+enum { PB_KEEL, PB_PMDK };
+enum { PB_ALLOCFREE, PB_TXALLOC, PB_PUBLISH, PB_ADDRANGE, PB_SIZES };
+
+typedef struct pb_root {
+  keel_poff_t slot[PB_MAXT][8]; /* keel destinations */
+  uint64_t oid[PB_MAXT][8][2];  /* PMEMoid destinations (pool uuid, off) */
+  keel_poff_t buf[PB_MAXT];     /* add_range targets */
+  uint64_t pbuf[PB_MAXT][2];
+} pb_root_t;
+
+typedef struct pb {
+  int impl, op, threads;
+  size_t size; /* object or range bytes */
+  int batch;   /* publish batch */
+  double window;
+  char path[128];
+  keel_pheap_t *kp;
+  pb_root_t *root;
+#ifdef KEEL_HAVE_PMEMOBJ
+  PMEMobjpool *pop;
+#endif
+  _Atomic uint64_t ops, timed_ns, flushes, barriers;
+  uint64_t start_ns;
+} pb_t;
+
+static uint64_t pb_now(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+/* ---- libpmemobj flush counting by interposition ---- */
+static __thread uint64_t pm_flushes, pm_barriers;
+#ifdef KEEL_HAVE_PMEMOBJ
+#include <libpmem.h>
+#define PB_NEXT(name, type)                                                                        \
+  static __typeof__(&name) real_##name;                                                            \
+  if (!real_##name) real_##name = (__typeof__(&name))dlsym(RTLD_NEXT, #name)
+void pmem_flush(const void *a, size_t n) {
+  PB_NEXT(pmem_flush, void (*)(const void *, size_t));
+  pm_flushes++;
+  real_pmem_flush(a, n);
+}
+void pmem_drain(void) {
+  PB_NEXT(pmem_drain, void (*)(void));
+  pm_barriers++;
+  real_pmem_drain();
+}
+void pmem_persist(const void *a, size_t n) {
+  PB_NEXT(pmem_persist, void (*)(const void *, size_t));
+  pm_flushes++, pm_barriers++;
+  real_pmem_persist(a, n);
+}
+int pmem_msync(const void *a, size_t n) {
+  PB_NEXT(pmem_msync, int (*)(const void *, size_t));
+  pm_flushes++, pm_barriers++;
+  return real_pmem_msync(a, n);
+}
+#define PB_MEMF(name, T)                                                                           \
+  void *name(void *d, T s, size_t n, unsigned f) {                                                 \
+    PB_NEXT(name, void *(*)(void *, T, size_t, unsigned));                                         \
+    pm_flushes++;                                                                                  \
+    if (!(f & (PMEM_F_MEM_NODRAIN | PMEM_F_MEM_NOFLUSH))) pm_barriers++;                           \
+    return real_##name(d, s, n, f);                                                                \
+  }
+PB_MEMF(pmem_memcpy, const void *)
+PB_MEMF(pmem_memmove, const void *)
+PB_MEMF(pmem_memset, int)
+#endif
+
+/* ---- one pool per child ---- */
+static int pb_open(pb_t *b, const kb_params_t *p, bool force) {
+  snprintf(b->path, sizeof b->path, "/dev/shm/keel-bench-pheap-%d", (int)getpid());
+  unlink(b->path);
+  b->window = 0.25 * p->scale;
+  b->threads = p->threads;
+  if (strcmp(p->impl, "keel") == 0) {
+    b->impl = PB_KEEL;
+    if (keel_options_set(force ? "pheap_flush=clwb" : "pheap_flush=msync") != 0) return 1;
+    b->kp = keel_pheap_create(b->path, "bench", PB_POOL, 0);
+    if (!b->kp) {
+      fprintf(stderr, "pheap bench: %s\n", keel_pheap_errmsg());
+      return 1;
+    }
+    b->root = keel_pheap_root(b->kp, sizeof *b->root);
+    return b->root == NULL;
+  }
+#ifdef KEEL_HAVE_PMEMOBJ
+  b->impl = PB_PMDK;
+  /* libpmem reads this on its first pmem_is_pmem, i.e. at pool create. */
+  setenv("PMEM_IS_PMEM_FORCE", force ? "1" : "0", 1);
+  b->pop = pmemobj_create(b->path, "bench", PB_POOL, 0600);
+  if (!b->pop) {
+    fprintf(stderr, "pheap bench: pmemobj_create: %s\n", pmemobj_errormsg());
+    return 1;
+  }
+  PMEMoid r = pmemobj_root(b->pop, sizeof *b->root);
+  b->root = pmemobj_direct(r);
+  return 0;
+#else
+  fprintf(stderr, "libpmemobj not found by pkg-config at build time: impl skipped\n");
+  return 1;
+#endif
+}
+
+static void pb_close(pb_t *b) {
+  if (b->kp) keel_pheap_close(b->kp);
+#ifdef KEEL_HAVE_PMEMOBJ
+  if (b->pop) pmemobj_close(b->pop);
+#endif
+  unlink(b->path);
+}
+
+static void counters(pb_t *b, uint64_t *f, uint64_t *d) {
+  if (b->impl == PB_KEEL) {
+    ph_tcache_t *tc = _keel_ph_tcache(b->kp);
+    *f = tc->flushes;
+    *d = tc->barriers;
+  } else {
+    *f = pm_flushes;
+    *d = pm_barriers;
+  }
+}
+
+/* ---- the operations; `leftover` collects offsets to free untimed ---- */
+#ifdef KEEL_HAVE_PMEMOBJ
+static PMEMoid *poid(pb_t *b, int t, int k) {
+  return (PMEMoid *)b->root->oid[t][k];
+}
+#endif
+
+static void op_keel(pb_t *b, int t, keel_poff_t *left, int *nl) {
+  keel_pheap_t *ph = b->kp;
+  switch (b->op) {
+    case PB_ALLOCFREE:
+    case PB_SIZES:
+      keel_pheap_alloc(ph, &b->root->slot[t][0], b->size, 1);
+      keel_pheap_free(ph, &b->root->slot[t][0]);
+      break;
+    case PB_TXALLOC:
+      keel_tx_begin(ph);
+      left[(*nl)++] = keel_tx_alloc(b->size, 1);
+      keel_tx_commit();
+      keel_tx_end();
+      break;
+    case PB_PUBLISH: {
+      keel_pheap_act_t a[64];
+      for (int i = 0; i < b->batch; i++) {
+        keel_pheap_reserve(ph, &a[i], b->size, 1);
+        left[(*nl)++] = a[i].off;
+      }
+      keel_pheap_publish(ph, a, (size_t)b->batch);
+      break;
+    }
+    case PB_ADDRANGE: {
+      char *p = keel_pheap_ptr(ph, b->root->buf[t]);
+      keel_tx_begin(ph);
+      keel_tx_add_range(p, b->size);
+      memset(p, (int)*nl, b->size);
+      keel_tx_commit();
+      keel_tx_end();
+      break;
+    }
+  }
+}
+
+static void free_keel(pb_t *b, keel_poff_t *left, int n) {
+  for (int i = 0; i < n; i++) keel_pheap_free(b->kp, &left[i]);
+}
+
+#ifdef KEEL_HAVE_PMEMOBJ
+static void op_pmdk(pb_t *b, int t, PMEMoid *left, int *nl) {
+  PMEMobjpool *pop = b->pop;
+  switch (b->op) {
+    case PB_ALLOCFREE:
+    case PB_SIZES:
+      pmemobj_alloc(pop, poid(b, t, 0), b->size, 1, NULL, NULL);
+      pmemobj_free(poid(b, t, 0));
+      break;
+    case PB_TXALLOC: {
+      volatile PMEMoid o = OID_NULL;
+      TX_BEGIN(pop) {
+        o = pmemobj_tx_alloc(b->size, 1);
+      }
+      TX_END
+      left[(*nl)++] = (PMEMoid){o.pool_uuid_lo, o.off};
+      break;
+    }
+    case PB_PUBLISH: {
+      struct pobj_action a[64];
+      for (int i = 0; i < b->batch; i++) left[(*nl)++] = pmemobj_reserve(pop, &a[i], b->size, 1);
+      pmemobj_publish(pop, a, (size_t)b->batch);
+      break;
+    }
+    case PB_ADDRANGE: {
+      char *volatile p = pmemobj_direct(*(PMEMoid *)b->root->pbuf[t]);
+      int v = *nl;
+      TX_BEGIN(pop) {
+        pmemobj_tx_add_range_direct(p, b->size);
+        memset(p, v, b->size);
+      }
+      TX_END
+      break;
+    }
+  }
+}
+#endif
+
+static void pb_worker(int t, void *arg) {
+  pb_t *b = arg;
+  union {
+    keel_poff_t k[PB_BATCH * 64];
+#ifdef KEEL_HAVE_PMEMOBJ
+    PMEMoid p[PB_BATCH * 64];
+#endif
+  } *left = malloc(sizeof *left);
+  if (b->op == PB_ADDRANGE) {
+    if (b->impl == PB_KEEL) keel_pheap_zalloc(b->kp, &b->root->buf[t], 4096, 2);
+#ifdef KEEL_HAVE_PMEMOBJ
+    else
+      pmemobj_zalloc(b->pop, (PMEMoid *)b->root->pbuf[t], 4096, 2);
+#endif
+  }
+  uint64_t end = b->start_ns + (uint64_t)(b->window * 1e9), ops = 0, ns = 0, fl = 0, ba = 0;
+  for (;;) {
+    int nl = 0;
+    uint64_t f0, d0, f1, d1;
+    counters(b, &f0, &d0);
+    uint64_t t0 = pb_now();
+    int per = b->op == PB_PUBLISH ? PB_BATCH / b->batch + 1 : PB_BATCH;
+    for (int i = 0; i < per; i++) {
+      if (b->impl == PB_KEEL) op_keel(b, t, left->k, &nl);
+#ifdef KEEL_HAVE_PMEMOBJ
+      else
+        op_pmdk(b, t, left->p, &nl);
+#endif
+    }
+    uint64_t t1 = pb_now();
+    counters(b, &f1, &d1);
+    ns += t1 - t0;
+    fl += f1 - f0;
+    ba += d1 - d0;
+    ops += (uint64_t)per * (b->op == PB_PUBLISH ? (uint64_t)b->batch : 1);
+    if (b->impl == PB_KEEL) free_keel(b, left->k, nl);
+#ifdef KEEL_HAVE_PMEMOBJ
+    else
+      for (int i = 0; i < nl; i++) pmemobj_free(&left->p[i]);
+#endif
+    if (t1 >= end) break;
+  }
+  free(left);
+  atomic_fetch_add(&b->ops, ops);
+  atomic_fetch_add(&b->timed_ns, ns);
+  atomic_fetch_add(&b->flushes, fl);
+  atomic_fetch_add(&b->barriers, ba);
+}
+
+static int pb_run(const kb_params_t *p, kb_result_t *r, bool force, int op, size_t size,
+                  int batch) {
+  pb_t *b = calloc(1, sizeof *b);
+  if (b == NULL || pb_open(b, p, force) != 0) {
+    free(b);
+    return 1;
+  }
+  b->op = op;
+  b->size = size;
+  b->batch = batch;
+  b->start_ns = pb_now();
+  kb_run_threads(p->threads, pb_worker, b);
+  double sec = (double)b->timed_ns / 1e9 / p->threads;
+  r->ops = (double)b->ops;
+  r->seconds = sec;
+  kb_extra(r, "flushes_per_op", (double)b->flushes / (double)b->ops);
+  kb_extra(r, "barriers_per_op", (double)b->barriers / (double)b->ops);
+  pb_close(b);
+  free(b);
+  return 0;
+}
+
+#define PB_CASE(fn, force, op, size, batch)                                                        \
+  static int fn(const kb_params_t *p, kb_result_t *r) {                                            \
+    return pb_run(p, r, force, op, size, batch);                                                   \
+  }
+PB_CASE(pb_allocfree_force, true, PB_ALLOCFREE, 64, 1)
+PB_CASE(pb_allocfree_msync, false, PB_ALLOCFREE, 64, 1)
+PB_CASE(pb_txalloc_force, true, PB_TXALLOC, 64, 1)
+PB_CASE(pb_txalloc_msync, false, PB_TXALLOC, 64, 1)
+PB_CASE(pb_publish1_force, true, PB_PUBLISH, 64, 1)
+PB_CASE(pb_publish1_msync, false, PB_PUBLISH, 64, 1)
+PB_CASE(pb_publish8_force, true, PB_PUBLISH, 64, 8)
+PB_CASE(pb_publish64_force, true, PB_PUBLISH, 64, 64)
+PB_CASE(pb_range8, true, PB_ADDRANGE, 8, 1)
+PB_CASE(pb_range64, true, PB_ADDRANGE, 64, 1)
+PB_CASE(pb_range256, true, PB_ADDRANGE, 256, 1)
+PB_CASE(pb_range4096, true, PB_ADDRANGE, 4096, 1)
+
+/* alloc+free at each size from 64 B to 256 KiB (force mode): extras give
+ * ns per pair per size; the metric is the total. */
+static int pb_sizes(const kb_params_t *p, kb_result_t *r) {
+  static const size_t sz[] = {64, 256, 1024, 4096, 16384, 65536, 262144};
+  kb_params_t q = *p;
+  q.scale = p->scale / 4;
+  double ops = 0, sec = 0;
+  for (size_t i = 0; i < sizeof sz / sizeof sz[0]; i++) {
+    kb_result_t one = {0};
+    if (pb_run(&q, &one, true, PB_SIZES, sz[i], 1) != 0) return 1;
+    char key[32];
+    snprintf(key, sizeof key, "ns_%zu", sz[i]);
+    kb_extra(r, key, one.seconds * 1e9 / one.ops);
+    ops += one.ops;
+    sec += one.seconds;
+  }
+  r->ops = ops;
+  r->seconds = sec;
+  return 0;
+}
+
+/* Internal fragmentation, 100 B to 4 MiB in 100 B steps: (media bytes -
+ * requested) / media bytes, averaged. keel's media bytes are the block (or
+ * extent) plus its share of the run's unused tail; libpmemobj's are its
+ * usable size plus its 16-byte header (what it reports for a 64 B request:
+ * 112 + 16), measured by allocating each size. */
+static int pb_frag(const kb_params_t *p, kb_result_t *r) {
+  pb_t *b = calloc(1, sizeof *b);
+  if (b == NULL || pb_open(b, p, true) != 0) {
+    free(b);
+    return 1;
+  }
+  double s132 = 0, s4m = 0, b132 = 0;
+  int n132 = 0, n4m = 0;
+  uint64_t t0 = pb_now();
+  for (size_t sz = 100; sz <= ((size_t)4 << 20); sz += 100) {
+    double media, block = 0;
+    if (b->impl == PB_KEEL) {
+      int c = _keel_ph_class_of(sz + PH_OBJ_HDR);
+      if (c >= 0) {
+        const ph_class_t *k = &_keel_ph_classes[c];
+        media = (double)k->chunks * PH_CHUNK / k->nblocks;
+        block = k->block;
+      } else
+        media = (double)((sz + PH_OBJ_HDR + PH_CHUNK - 1) / PH_CHUNK * PH_CHUNK);
+    } else {
+#ifdef KEEL_HAVE_PMEMOBJ
+      PMEMoid o;
+      if (pmemobj_alloc(b->pop, &o, sz, 1, NULL, NULL) != 0) break;
+      media = (double)pmemobj_alloc_usable_size(o) + 16;
+      block = media;
+      pmemobj_free(&o);
+#else
+      media = 0;
+#endif
+    }
+    double f = (media - (double)sz) / media;
+    if (block == 0) block = media;
+    if (sz <= 132 * 1024) s132 += f, n132++, b132 += (block - (double)sz) / block;
+    s4m += f, n4m++;
+  }
+  r->ops = n4m;
+  r->seconds = (double)(pb_now() - t0) / 1e9;
+  kb_extra(r, "avg_frag_100B_132K", s132 / n132);
+  kb_extra(r, "avg_frag_100B_4M", s4m / n4m);
+  /* Block (or usable + header) only, without run tails: what libpmemobj's
+   * figure measures, for a like-for-like ratio. */
+  kb_extra(r, "avg_frag_block_100B_132K", b132 / n132);
+  pb_close(b);
+  free(b);
+  return 0;
+}
+
+/* Open (with recovery and volatile rebuild) of a pool holding N 64..1000 B
+ * objects, N = 100000 x scale; ms. */
+static int pb_open_time(const kb_params_t *p, kb_result_t *r) {
+  pb_t *b = calloc(1, sizeof *b);
+  if (b == NULL || pb_open(b, p, true) != 0) {
+    free(b);
+    return 1;
+  }
+  long n = (long)(100000 * p->scale);
+  uint64_t s = 1;
+  for (long i = 0; i < n; i++) {
+    size_t sz = 64 + (size_t)(kb_rand(&s) % 936);
+    if (b->impl == PB_KEEL) {
+      keel_poff_t o;
+      keel_pheap_alloc(b->kp, &o, sz, 1);
+    }
+#ifdef KEEL_HAVE_PMEMOBJ
+    else {
+      PMEMoid o;
+      pmemobj_alloc(b->pop, &o, sz, 1, NULL, NULL);
+    }
+#endif
+  }
+  uint64_t t0 = 0, t1 = 0;
+  if (b->impl == PB_KEEL) {
+    keel_pheap_close(b->kp);
+    t0 = pb_now();
+    b->kp = keel_pheap_open(b->path, "bench");
+    /* keel rebuilds eagerly at open; touch one allocation so both pay it. */
+    keel_poff_t o;
+    keel_pheap_alloc(b->kp, &o, 64, 1);
+    t1 = pb_now();
+  }
+#ifdef KEEL_HAVE_PMEMOBJ
+  else {
+    pmemobj_close(b->pop);
+    t0 = pb_now();
+    b->pop = pmemobj_open(b->path, "bench");
+    PMEMoid o;
+    pmemobj_alloc(b->pop, &o, 64, 1, NULL, NULL);
+    t1 = pb_now();
+  }
+#endif
+  r->ops = 1;
+  r->seconds = (double)(t1 - t0) / 1e9;
+  kb_extra(r, "open_ms", r->seconds * 1e3);
+  kb_extra(r, "objects", (double)n);
+  pb_close(b);
+  free(b);
+  return 0;
+}
+
+static const kb_impl_t pb_impls[] = {{"keel", NULL}, {"libpmemobj", NULL}, {NULL, NULL}};
+
+static const kb_case_t pb_cases[] = {
+    {"alloc-free", "atomic alloc + free of 64 B into a pool slot (FORCE: CPU flushes)",
+     pb_allocfree_force, pb_impls, true, NULL, false},
+    {"alloc-free-msync", "the same with msync as the flush", pb_allocfree_msync, pb_impls, true,
+     NULL, false},
+    {"tx-alloc", "transaction with one tx_alloc of 64 B (FORCE)", pb_txalloc_force, pb_impls, true,
+     NULL, false},
+    {"tx-alloc-msync", "the same with msync", pb_txalloc_msync, pb_impls, true, NULL, false},
+    {"publish-1", "reserve + publish of one 64 B object (FORCE)", pb_publish1_force, pb_impls, true,
+     NULL, false},
+    {"publish-1-msync", "the same with msync", pb_publish1_msync, pb_impls, true, NULL, false},
+    {"publish-8", "8 reserves + one publish; per object (FORCE)", pb_publish8_force, pb_impls,
+     false, NULL, false},
+    {"publish-64", "64 reserves + one publish; per object (FORCE)", pb_publish64_force, pb_impls,
+     false, NULL, false},
+    {"tx-range-8", "transaction: tx_add_range of 8 B + store (FORCE)", pb_range8, pb_impls, false,
+     NULL, false},
+    {"tx-range-64", "the same, 64 B", pb_range64, pb_impls, false, NULL, false},
+    {"tx-range-256", "the same, 256 B", pb_range256, pb_impls, false, NULL, false},
+    {"tx-range-4096", "the same, 4096 B", pb_range4096, pb_impls, false, NULL, false},
+    {"sizes", "alloc+free at 64 B..256 KiB (extras: ns per size, FORCE)", pb_sizes, pb_impls, false,
+     "ns_per_op", true},
+    {"frag", "average internal fragmentation, 100 B..132 KiB and ..4 MiB in 100 B steps", pb_frag,
+     pb_impls, false, "avg_frag_100B_132K", true},
+    {"open", "open + first alloc of a pool with 100k objects (ms)", pb_open_time, pb_impls, false,
+     "open_ms", true},
+    {NULL}};
+
+KB_SUITE(pheap, {"pheap", "persistent heap against libpmemobj (FORCE and msync modes)", pb_cases,
+                 "1,2,64,256", NULL})

@@ -1,0 +1,132 @@
+/* keel pool: typed object pools with per-thread hot and cold lists.
+ *
+ * A pool hands out objects of one size and alignment (one pool per object
+ * type: dictionaries, call stubs, frames). Each thread that uses a pool gets
+ * a private sub-pool holding two lists of cached objects: hot and cold.
+ * keel_pool_alloc takes from the calling thread's hot list, then its cold
+ * list, then keel's heap; keel_pool_free puts the object on the *freeing*
+ * thread's hot list (LIFO, so the next allocation gets a cache-warm object),
+ * whichever thread allocated it. One sweeper thread for the process wakes
+ * every pool_sweep_s (KEEL_OPTIONS, default 10 s) and, for every sub-pool,
+ * frees the cold list to the heap and turns the hot list cold. A busy pool
+ * thus tends to no heap calls at all and an idle one holds no memory after
+ * two periods. A thread's sub-pools are emptied into the heap when it exits.
+ *
+ * Concurrency: alloc, zalloc and free may run on any threads at once, on the
+ * same or different pools; their fast paths take no lock, make no system
+ * call and execute no atomic read-modify-write. create, sweep, stats,
+ * print_stats and reclaim may run concurrently with everything; destroy must
+ * not run concurrently with any other use of the same pool.
+ *
+ * Memory: what a sweep frees has been unused for a whole period, so the
+ * sweeper then asks the heap to return free memory to the OS at once
+ * (keel_heap_collect) rather than after heap_purge_ms. After fork() the
+ * child restarts the sweeper on its first heap call; sub-pools of threads
+ * that were inside a pool call at the fork are never swept in the child.
+ *
+ * Misuse aborts with one line on stderr: freeing into the wrong pool
+ * ("keel: keel_pool_free: 0x... does not belong to pool 'dict'"), a double
+ * free ("keel: keel_pool_free: double free of 0x... in pool 'dict'"), or any
+ * use of a destroyed pool. Each object carries a 16-byte header for these
+ * checks (more for alignments above 16).
+ */
+#ifndef KEEL_POOL_H
+#define KEEL_POOL_H
+
+#include <keel/keel.h>
+
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct keel_pool keel_pool_t;
+
+/* Largest object and alignment a pool accepts; larger requests are EINVAL. */
+#define KEEL_POOL_MAX_OBJ   ((size_t)16 << 20)
+#define KEEL_POOL_MAX_ALIGN ((size_t)4096)
+/* Longest pool name kept (longer names are cut). */
+#define KEEL_POOL_NAME_MAX  31
+
+/* Optional hooks. init runs on every object keel_pool_alloc/zalloc is about
+ * to return (after zeroing, for zalloc); fini runs on every object passed to
+ * keel_pool_free before it is cached. They run in the calling thread, outside
+ * any pool lock, and may use other pools. */
+typedef struct keel_pool_ops {
+  void (*init)(void *obj, void *arg);
+  void (*fini)(void *obj, void *arg);
+  void *arg;
+} keel_pool_ops_t;
+
+/* Per-pool counters, summed over every thread (exact when the pool is
+ * quiescent, approximate while threads use it). Invariants:
+ *   hot_hits + cold_hits + heap_allocs = allocs
+ *   live = allocs - frees
+ *   cached_objects = heap_allocs - heap_frees - live */
+typedef struct keel_pool_stats {
+  const char *name;      /* the pool's name (valid while the pool lives) */
+  size_t obj_size;       /* bytes asked for at create */
+  size_t block_bytes;    /* heap bytes each object occupies, header included */
+  uint64_t allocs;       /* keel_pool_alloc + keel_pool_zalloc calls */
+  uint64_t frees;        /* keel_pool_free calls */
+  uint64_t hot_hits;     /* allocations served from a hot list */
+  uint64_t cold_hits;    /* allocations served from a cold list */
+  uint64_t heap_allocs;  /* allocations that called the heap */
+  uint64_t heap_frees;   /* cached objects given back to the heap */
+  uint64_t live;         /* objects allocated and not yet freed */
+  uint64_t cached;       /* objects on hot and cold lists */
+  uint64_t cached_bytes; /* cached * block_bytes */
+  uint64_t sweeps;       /* sweep passes over this pool (sweeper or keel_pool_sweep) */
+  uint64_t threads;      /* sub-pools alive (threads that used the pool and live) */
+} keel_pool_stats_t;
+
+/* Creates a pool of obj_size-byte objects aligned to align (0: 16, like
+ * malloc). Returns NULL with errno EINVAL for obj_size 0 or above
+ * KEEL_POOL_MAX_OBJ, an align that is not 0 or a power of two up to
+ * KEEL_POOL_MAX_ALIGN, or a NULL name; ENOMEM when out of memory. Allocates;
+ * starts the sweeper thread on first use. ops is copied. */
+KEEL_API keel_pool_t *keel_pool_create(const char *name, size_t obj_size, size_t align,
+                                       const keel_pool_ops_t *ops_or_NULL);
+
+/* An object of the pool (contents undefined; in debug builds a pattern);
+ * NULL with ENOMEM when the heap is exhausted. Never blocks on other users of
+ * the pool in the common case: lock-free and RMW-free from a hot list. */
+KEEL_API void *keel_pool_alloc(keel_pool_t *pool);
+
+/* keel_pool_alloc, with the object zeroed (before the init hook runs). */
+KEEL_API void *keel_pool_zalloc(keel_pool_t *pool);
+
+/* Returns obj to the calling thread's hot list; NULL is a no-op. Aborts if
+ * obj is not from this pool or already free. Never calls the heap. */
+KEEL_API void keel_pool_free(keel_pool_t *pool, void *obj);
+
+/* Destroys an empty pool: every cached object goes back to the heap and the
+ * handle becomes invalid (a later use aborts naming the pool, until a later
+ * keel_pool_create recycles the descriptor). Returns KEEL_EBUSY, leaving the
+ * pool intact and usable, while objects are live. Blocks on the sweeper. */
+KEEL_API int keel_pool_destroy(keel_pool_t *pool);
+
+/* Runs one sweep of this pool now (cold lists to the heap, hot lists turn
+ * cold), as the sweeper would; a sub-pool whose thread is inside a pool call
+ * at that moment is swept by that thread on its next call. Returns 0. */
+KEEL_API int keel_pool_sweep(keel_pool_t *pool);
+
+/* Fills *st with the pool's counters; does not allocate or block users. */
+KEEL_API void keel_pool_stats(const keel_pool_t *pool, keel_pool_stats_t *st);
+
+/* Prints one line per pool in the process (name, sizes, counters, cached
+ * bytes) and a total. Takes the registry lock; may run at any time. */
+KEEL_API void keel_pool_print_stats(FILE *out);
+
+/* Frees cached objects of every pool to the heap now, cold lists before hot
+ * ones, until at least `bytes` are freed or nothing idle is cached (SIZE_MAX:
+ * everything). Returns the bytes freed. For memory-pressure handlers. */
+KEEL_API size_t keel_pool_reclaim(size_t bytes);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* KEEL_POOL_H */

@@ -1,0 +1,213 @@
+/* pheap atomic actions: alloc, free, reserve/publish/cancel, root.
+ *
+ * Each is one redo log (log.c): allocation state (a run bitmap bit or a
+ * huge extent's chunk word), the object header words and the destination
+ * word change together. One barrier makes the log durable; the words are
+ * then changed in the cache and reach the media at the next checkpoint (or
+ * by replay after a crash). zalloc spends one more barrier first, so the
+ * zeroed body is durable before the log that publishes it. A reservation
+ * writes its header in the cache only; publish logs it. The contents a
+ * caller writes into a reservation are the caller's to persist before
+ * publishing (keel_pheap_persist), as with any plain store.
+ */
+#include <string.h>
+
+#include "base/die.h"
+#include "pheap/pheap_int.h"
+
+static inline bool in_pool(keel_pheap_t *ph, const void *p, size_t len) {
+  const char *c = p;
+  return c >= ph->view.base + PH_HDR_BYTES &&
+         c + len <= ph->view.base + keel_load_relaxed(&ph->size);
+}
+
+/* The log entries that publish a block: its allocation bit (or chunk word)
+ * and its header words (replay rewrites the header, so the header needs no
+ * flush of its own). */
+static size_t publish_entries(keel_pheap_t *ph, int cls, keel_poff_t off, ph_redo_entry_t *e) {
+  const ph_objhdr_t *h = (const ph_objhdr_t *)(ph->view.base + off - PH_OBJ_HDR);
+  e[0] = (ph_redo_entry_t){(off - PH_OBJ_HDR) | PH_OP_SET, h->size};
+  e[1] = (ph_redo_entry_t){(off - PH_OBJ_HDR + 8) | PH_OP_SET, h->type};
+  e[2] = _keel_ph_mark(ph, cls, off, true);
+  return 3;
+}
+
+/* One atomic operation: log, barrier, apply in cache (flushed by the next
+ * checkpoint). */
+static void atomic_op(keel_pheap_t *ph, ph_tcache_t *tc, const ph_redo_entry_t *e, size_t n) {
+  ph_lane_t *l = _keel_ph_lane_get(ph, tc);
+  _keel_ph_log_write(ph, tc, l, 0, e, n);
+  _keel_pm_drain(ph, tc);
+  _keel_ph_log_apply(ph, tc, l, e, n, true);
+  _keel_ph_lane_put(ph, l);
+}
+
+static int alloc_common(keel_pheap_t *ph, keel_poff_t *dest, size_t size, uint64_t type,
+                        bool zero) {
+  if (ph == NULL || dest == NULL) return KEEL_EINVAL;
+  ph_tcache_t *tc = _keel_ph_tcache(ph);
+  if (keel_unlikely(tc == NULL)) return KEEL_ENOMEM;
+  int cls;
+  keel_poff_t off;
+  int rc = _keel_ph_take(ph, tc, size, &cls, &off);
+  if (rc != 0) return rc;
+  _keel_ph_init_obj(ph, tc, off, size, type, zero, false);
+  if (zero) {
+    /* The zeroed body must be durable before the log can be. */
+    _keel_pm_flush(ph, tc, ph->view.base + off, size, PH_S_OBJHDR);
+    _keel_pm_drain(ph, tc);
+  }
+  bool logged = in_pool(ph, dest, 8) || (void *)dest == (void *)&ph->hdr->root_off;
+  ph_redo_entry_t e[4];
+  size_t n = publish_entries(ph, cls, off, e);
+  if (logged) e[n++] = (ph_redo_entry_t){(uint64_t)((char *)dest - ph->view.base) | PH_OP_SET, off};
+  atomic_op(ph, tc, e, n);
+  if (!logged) *dest = off;
+  return 0;
+}
+
+int keel_pheap_alloc(keel_pheap_t *ph, keel_poff_t *dest, size_t size, uint64_t type) {
+  return alloc_common(ph, dest, size, type, false);
+}
+
+int keel_pheap_zalloc(keel_pheap_t *ph, keel_poff_t *dest, size_t size, uint64_t type) {
+  return alloc_common(ph, dest, size, type, true);
+}
+
+int keel_pheap_free(keel_pheap_t *ph, keel_poff_t *dest) {
+  if (ph == NULL || dest == NULL) return KEEL_EINVAL;
+  keel_poff_t off = *dest;
+  if (off == 0) return 0;
+  ph_tcache_t *tc = _keel_ph_tcache(ph);
+  if (keel_unlikely(tc == NULL)) return KEEL_ENOMEM;
+  int cls = _keel_ph_live_class(ph, off, "keel_pheap_free");
+  ph_redo_entry_t e[2] = {_keel_ph_mark(ph, cls, off, false),
+                          {(uint64_t)((char *)dest - ph->view.base) | PH_OP_SET, 0}};
+  /* Freeing needs only the log: no space is allocated, so it never fails
+   * for lack of room (the ring is reused after a checkpoint). */
+  bool logged = in_pool(ph, dest, 8);
+  atomic_op(ph, tc, e, logged ? 2 : 1);
+  if (!logged) *dest = 0;
+  _keel_ph_give(ph, tc, cls, off);
+  return 0;
+}
+
+size_t keel_pheap_usable_size(keel_pheap_t *ph, keel_poff_t off) {
+  if (ph == NULL || off == 0) return 0;
+  return _keel_ph_usable(ph, _keel_ph_live_class(ph, off, "keel_pheap_usable_size"), off);
+}
+
+uint64_t keel_pheap_type(keel_pheap_t *ph, keel_poff_t off) {
+  if (ph == NULL || off == 0) return 0;
+  return ((const ph_objhdr_t *)(ph->view.base + off - PH_OBJ_HDR))->type;
+}
+
+int keel_pheap_reserve(keel_pheap_t *ph, keel_pheap_act_t *act, size_t size, uint64_t type) {
+  if (ph == NULL || act == NULL) return KEEL_EINVAL;
+  ph_tcache_t *tc = _keel_ph_tcache(ph);
+  if (keel_unlikely(tc == NULL)) return KEEL_ENOMEM;
+  int cls;
+  keel_poff_t off;
+  int rc = _keel_ph_take(ph, tc, size, &cls, &off);
+  if (rc != 0) return rc;
+  _keel_ph_init_obj(ph, tc, off, size, type, false, false);
+  *act = (keel_pheap_act_t){PH_ACT_RESERVE, (uint32_t)cls, off, NULL, 0};
+  return 0;
+}
+
+void keel_pheap_set_value(keel_pheap_t *ph, keel_pheap_act_t *act, uint64_t *dest, uint64_t value) {
+  if (!in_pool(ph, dest, 8))
+    keel_die("keel_pheap_set_value", "destination %p is not inside the pool %s", (void *)dest,
+             ph->path);
+  *act = (keel_pheap_act_t){PH_ACT_SET, 0, 0, dest, value};
+}
+
+void keel_pheap_defer_free(keel_pheap_t *ph, keel_pheap_act_t *act, keel_poff_t off) {
+  int cls = _keel_ph_live_class(ph, off, "keel_pheap_defer_free");
+  *act = (keel_pheap_act_t){PH_ACT_FREE, (uint32_t)cls, off, NULL, 0};
+}
+
+long _keel_ph_acts_entries(keel_pheap_t *ph, const keel_pheap_act_t *acts, size_t n,
+                           ph_redo_entry_t *e, size_t cap) {
+  size_t k = 0;
+  for (size_t i = 0; i < n; i++) {
+    if (acts[i].kind == PH_ACT_NONE) continue;
+    if (k + 3 > cap) return -1;
+    switch (acts[i].kind) {
+      case PH_ACT_RESERVE:
+        k += publish_entries(ph, (int)acts[i].cls, acts[i].off, e + k);
+        break;
+      case PH_ACT_FREE:
+        e[k++] = _keel_ph_mark(ph, (int)acts[i].cls, acts[i].off, false);
+        break;
+      case PH_ACT_SET:
+        e[k++] = (ph_redo_entry_t){(uint64_t)((char *)acts[i].dest - ph->view.base) | PH_OP_SET,
+                                   acts[i].value};
+        break;
+      default:
+        keel_die("keel_pheap_publish", "action %p has unknown kind %u", (void *)&acts[i],
+                 acts[i].kind);
+    }
+  }
+  return (long)k;
+}
+
+void _keel_ph_acts_done(keel_pheap_t *ph, ph_tcache_t *tc, keel_pheap_act_t *acts, size_t n) {
+  for (size_t i = 0; i < n; i++) {
+    if (acts[i].kind == PH_ACT_FREE) _keel_ph_give(ph, tc, (int)acts[i].cls, acts[i].off);
+    acts[i].kind = PH_ACT_NONE;
+  }
+}
+
+int keel_pheap_publish(keel_pheap_t *ph, keel_pheap_act_t *acts, size_t n) {
+  if (ph == NULL || (acts == NULL && n)) return KEEL_EINVAL;
+  ph_tcache_t *tc = _keel_ph_tcache(ph);
+  if (keel_unlikely(tc == NULL)) return KEEL_ENOMEM;
+  ph_redo_entry_t e[PH_REDO_MAX];
+  long k = _keel_ph_acts_entries(ph, acts, n, e, PH_REDO_MAX);
+  if (k < 0) return KEEL_ENOSPC;
+  if (k == 0) return 0;
+  atomic_op(ph, tc, e, (size_t)k);
+  _keel_ph_acts_done(ph, tc, acts, n);
+  return 0;
+}
+
+void keel_pheap_cancel(keel_pheap_t *ph, keel_pheap_act_t *acts, size_t n) {
+  if (ph == NULL || acts == NULL) return;
+  ph_tcache_t *tc = _keel_ph_tcache(ph);
+  if (tc == NULL) return;
+  for (size_t i = 0; i < n; i++) {
+    if (acts[i].kind == PH_ACT_RESERVE) _keel_ph_give(ph, tc, (int)acts[i].cls, acts[i].off);
+    acts[i].kind = PH_ACT_NONE;
+  }
+}
+
+void *keel_pheap_root(keel_pheap_t *ph, size_t size) {
+  if (ph == NULL || size == 0) {
+    errno = EINVAL;
+    return NULL;
+  }
+  pthread_mutex_lock(&ph->root_lock);
+  int rc = 0;
+  if (ph->hdr->root_off == 0)
+    rc = keel_pheap_zalloc(ph, (keel_poff_t *)&ph->hdr->root_off, size, PH_ROOT_TYPE);
+  keel_poff_t off = ph->hdr->root_off;
+  pthread_mutex_unlock(&ph->root_lock);
+  if (rc == 0 && keel_pheap_usable_size(ph, off) < size) rc = KEEL_EINVAL;
+  if (rc != 0) {
+    errno = -rc;
+    return NULL;
+  }
+  return ph->view.base + off;
+}
+
+void keel_pheap_persist(keel_pheap_t *ph, const void *p, size_t len) {
+  ph_tcache_t *tc = _keel_ph_tcache(ph);
+  if (tc == NULL) keel_die("keel_pheap_persist", "out of memory for the thread cache");
+  _keel_pm_flush(ph, tc, p, len, PH_S_NONE);
+  _keel_pm_drain(ph, tc);
+  /* A plain store may overwrite a word an atomic operation's log (still
+   * above the watermark) sets; replaying that log after a crash would undo
+   * the store, so the logs are retired first. */
+  if (_keel_ph_deferred(ph)) _keel_ph_checkpoint(ph, tc);
+}

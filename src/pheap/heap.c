@@ -1,0 +1,374 @@
+/* pheap heap: chunks, runs and blocks (the volatile side of allocation).
+ *
+ * Persistent truth is only the chunk words and run bitmaps (pheap_int.h);
+ * everything here is rebuilt from them at open (eagerly: one pass over the
+ * chunk words and the bitmaps of runs, O(pool chunks)). Empty runs found at
+ * open go back to free chunks (one store of 0 to their chunk word).
+ *
+ * Invariant per run: every block is in exactly one of these states:
+ * allocated (bit set on media), in `vfree`, in some thread cache, or held by
+ * an operation in flight (reservation, tx allocation, or a free between its
+ * barrier and its return). navail == popcount(vfree); listed <=> on the
+ * class's partial list, which holds every run with navail > 0.
+ *
+ * Locks: ph->lock guards the chunk arrays and growth; classq[c].lock guards
+ * the partial list and the vfree bitmaps of runs of class c. The allocation
+ * fast path (tcache pop) takes neither.
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "base/die.h"
+#include "pheap/pheap_int.h"
+
+#define ATOMIC64(p) ((keel_atomic(uint64_t) *)(void *)(p))
+
+static inline ph_run_hdr_t *run_hdr(keel_pheap_t *ph, const ph_run_t *r) {
+  return (ph_run_hdr_t *)(ph->view.base + ph_chunk_off(ph, r->chunk));
+}
+static inline uint64_t *run_bitmap(keel_pheap_t *ph, uint32_t chunk) {
+  return (uint64_t *)(ph->view.base + ph_chunk_off(ph, chunk) + PH_RUN_HDR);
+}
+
+/* First fit of k contiguous free chunks inside one zone; UINT32_MAX if none.
+ * ph->lock held. */
+static uint32_t __chunks_find(keel_pheap_t *ph, uint32_t k) {
+  uint32_t n = keel_load_relaxed(&ph->nchunks), run = 0;
+  for (uint32_t c = 0; c < n; c++) {
+    if (c % PH_ZONE_CHUNKS == 0) run = 0; /* extents never cross a zone */
+    run = ph->chunk_free[c] ? run + 1 : 0;
+    if (run == k) return c + 1 - k;
+  }
+  return UINT32_MAX;
+}
+
+/* Takes k free chunks, growing the pool if needed. ph->lock held. */
+static int __chunks_take(keel_pheap_t *ph, ph_tcache_t *tc, uint32_t k, uint32_t *out) {
+  uint32_t c = __chunks_find(ph, k);
+  if (c == UINT32_MAX) {
+    int rc = __keel_ph_grow(ph, tc, k);
+    if (rc != 0) return rc;
+    c = __chunks_find(ph, k);
+    if (c == UINT32_MAX) return KEEL_ENOSPC;
+  }
+  memset(ph->chunk_free + c, 0, k);
+  *out = c;
+  return 0;
+}
+
+static ph_run_t *run_new(uint32_t chunk, uint32_t cls, uint32_t nblocks) {
+  ph_run_t *r = calloc(1, sizeof *r);
+  if (r == NULL) return NULL;
+  r->vfree = calloc((nblocks + 63) / 64, 8);
+  if (r->vfree == NULL) {
+    free(r);
+    return NULL;
+  }
+  r->chunk = chunk;
+  r->cls = cls;
+  return r;
+}
+
+/* Formats a new run for class cls. A checkpoint, then two barriers: header and zeroed bitmap
+ * first, then the chunk word that makes it a run (a crash in between leaves
+ * free chunks with some bytes written, which is harmless). */
+static int run_create(keel_pheap_t *ph, ph_tcache_t *tc, unsigned cls, ph_run_t **out) {
+  const ph_class_t *k = &_keel_ph_classes[cls];
+  /* The chunks may have been freed by a log still above the watermark; its
+   * replay after a crash would clobber the unlogged run word we are about to
+   * write, so make every earlier log checkpointed first. */
+  _keel_ph_checkpoint(ph, tc);
+  pthread_mutex_lock(&ph->lock);
+  uint32_t c;
+  int rc = __chunks_take(ph, tc, k->chunks, &c);
+  ph_run_t *r = rc == 0 ? run_new(c, cls, k->nblocks) : NULL;
+  if (rc == 0 && r == NULL) {
+    memset(ph->chunk_free + c, 1, k->chunks);
+    rc = KEEL_ENOMEM;
+  }
+  if (rc != 0) {
+    pthread_mutex_unlock(&ph->lock);
+    return rc;
+  }
+  ph_run_hdr_t *h = (ph_run_hdr_t *)(ph->view.base + ph_chunk_off(ph, c));
+  *h = (ph_run_hdr_t){
+      .block = k->block, .nblocks = k->nblocks, .data_off = k->data_off, .magic = PH_RUN_MAGIC};
+  memset(run_bitmap(ph, c), 0, (k->nblocks + 63) / 64 * 8);
+  _keel_pm_flush(ph, tc, h, k->data_off, PH_S_RUN);
+  _keel_pm_drain(ph, tc);
+  keel_store_release(ATOMIC64(ph_cword(ph, c)), PH_CW_MAKE(PH_CW_RUN, k->chunks));
+  _keel_pm_flush(ph, tc, ph_cword(ph, c), 8, PH_S_RUN);
+  _keel_pm_drain(ph, tc);
+  for (uint32_t i = 0; i < k->nblocks / 64; i++) r->vfree[i] = ~0ull;
+  if (k->nblocks % 64) r->vfree[k->nblocks / 64] = (1ull << (k->nblocks % 64)) - 1;
+  r->navail = k->nblocks;
+  for (uint32_t i = 0; i < k->chunks; i++) ph->chunk_run[c + i] = r;
+  pthread_mutex_unlock(&ph->lock);
+  *out = r;
+  return 0;
+}
+
+static inline keel_poff_t block_off(keel_pheap_t *ph, const ph_run_t *r, uint32_t i) {
+  const ph_class_t *k = &_keel_ph_classes[r->cls];
+  return ph_chunk_off(ph, r->chunk) + k->data_off + (uint64_t)i * k->block + PH_OBJ_HDR;
+}
+
+/* Moves up to half a cache of blocks from the class's runs; classq lock
+ * taken here. 0 or ENOSPC/ENOMEM. */
+static KEEL_NOINLINE int refill(keel_pheap_t *ph, ph_tcache_t *tc, unsigned cls) {
+  ph_classq_t *q = &ph->classq[cls];
+  pthread_mutex_lock(&q->lock);
+  while (q->partial == NULL) {
+    pthread_mutex_unlock(&q->lock);
+    ph_run_t *r;
+    int rc = run_create(ph, tc, cls, &r);
+    if (rc != 0) return rc;
+    pthread_mutex_lock(&q->lock);
+    r->listed = true;
+    r->next = q->partial;
+    q->partial = r;
+  }
+  ph_run_t *r = q->partial;
+  uint32_t want = PH_TC_MAX / 2, words = (_keel_ph_classes[cls].nblocks + 63) / 64;
+  for (uint32_t w = 0; w < words && tc->c[cls].n < want; w++) {
+    while (r->vfree[w] && tc->c[cls].n < want) {
+      unsigned b = (unsigned)__builtin_ctzll(r->vfree[w]);
+      r->vfree[w] &= r->vfree[w] - 1;
+      r->navail--;
+      tc->c[cls].off[tc->c[cls].n++] = block_off(ph, r, w * 64 + b);
+    }
+  }
+  if (r->navail == 0) {
+    q->partial = r->next;
+    r->listed = false;
+  }
+  pthread_mutex_unlock(&q->lock);
+  return 0;
+}
+
+static int take_huge(keel_pheap_t *ph, ph_tcache_t *tc, uint64_t block, keel_poff_t *off) {
+  uint64_t k = (block + PH_CHUNK - 1) / PH_CHUNK;
+  if (k > PH_ZONE_CHUNKS) return KEEL_EINVAL; /* an extent lives in one zone (128 MiB) */
+  pthread_mutex_lock(&ph->lock);
+  uint32_t c;
+  int rc = __chunks_take(ph, tc, (uint32_t)k, &c);
+  pthread_mutex_unlock(&ph->lock);
+  if (rc == 0) *off = ph_chunk_off(ph, c) + PH_OBJ_HDR;
+  return rc;
+}
+
+int _keel_ph_take(keel_pheap_t *ph, ph_tcache_t *tc, size_t size, int *cls, keel_poff_t *off) {
+  if (keel_unlikely(size == 0 || size > KEEL_PHEAP_MAX_ALLOC)) return KEEL_EINVAL;
+  int c = _keel_ph_class_of(size + PH_OBJ_HDR);
+  *cls = c;
+  if (keel_unlikely(c < 0)) return take_huge(ph, tc, size + PH_OBJ_HDR, off);
+  if (keel_unlikely(tc->c[c].n == 0)) {
+    int rc = refill(ph, tc, (unsigned)c);
+    if (rc != 0) return rc;
+  }
+  *off = tc->c[c].off[--tc->c[c].n];
+  return 0;
+}
+
+static void give_run(keel_pheap_t *ph, keel_poff_t off) {
+  uint32_t chunk = _keel_ph_chunk_at(ph, off);
+  ph_run_t *r = ph->chunk_run[chunk];
+  const ph_class_t *k = &_keel_ph_classes[r->cls];
+  uint32_t i = (uint32_t)((off - PH_OBJ_HDR - ph_chunk_off(ph, r->chunk) - k->data_off) / k->block);
+  ph_classq_t *q = &ph->classq[r->cls];
+  pthread_mutex_lock(&q->lock);
+  KEEL_ASSERT(!(r->vfree[i / 64] & (1ull << (i % 64))));
+  r->vfree[i / 64] |= 1ull << (i % 64);
+  r->navail++;
+  if (!r->listed) {
+    r->listed = true;
+    r->next = q->partial;
+    q->partial = r;
+  }
+  pthread_mutex_unlock(&q->lock);
+}
+
+void _keel_ph_give(keel_pheap_t *ph, ph_tcache_t *tc, int cls, keel_poff_t off) {
+  if (cls < 0) {
+    uint32_t c = _keel_ph_chunk_at(ph, off - PH_OBJ_HDR);
+    const ph_objhdr_t *h = (const ph_objhdr_t *)(ph->view.base + off - PH_OBJ_HDR);
+    uint64_t k = (h->size + PH_OBJ_HDR + PH_CHUNK - 1) / PH_CHUNK;
+    pthread_mutex_lock(&ph->lock);
+    memset(ph->chunk_free + c, 1, k);
+    pthread_mutex_unlock(&ph->lock);
+    return;
+  }
+  if (keel_likely(tc->c[cls].n < PH_TC_MAX)) {
+    tc->c[cls].off[tc->c[cls].n++] = off;
+    return;
+  }
+  give_run(ph, off);
+}
+
+void _keel_ph_tcache_return(keel_pheap_t *ph, ph_tcache_t *tc) KEEL_HIDDEN;
+void _keel_ph_tcache_return(keel_pheap_t *ph, ph_tcache_t *tc) {
+  for (unsigned c = 0; c < _keel_ph_nclasses; c++) {
+    while (tc->c[c].n) give_run(ph, tc->c[c].off[--tc->c[c].n]);
+  }
+}
+
+ph_redo_entry_t _keel_ph_mark(keel_pheap_t *ph, int cls, keel_poff_t off, bool alloc) {
+  uint64_t base = off - PH_OBJ_HDR;
+  if (cls < 0) {
+    uint32_t c = _keel_ph_chunk_at(ph, base);
+    const ph_objhdr_t *h = (const ph_objhdr_t *)(ph->view.base + base);
+    uint64_t k = (h->size + PH_OBJ_HDR + PH_CHUNK - 1) / PH_CHUNK;
+    uint64_t w = (uint64_t)((char *)ph_cword(ph, c) - ph->view.base);
+    return (ph_redo_entry_t){w | PH_OP_SET, alloc ? PH_CW_MAKE(PH_CW_HUGE, k) : 0};
+  }
+  ph_run_t *r = ph->chunk_run[_keel_ph_chunk_at(ph, base)];
+  const ph_class_t *k = &_keel_ph_classes[r->cls];
+  uint64_t i = (base - ph_chunk_off(ph, r->chunk) - k->data_off) / k->block;
+  uint64_t w = ph_chunk_off(ph, r->chunk) + PH_RUN_HDR + i / 64 * 8;
+  return (ph_redo_entry_t){w | (alloc ? PH_OP_OR : PH_OP_ANDNOT), 1ull << (i % 64)};
+}
+
+int _keel_ph_live_class(keel_pheap_t *ph, keel_poff_t off, const char *call) {
+  uint32_t c = off >= PH_OBJ_HDR ? _keel_ph_chunk_at(ph, off - PH_OBJ_HDR) : UINT32_MAX;
+  if (c == UINT32_MAX)
+    keel_die(call, "offset 0x%llx is not inside the heap of %s", (unsigned long long)off, ph->path);
+  ph_run_t *r = ph->chunk_run[c];
+  if (r == NULL) {
+    uint64_t w = keel_load_acquire(ATOMIC64(ph_cword(ph, c)));
+    if (PH_CW_TYPE(w) != PH_CW_HUGE || off != ph_chunk_off(ph, c) + PH_OBJ_HDR)
+      keel_die(call, "offset 0x%llx is not a live object of %s (double free?)",
+               (unsigned long long)off, ph->path);
+    return -1;
+  }
+  const ph_class_t *k = &_keel_ph_classes[r->cls];
+  uint64_t rel = off - PH_OBJ_HDR - ph_chunk_off(ph, r->chunk);
+  uint64_t i = (rel - k->data_off) / k->block;
+  if (rel < k->data_off || (rel - k->data_off) % k->block != 0 || i >= k->nblocks ||
+      !(keel_load_relaxed(ATOMIC64(run_bitmap(ph, r->chunk) + i / 64)) & (1ull << (i % 64))))
+    keel_die(call, "offset 0x%llx is not a live object of %s (double free?)",
+             (unsigned long long)off, ph->path);
+  return (int)r->cls;
+}
+
+size_t _keel_ph_usable(keel_pheap_t *ph, int cls, keel_poff_t off) {
+  if (cls >= 0) return _keel_ph_classes[cls].block - PH_OBJ_HDR;
+  uint64_t w = *ph_cword(ph, _keel_ph_chunk_at(ph, off - PH_OBJ_HDR));
+  return PH_CW_LEN(w) * PH_CHUNK - PH_OBJ_HDR;
+}
+
+void _keel_ph_init_obj(keel_pheap_t *ph, ph_tcache_t *tc, keel_poff_t off, size_t size,
+                       uint64_t type, bool zero, bool flush) {
+  ph_objhdr_t *h = (ph_objhdr_t *)(ph->view.base + off - PH_OBJ_HDR);
+  h->size = size;
+  h->type = type;
+  if (zero) memset(h + 1, 0, size);
+  if (flush) _keel_pm_flush(ph, tc, h, PH_OBJ_HDR + (zero ? size : 0), PH_S_OBJHDR);
+}
+
+/* Finds the class whose block is exactly `block`, or -1. */
+static int class_exact(uint32_t block) {
+  int c = _keel_ph_class_of(block);
+  return c >= 0 && _keel_ph_classes[c].block == block ? c : -1;
+}
+
+int _keel_ph_heap_boot(keel_pheap_t *ph, ph_tcache_t *tc) {
+  uint32_t n = keel_load_relaxed(&ph->nchunks);
+  bool reclaimed = false;
+  for (uint32_t c = 0; c < n;) {
+    uint64_t w = *ph_cword(ph, c);
+    uint32_t len = PH_CW_LEN(w), t = PH_CW_TYPE(w);
+    if (t == PH_CW_FREE) {
+      ph->chunk_free[c++] = 1;
+      continue;
+    }
+    if ((t != PH_CW_RUN && t != PH_CW_HUGE) || len == 0 ||
+        c % PH_ZONE_CHUNKS + len > PH_ZONE_CHUNKS || c + len > n)
+      return KEEL_ECORRUPT;
+    if (t == PH_CW_RUN) {
+      ph_run_hdr_t *h = (ph_run_hdr_t *)(ph->view.base + ph_chunk_off(ph, c));
+      int cls = class_exact(h->block);
+      if (h->magic != PH_RUN_MAGIC || cls < 0 || _keel_ph_classes[cls].chunks != len ||
+          _keel_ph_classes[cls].nblocks != h->nblocks)
+        return KEEL_ECORRUPT;
+      ph_run_t *r = run_new(c, (uint32_t)cls, h->nblocks);
+      if (r == NULL) return KEEL_ENOMEM;
+      const uint64_t *bm = run_bitmap(ph, c);
+      for (uint32_t i = 0; i < h->nblocks; i++)
+        if (!(bm[i / 64] & (1ull << (i % 64)))) {
+          r->vfree[i / 64] |= 1ull << (i % 64);
+          r->navail++;
+        }
+      if (r->navail == h->nblocks) { /* empty: give the chunks back */
+        free(r->vfree);
+        free(r);
+        *ph_cword(ph, c) = 0;
+        _keel_pm_flush(ph, tc, ph_cword(ph, c), 8, PH_S_NONE);
+        memset(ph->chunk_free + c, 1, len);
+        reclaimed = true;
+      } else {
+        for (uint32_t i = 0; i < len; i++) ph->chunk_run[c + i] = r;
+        if (r->navail) {
+          ph_classq_t *q = &ph->classq[cls];
+          r->listed = true;
+          r->next = q->partial;
+          q->partial = r;
+        }
+      }
+    }
+    c += len;
+  }
+  if (reclaimed) _keel_pm_drain(ph, tc);
+  return 0;
+}
+
+void _keel_ph_heap_fini(keel_pheap_t *ph) {
+  if (ph->chunk_run == NULL) return;
+  uint32_t n = keel_load_relaxed(&ph->nchunks);
+  for (uint32_t c = 0; c < n;) {
+    ph_run_t *r = ph->chunk_run[c];
+    if (r == NULL) {
+      c++;
+      continue;
+    }
+    c += _keel_ph_classes[r->cls].chunks; /* a run's chunks all point to it: skip them */
+    free(r->vfree);
+    free(r);
+  }
+}
+
+int keel_pheap_foreach(keel_pheap_t *ph, uint64_t type,
+                       int (*fn)(keel_pheap_t *ph, keel_poff_t off, void *arg), void *arg) {
+  uint32_t n = keel_load_acquire(&ph->nchunks);
+  for (uint32_t c = 0; c < n;) {
+    /* Acquire pairs with the release in run_create: a run word seen here
+     * comes with its header and bitmap. */
+    uint64_t w = keel_load_acquire(ATOMIC64(ph_cword(ph, c)));
+    uint32_t len = PH_CW_LEN(w) ? PH_CW_LEN(w) : 1;
+    if (PH_CW_TYPE(w) == PH_CW_HUGE) {
+      keel_poff_t off = ph_chunk_off(ph, c) + PH_OBJ_HDR;
+      const ph_objhdr_t *h = (const ph_objhdr_t *)(ph->view.base + off - PH_OBJ_HDR);
+      if (type == KEEL_PHEAP_ANY_TYPE || h->type == type) {
+        int rc = fn(ph, off, arg);
+        if (rc) return rc;
+      }
+    } else if (PH_CW_TYPE(w) == PH_CW_RUN) {
+      const ph_run_hdr_t *rh = (const ph_run_hdr_t *)(ph->view.base + ph_chunk_off(ph, c));
+      uint64_t *bm = run_bitmap(ph, c);
+      for (uint32_t i = 0; i < rh->nblocks; i += 64) {
+        uint64_t bits = keel_load_relaxed(ATOMIC64(bm + i / 64));
+        for (; bits; bits &= bits - 1) {
+          uint32_t b = i + (uint32_t)__builtin_ctzll(bits);
+          keel_poff_t off =
+              ph_chunk_off(ph, c) + rh->data_off + (uint64_t)b * rh->block + PH_OBJ_HDR;
+          const ph_objhdr_t *h = (const ph_objhdr_t *)(ph->view.base + off - PH_OBJ_HDR);
+          if (type == KEEL_PHEAP_ANY_TYPE || h->type == type) {
+            int rc = fn(ph, off, arg);
+            if (rc) return rc;
+          }
+        }
+      }
+    }
+    c += len;
+  }
+  return 0;
+}

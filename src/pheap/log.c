@@ -1,0 +1,400 @@
+/* pheap logs: lanes, redo log rings, checkpoints, recovery.
+ *
+ * Every change to allocation state (run bitmap words, huge chunk words,
+ * object headers) and every destination store of an atomic operation is
+ * written first as a redo log: a header {seq, tx, n, dsum, csum} and entries
+ * "word op= value", with a checksum covering them. Logs go into the lane's
+ * ring with non-temporal stores, and one barrier makes the log durable: from
+ * then on the operation has happened, because recovery replays it.
+ *
+ * Atomic operations (alloc, free, publish) then apply the entries in the
+ * cache and do NOT flush them: the lines are recorded in the lane's dirty
+ * list, and a checkpoint flushes every lane's recorded lines at once, drains,
+ * then stores and persists the watermark ckpt_seq: every log at or below it
+ * has its effects durable and is ignored by recovery. So an atomic operation
+ * costs 1 barrier, and a checkpoint (2 barriers, however many lines) is paid
+ * once per ring wrap or full dirty list (each 30-60 operations of a lane).
+ *
+ * Why replaying logs above the watermark in seq order is correct: replay is
+ * idempotent (OR, AND-NOT, SET of the same values), and an operation that
+ * conflicts with another (frees what it allocated, changes the destination)
+ * starts after the first returned, so it has a larger seq; both logs stay in
+ * their rings until a checkpoint covers both (a ring is reused only once the
+ * watermark covers all its logs), so the later one is replayed after. Writers
+ * that change chunk words without a log (run creation) checkpoint first.
+ *
+ * The watermark: W = min(counter, oldest in-flight seq - 1). A lane announces
+ * a lower bound of its seq before drawing it, so a checkpoint that reads the
+ * counter and then sees no lane in flight knows every seq up to the counter
+ * belongs to a finished operation whose lines are in a dirty list.
+ *
+ * Transactions commit with a ring log too. One that snapshot nothing orders
+ * its new objects' bytes with a barrier and then logs like an atomic
+ * operation. One with an undo log writes a commit log (tx = the undo log's
+ * seq) whose CHK entries vouch for the new data by checksum, then applies and
+ * flushes at once and empties the undo log: 2 barriers, no checkpoint.
+ *
+ * Recovery at open: (1) logs above the watermark, except a commit log that
+ * tore (its CHK data does not match while its undo log is still there), and
+ * undo logs whose transaction has no such valid commit log are collected; (2) processed in seq order: logs replayed,
+ * undo logs rolled back newest entry first; (3) barrier; (4) undo logs
+ * emptied, barrier; (5) the watermark raised past every log, barrier. A crash
+ * in recovery leaves the same logs to replay next time.
+ */
+#include <sched.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "base/die.h"
+#include "pheap/pheap_int.h"
+
+#define ATOMIC64(p) ((keel_atomic(uint64_t) *)(void *)(p))
+
+unsigned _keel_ph_ring_limit = PH_RING_LINES;
+
+uint64_t _keel_ph_next_seq(keel_pheap_t *ph) {
+  return keel_fetch_add_relaxed(&ph->seq, 1) + 1;
+}
+
+ph_lane_t *_keel_ph_lane_get(keel_pheap_t *ph, ph_tcache_t *tc) {
+  unsigned h = tc->lane_hint;
+  for (unsigned i = 0; i < PH_NLANES; i++) {
+    ph_lane_t *l = &ph->lanes[(h + i) % PH_NLANES];
+    if (pthread_mutex_trylock(&l->lock) == 0) {
+      tc->lane_hint = l->idx;
+      return l;
+    }
+  }
+  ph_lane_t *l = &ph->lanes[h];
+  pthread_mutex_lock(&l->lock); /* more threads than lanes: wait for ours */
+  return l;
+}
+
+void _keel_ph_lane_put(keel_pheap_t *ph, ph_lane_t *l) {
+  (void)ph;
+  pthread_mutex_unlock(&l->lock);
+}
+
+static uint64_t redo_csum(const ph_redo_t *r) {
+  uint64_t h = _keel_ph_csum(r, offsetof(ph_redo_t, csum), 0x7265646f);
+  return _keel_ph_csum(r->e, r->n * sizeof r->e[0], h);
+}
+
+static uint64_t data_sum(keel_pheap_t *ph, const ph_redo_entry_t *e, size_t n) {
+  uint64_t h = 0x243f6a8885a308d3ull, size = keel_load_relaxed(&ph->size);
+  for (size_t i = 0; i < n; i++) {
+    if ((e[i].off_op & 7) != PH_OP_CHK) continue;
+    uint64_t off = e[i].off_op & ~(uint64_t)7;
+    if (off + e[i].val > size) return 0; /* cannot match: the data is not there */
+    h = _keel_ph_csum(ph->view.base + off, e[i].val, h);
+  }
+  return h;
+}
+
+bool _keel_ph_redo_data_ok(keel_pheap_t *ph, const ph_redo_t *r) {
+  return data_sum(ph, r->e, r->n) == r->dsum;
+}
+
+bool _keel_ph_chk_add(ph_redo_entry_t *e, size_t *n, size_t cap, uint64_t off, uint64_t len,
+                      uint64_t *chk_bytes) {
+  if (*n == cap || *chk_bytes + len > PH_CHK_MAX_BYTES || (off & 7)) return false;
+  *chk_bytes += len;
+  e[(*n)++] = (ph_redo_entry_t){off | PH_OP_CHK, len};
+  return true;
+}
+
+const ph_redo_t *_keel_ph_ring_log(const char *ring, unsigned pos, uint64_t above) {
+  const ph_redo_t *r = (const ph_redo_t *)(ring + (size_t)pos * PH_LINE);
+  if (r->seq <= above || r->n > PH_REDO_MAX ||
+      pos * PH_LINE + PH_REDO_HDR + r->n * sizeof r->e[0] > PH_REDO_BYTES)
+    return NULL;
+  return r->csum == redo_csum(r) ? r : NULL;
+}
+
+static unsigned log_lines(size_t n) {
+  return (unsigned)((PH_REDO_HDR + n * sizeof(ph_redo_entry_t) + PH_LINE - 1) / PH_LINE);
+}
+
+uint64_t _keel_ph_log_write(keel_pheap_t *ph, ph_tcache_t *tc, ph_lane_t *l, uint64_t tx,
+                            const ph_redo_entry_t *e, size_t n) {
+  unsigned lines = log_lines(n);
+  unsigned limit = _keel_ph_ring_limit > lines && _keel_ph_ring_limit <= PH_RING_LINES
+                       ? _keel_ph_ring_limit
+                       : PH_RING_LINES;
+  if (l->ring_pos + lines > limit) {
+    /* Reuse the ring only once the watermark covers every log in it, so no
+     * log above the watermark is ever overwritten (see the file comment). */
+    uint64_t need = keel_load_relaxed(&l->ring_max_seq);
+    while (keel_load_acquire(&ph->ckpt_seq) < need) {
+      _keel_ph_checkpoint(ph, tc);
+      if (keel_load_acquire(&ph->ckpt_seq) < need) sched_yield();
+    }
+    l->ring_pos = 0;
+  }
+  /* Announce a lower bound of our seq before drawing it: the checkpoint
+   * reads the counter, then the lanes (seq_cst), so either it sees the bound
+   * or we draw a seq above the counter it read. The seq_cst fence orders the
+   * relaxed store before the draw (on x86 the locked add already does, and
+   * the fence compiles to nothing more). */
+  keel_store_relaxed(&l->inflight, keel_load_relaxed(&ph->seq) + 1);
+#if !defined(__x86_64__)
+  atomic_thread_fence(memory_order_seq_cst);
+#endif
+  uint64_t seq = atomic_fetch_add(&ph->seq, 1) + 1;
+  keel_store_relaxed(&l->inflight, seq);
+  union {
+    ph_redo_t r;
+    char b[PH_REDO_BYTES];
+  } buf;
+  buf.r = (ph_redo_t){.seq = seq, .tx = tx, .n = n, .dsum = data_sum(ph, e, n)};
+  memcpy(buf.r.e, e, n * sizeof *e);
+  buf.r.csum = redo_csum(&buf.r);
+  _keel_pm_write_nt(ph, tc, l->ring + (size_t)l->ring_pos * PH_LINE, &buf,
+                    KEEL_ALIGN_UP(PH_REDO_HDR + n * sizeof *e, (size_t)8), PH_S_REDO);
+  l->ring_pos += lines;
+  /* Only logs whose effects wait for a checkpoint pin the ring: a commit
+   * log's effects are flushed before commit returns, and a later operation
+   * that conflicts with it has a later seq. */
+  if (tx == 0) keel_store_release(&l->ring_max_seq, seq);
+  return seq;
+}
+
+/* Records lines for the next checkpoint (deduplicated against the recent
+ * ones: an allocation burst touches the same bitmap and header lines). */
+static void dirty_add(keel_pheap_t *ph, ph_tcache_t *tc, ph_lane_t *l, const uint64_t *lines,
+                      unsigned n) {
+  bool full = false;
+  pthread_mutex_lock(&l->dirty_lock);
+  for (unsigned i = 0; i < n; i++) {
+    bool seen = false;
+    for (unsigned k = l->ndirty > 16 ? l->ndirty - 16 : 0; k < l->ndirty && !seen; k++)
+      seen = l->dirty[k] == lines[i];
+    if (seen) continue;
+    if (l->ndirty == PH_DIRTY_MAX) {
+      /* Our op is in flight, so a checkpoint cannot cover it: flush the
+       * line now, then let the checkpoint empty the list. */
+      _keel_pm_flush(ph, tc, ph->view.base + lines[i], PH_LINE, PH_S_CKPT);
+      full = true;
+      continue;
+    }
+    l->dirty[l->ndirty++] = lines[i];
+  }
+  pthread_mutex_unlock(&l->dirty_lock);
+  if (full) _keel_ph_checkpoint(ph, tc);
+}
+
+static uint64_t apply_one(keel_pheap_t *ph, ph_tcache_t *tc, const ph_redo_entry_t *e,
+                          bool deferred) {
+  uint64_t off = e->off_op & ~(uint64_t)7;
+  if ((e->off_op & 7) == PH_OP_CHK) return UINT64_MAX;
+  if (off + 8 > keel_load_relaxed(&ph->size)) return UINT64_MAX; /* defensive */
+  keel_atomic(uint64_t) *w = ATOMIC64(ph->view.base + off);
+  switch (e->off_op & 7) {
+    case PH_OP_SET:
+      keel_store_release(w, e->val); /* release: readers of chunk words see the object */
+      break;
+    case PH_OP_OR:
+      keel_fetch_or_acq_rel(w, e->val);
+      break;
+    case PH_OP_ANDNOT:
+      keel_fetch_and_acq_rel(w, ~e->val);
+      break;
+  }
+  if (!deferred) _keel_pm_flush(ph, tc, (void *)w, 8, PH_S_APPLY);
+  return off & ~(uint64_t)(PH_LINE - 1);
+}
+
+void _keel_ph_log_apply(keel_pheap_t *ph, ph_tcache_t *tc, ph_lane_t *l, const ph_redo_entry_t *e,
+                        size_t n, bool deferred) {
+  uint64_t lines[16];
+  unsigned nl = 0;
+  for (size_t i = 0; i < n; i++) {
+    uint64_t line = apply_one(ph, tc, &e[i], deferred);
+    if (!deferred || line == UINT64_MAX) continue;
+    if (nl && lines[nl - 1] == line) continue;
+    lines[nl++] = line;
+    if (nl == 16) {
+      dirty_add(ph, tc, l, lines, nl);
+      nl = 0;
+    }
+  }
+  if (nl) dirty_add(ph, tc, l, lines, nl);
+  /* Release: a checkpoint that sees us done also sees our dirty lines. */
+  keel_store_release(&l->inflight, 0);
+}
+
+bool _keel_ph_deferred(keel_pheap_t *ph) {
+  uint64_t w = keel_load_acquire(&ph->ckpt_seq);
+  for (unsigned i = 0; i < PH_NLANES; i++)
+    if (keel_load_acquire(&ph->lanes[i].ring_max_seq) > w) return true;
+  return false;
+}
+
+void _keel_ph_checkpoint(keel_pheap_t *ph, ph_tcache_t *tc) {
+  pthread_mutex_lock(&ph->ckpt_lock);
+  uint64_t w = atomic_load(&ph->seq);
+  atomic_thread_fence(memory_order_seq_cst); /* the counter, then the lanes */
+  for (unsigned i = 0; i < PH_NLANES; i++) {
+    uint64_t f = atomic_load(&ph->lanes[i].inflight);
+    if (f && f - 1 < w) w = f - 1;
+  }
+  for (unsigned i = 0; i < PH_NLANES; i++) {
+    ph_lane_t *l = &ph->lanes[i];
+    pthread_mutex_lock(&l->dirty_lock);
+    for (unsigned k = 0; k < l->ndirty; k++)
+      _keel_pm_flush(ph, tc, ph->view.base + l->dirty[k], PH_LINE, PH_S_CKPT);
+    l->ndirty = 0;
+    pthread_mutex_unlock(&l->dirty_lock);
+  }
+  _keel_pm_drain(ph, tc);
+  if (w > ph->hdr->ckpt_seq) {
+    keel_store_relaxed(ATOMIC64(&ph->hdr->ckpt_seq), w);
+    _keel_pm_flush(ph, tc, &ph->hdr->ckpt_seq, 8, PH_S_NONE);
+    _keel_pm_drain(ph, tc);
+    keel_store_release(&ph->ckpt_seq, w);
+  }
+  pthread_mutex_unlock(&ph->ckpt_lock);
+}
+
+static uint64_t undo_csum(uint64_t seq, const ph_undo_entry_t *e) {
+  return _keel_ph_csum(e + 1, e->len, seq * 0xc2b2ae3d27d4eb4full ^ e->off * 31 ^ e->len);
+}
+
+bool _keel_ph_undo_next(const ph_undo_t *u, uint64_t *pos, const ph_undo_entry_t **out) {
+  uint64_t cap = sizeof u->data;
+  if (*pos + sizeof(ph_undo_entry_t) > cap) return false;
+  const ph_undo_entry_t *e = (const ph_undo_entry_t *)(u->data + *pos);
+  if (e->len == 0 || e->len > cap - *pos - sizeof *e || e->csum != undo_csum(u->seq, e))
+    return false;
+  *out = e;
+  *pos += sizeof *e + KEEL_ALIGN_UP(e->len, (uint64_t)8);
+  return true;
+}
+
+/* For tx.c: the checksum an undo entry must carry. */
+uint64_t _keel_ph_undo_csum(uint64_t seq, const ph_undo_entry_t *e) KEEL_HIDDEN;
+uint64_t _keel_ph_undo_csum(uint64_t seq, const ph_undo_entry_t *e) {
+  return undo_csum(seq, e);
+}
+
+/* Restores an undo log's snapshots, newest first. */
+void _keel_ph_undo_rollback(keel_pheap_t *ph, ph_tcache_t *tc, ph_undo_t *u) KEEL_HIDDEN;
+void _keel_ph_undo_rollback(keel_pheap_t *ph, ph_tcache_t *tc, ph_undo_t *u) {
+  const ph_undo_entry_t *stack[256], *e;
+  const ph_undo_entry_t **v = stack;
+  size_t n = 0, cap = 256;
+  uint64_t pos = 0;
+  while (_keel_ph_undo_next(u, &pos, &e)) {
+    if (n == cap) {
+      const ph_undo_entry_t **nv = malloc(cap * 2 * sizeof *nv);
+      if (nv == NULL) keel_die("keel_pheap recovery", "out of memory");
+      memcpy(nv, v, n * sizeof *nv);
+      if (v != stack) free(v);
+      v = nv;
+      cap *= 2;
+    }
+    v[n++] = e;
+  }
+  uint64_t size = keel_load_relaxed(&ph->size);
+  while (n--) {
+    e = v[n];
+    if (e->off + e->len > size || e->off < PH_HDR_BYTES) continue;
+    memcpy(ph->view.base + e->off, e + 1, e->len);
+    _keel_pm_flush(ph, tc, ph->view.base + e->off, e->len, PH_S_ROLLBACK);
+  }
+  if (v != stack) free(v);
+}
+
+typedef struct rec_item {
+  uint64_t seq;
+  const ph_redo_t *log; /* NULL: undo of lane `lane` */
+  unsigned lane;
+} rec_item_t;
+
+static int rec_cmp(const void *a, const void *b) {
+  const rec_item_t *x = a, *y = b;
+  return x->seq < y->seq ? -1 : x->seq > y->seq;
+}
+
+/* True if a later committed transaction's data (a CHK range of a later log)
+ * covers the word at `off`: that data was durable when it committed and is
+ * newer than what log `i` would store there, so replaying the store would
+ * undo the transaction. */
+static bool overwritten_later(const rec_item_t *items, unsigned n, unsigned i, uint64_t off) {
+  for (unsigned j = i + 1; j < n; j++) {
+    const ph_redo_t *r = items[j].log;
+    if (r == NULL || r->tx == 0) continue;
+    for (size_t k = 0; k < r->n; k++) {
+      if ((r->e[k].off_op & 7) != PH_OP_CHK) continue;
+      uint64_t lo = r->e[k].off_op & ~(uint64_t)7;
+      if (off >= lo && off < lo + r->e[k].val) return true;
+    }
+  }
+  return false;
+}
+
+int _keel_ph_recover(keel_pheap_t *ph, ph_tcache_t *tc) {
+  uint64_t w = ph->hdr->ckpt_seq, top = w;
+  rec_item_t *items = malloc(PH_NLANES * (PH_RING_LINES + 1) * sizeof *items);
+  if (items == NULL) keel_die("keel_pheap recovery", "out of memory");
+  unsigned n = 0;
+  for (unsigned i = 0; i < PH_NLANES; i++) {
+    ph_lane_t *l = &ph->lanes[i];
+    bool committed = false;
+    for (unsigned pos = 0; pos < PH_RING_LINES;) {
+      const ph_redo_t *r = _keel_ph_ring_log(l->ring, pos, w);
+      if (r == NULL) {
+        pos++;
+        continue;
+      }
+      pos += log_lines(r->n);
+      if (r->seq > top) top = r->seq;
+      /* A commit log whose vouched-for data is not all there, while its
+       * undo log is still in place, tore in its own barrier: it never
+       * committed. Once the undo log is gone the commit finished (its
+       * effects were flushed before it returned), so a mismatch then only
+       * means the data changed since, and the log is replayed in order like
+       * any other. */
+      if (r->tx && r->tx == l->undo->seq) {
+        if (!_keel_ph_redo_data_ok(ph, r)) continue;
+        committed = true;
+      }
+      items[n++] = (rec_item_t){r->seq, r, i};
+    }
+    if (l->undo->seq != 0 && !committed) items[n++] = (rec_item_t){l->undo->seq, NULL, i};
+  }
+  if (n == 0) {
+    free(items);
+    return 0;
+  }
+  qsort(items, n, sizeof items[0], rec_cmp);
+  for (unsigned i = 0; i < n; i++) {
+    if (items[i].log == NULL) {
+      _keel_ph_undo_rollback(ph, tc, ph->lanes[items[i].lane].undo);
+      continue;
+    }
+    for (size_t k = 0; k < items[i].log->n; k++)
+      if (!overwritten_later(items, n, i, items[i].log->e[k].off_op & ~(uint64_t)7))
+        apply_one(ph, tc, &items[i].log->e[k], false);
+  }
+  _keel_pm_drain(ph, tc);
+  /* Undo logs are emptied before the watermark passes their commit logs: an
+   * undo log left valid with its commit log ignored would roll a committed
+   * transaction back at the next open. */
+  for (unsigned i = 0; i < PH_NLANES; i++) {
+    ph_lane_t *l = &ph->lanes[i];
+    if (l->undo->seq) {
+      l->undo->seq = 0;
+      _keel_pm_flush(ph, tc, l->undo, 8, PH_S_NONE);
+    }
+  }
+  _keel_pm_drain(ph, tc);
+  if (top > w) {
+    ph->hdr->ckpt_seq = top;
+    _keel_pm_flush(ph, tc, &ph->hdr->ckpt_seq, 8, PH_S_NONE);
+    _keel_pm_drain(ph, tc);
+  }
+  free(items);
+  return (int)n;
+}

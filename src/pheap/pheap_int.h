@@ -1,0 +1,382 @@
+/* pheap internals: the on-media format and the volatile handle.
+ *
+ * File layout (all offsets from the pool base; every region page aligned):
+ *
+ *   [0, 4 KiB)         pool header: the immutable part (magic, version,
+ *                      layout, geometry) under one checksum, then on its own
+ *                      cache line the mutable words (size, root, epoch,
+ *                      checkpoint watermark), each one 64-bit store.
+ *   [4 KiB, heap_off)  NLANES lanes of LANE_BYTES: a redo log ring (16 KiB)
+ *                      and an undo log (48 KiB). A thread holds a lane for
+ *                      one atomic operation or one whole transaction.
+ *   [heap_off, size)   zones: a 4 KiB page of 512 chunk words, then up to 512
+ *                      chunks of 256 KiB. A chunk word of 0 is a free chunk,
+ *                      so extending the file (zero fill) adds free chunks with
+ *                      no other write; a run or huge object is described only
+ *                      by the word of its first chunk (the others stay 0).
+ *
+ * Runs: a run of k chunks holds blocks of one size; it starts with a 64-byte
+ * run header and an allocation bitmap (bit set = allocated). The bitmap is
+ * the only persistent truth about a block, so free is one 64-bit AND plus its
+ * flush. Every block starts with the 16-byte object header
+ * {requested size, type}; the user's offset points just past it.
+ *
+ * Seq numbers order logs for recovery: seq = epoch << 40 | counter, where the
+ * epoch is bumped (and persisted) at every open, so seqs never repeat across
+ * sessions and every new seq is above the watermark recovery left.
+ */
+#ifndef KEEL_PHEAP_INT_H
+#define KEEL_PHEAP_INT_H
+
+#include <pthread.h>
+#include <stdint.h>
+
+#include <keel/pheap.h>
+
+#include "base/atomic.h"
+#include "base/common.h"
+
+#define PH_MAGIC       "KEELPHP"
+#define PH_VERSION     1u
+#define PH_HDR_BYTES   4096u
+#define PH_CHUNK       ((uint64_t)256 << 10)
+#define PH_ZONE_CHUNKS 512u
+#define PH_ZONE_META   4096u
+#define PH_ZONE_BYTES  (PH_ZONE_META + PH_ZONE_CHUNKS * PH_CHUNK)
+#define PH_NLANES                                                                                  \
+  64u /* threads beyond this wait for a lane (measured: 16 lanes lost 2x to libpmemobj at 256 threads) */
+#define PH_REDO_BYTES     (16u << 10)
+#define PH_LANE_BYTES     ((uint64_t)64 << 10)
+#define PH_UNDO_BYTES     (PH_LANE_BYTES - PH_REDO_BYTES)
+#define PH_OBJ_HDR        16u
+#define PH_RUN_HDR        64u
+#define PH_MAX_RUN_CHUNKS 16u
+#define PH_LINE           64u
+
+/* Chunk word: type in the top byte, length in chunks in the low 32 bits. */
+#define PH_CW_FREE       0u
+#define PH_CW_RUN        1u
+#define PH_CW_HUGE       2u
+#define PH_CW_TYPE(w)    ((unsigned)((w) >> 56))
+#define PH_CW_LEN(w)     ((uint32_t)(w))
+#define PH_CW_MAKE(t, n) (((uint64_t)(t) << 56) | (uint32_t)(n))
+
+/* The immutable header, covered by `csum`. */
+typedef struct ph_header {
+  char magic[8];
+  uint32_t version;
+  uint32_t hdr_bytes;
+  char layout[KEEL_PHEAP_LAYOUT_MAX + 1];
+  uint64_t nlanes, lane_bytes, lanes_off;
+  uint64_t heap_off, chunk_bytes, zone_chunks;
+  uint64_t flags; /* KEEL_PHEAP_FIXED */
+  uint64_t uuid[2];
+  uint64_t reserved[12];
+  uint64_t csum; /* over every byte before it */
+  /* Mutable words, each checked on its own, on their own line. */
+  uint64_t size_word KEEL_CACHE_ALIGNED; /* pool bytes/4096 (40 bits) | check (24 bits) */
+  uint64_t root_off;                     /* set by an atomic alloc */
+  uint64_t epoch;                        /* bumped at each open */
+  uint64_t ckpt_seq;                     /* logs at or below it are applied and durable */
+} ph_header_t;
+
+/* Redo logs live in a per-lane ring of PH_REDO_BYTES: a log is a 48-byte
+ * header and its entries, starting on a cache line; it occupies whole lines.
+ * Entries are (word offset | op, value) applied in order. */
+/* CHK: not applied; (off, len) names bytes that had to be durable no later
+ * than the log (a transaction's new data): the log's `dsum` covers them, so
+ * a log that became durable in the same barrier as data that did not is
+ * recognised as never committed (see log.c). */
+enum { PH_OP_SET = 0, PH_OP_OR = 1, PH_OP_ANDNOT = 2, PH_OP_CHK = 3 };
+/* Data a log may vouch for by checksum; beyond it a barrier orders the data
+ * first. */
+#define PH_CHK_MAX_BYTES                                                                           \
+  1024u /* past it an ordering barrier beats checksumming (measured, 4 KiB ranges) */
+typedef struct ph_redo_entry {
+  uint64_t off_op; /* 8-aligned pool offset | op in the low 3 bits */
+  uint64_t val;
+} ph_redo_entry_t;
+typedef struct ph_redo {
+  uint64_t seq; /* global order; valid only above the header's ckpt_seq */
+  uint64_t tx;  /* undo seq this log commits, or 0 */
+  uint64_t n;
+  uint64_t dsum; /* over the bytes the CHK entries name, in order */
+  uint64_t pad;
+  uint64_t csum; /* over the header words above and the n entries */
+  ph_redo_entry_t e[];
+} ph_redo_t;
+#define PH_REDO_HDR   48u
+#define PH_REDO_MAX   ((PH_REDO_BYTES - PH_REDO_HDR) / sizeof(ph_redo_entry_t))
+#define PH_RING_LINES (PH_REDO_BYTES / PH_LINE)
+
+/* An undo log: header line, then entries {off, len, csum, data padded to 8}
+ * appended in order; recovery stops at the first entry whose checksum (which
+ * covers the tx seq) fails. */
+typedef struct ph_undo {
+  uint64_t seq; /* the open transaction's seq, 0: none */
+  uint64_t pad[7];
+  uint8_t data[PH_UNDO_BYTES - 64];
+} ph_undo_t;
+typedef struct ph_undo_entry {
+  uint64_t off, len, csum;
+} ph_undo_entry_t;
+
+typedef struct ph_run_hdr {
+  uint32_t block; /* block bytes including the object header */
+  uint32_t nblocks;
+  uint32_t data_off; /* first block, from the run start */
+  uint32_t magic;
+  uint64_t pad[6];
+} ph_run_hdr_t;
+#define PH_RUN_MAGIC 0x52554e31u
+
+typedef struct ph_objhdr {
+  uint64_t size;
+  uint64_t type;
+} ph_objhdr_t;
+
+/* ---- allocation classes (classes.c) ---- */
+typedef struct ph_class {
+  uint32_t block;   /* bytes per block including the header */
+  uint32_t chunks;  /* chunks per run */
+  uint32_t nblocks; /* blocks per run */
+  uint32_t data_off;
+} ph_class_t;
+extern ph_class_t _keel_ph_classes[] KEEL_HIDDEN;
+extern unsigned _keel_ph_nclasses KEEL_HIDDEN;
+void _keel_ph_classes_init(void) KEEL_HIDDEN;
+/* Class for a block of `block` bytes, or -1 if it needs a huge extent. */
+int _keel_ph_class_of(uint64_t block) KEEL_HIDDEN;
+
+/* ---- volatile state ---- */
+typedef struct ph_run {
+  uint32_t chunk; /* global chunk index of its first chunk */
+  uint32_t cls;
+  uint32_t navail; /* bits set in vfree */
+  bool listed;     /* on its class's partial list */
+  struct ph_run *next;
+  uint64_t *vfree; /* free and not handed to any cache */
+} ph_run_t;
+
+typedef struct ph_classq {
+  pthread_mutex_t lock;
+  ph_run_t *partial; /* runs with navail > 0 */
+} KEEL_CACHE_ALIGNED ph_classq_t;
+
+#define PH_TC_MAX 16
+typedef struct ph_tcache ph_tcache_t;
+
+/* A lane: its log ring and undo log, and (volatile) where the next log goes,
+ * the seq of the operation between its log write and its apply (0: none),
+ * and the lines its atomic operations changed without flushing them (the
+ * next checkpoint flushes them). */
+#define PH_DIRTY_MAX 256
+typedef struct ph_lane {
+  pthread_mutex_t lock;
+  char *ring;
+  ph_undo_t *undo;
+  unsigned idx;
+  unsigned ring_pos;                  /* next free line in the ring */
+  keel_atomic(uint64_t) ring_max_seq; /* highest seq of an atomic operation's log in the ring */
+  keel_atomic(uint64_t) inflight;
+  pthread_mutex_t dirty_lock;
+  unsigned ndirty;
+  uint64_t dirty[PH_DIRTY_MAX]; /* line offsets */
+} KEEL_CACHE_ALIGNED ph_lane_t;
+
+/* One pending range for msync-mode barriers. */
+#define PH_MS_RANGES 4
+struct ph_tcache {
+  keel_pheap_t *ph;
+  uint64_t id;
+  ph_tcache_t *next; /* ph->caches, under ph->lock */
+  unsigned lane_hint;
+  uint64_t flushes, barriers;
+  uint64_t ms_lo[PH_MS_RANGES], ms_hi[PH_MS_RANGES];
+  unsigned ms_n;
+  /* simulated media: lines flushed since the last drain */
+  uint64_t *sim_lines;
+  unsigned sim_n, sim_cap;
+  struct {
+    uint32_t n;
+    uint64_t off[PH_TC_MAX];
+  } c[]; /* per class */
+};
+
+struct keel_pheap {
+  struct keel_pheap_view_ view; /* must be first: keel_pheap_ptr reads it */
+  keel_atomic(uint64_t) size;   /* mapped and usable bytes */
+  uint64_t reserve;             /* reserved address space */
+  uint64_t id;
+  int fd;
+  int flush_mode; /* KEEL_FLUSH_* resolved */
+  bool sim;       /* simulated media: private map, pwrite at drain */
+  bool fixed;
+  char *path;
+  ph_header_t *hdr;
+  keel_atomic(uint64_t) seq;
+  pthread_mutex_t lock;      /* chunks, growth, caches list */
+  pthread_mutex_t root_lock; /* first keel_pheap_root */
+  ph_tcache_t *caches;
+  uint8_t *chunk_free;           /* per global chunk: 1 free (volatile) */
+  ph_run_t **chunk_run;          /* per global chunk: the run it heads */
+  keel_atomic(uint32_t) nchunks; /* chunks that exist now (grows under lock) */
+  uint32_t chunk_cap;            /* array capacity */
+  ph_classq_t *classq;
+  ph_lane_t lanes[PH_NLANES];
+  pthread_mutex_t ckpt_lock;      /* one checkpoint at a time */
+  keel_atomic(uint64_t) ckpt_seq; /* volatile copy of hdr->ckpt_seq */
+  keel_atomic(uint64_t) grows, tx_commits, tx_aborts;
+  uint64_t recovered;
+  keel_atomic(uint64_t) dead_flushes, dead_barriers; /* from exited threads */
+};
+
+/* ---- geometry helpers ---- */
+KEEL_INLINE uint64_t ph_zone_off(const keel_pheap_t *ph, uint32_t z) {
+  return ph->hdr->heap_off + (uint64_t)z * PH_ZONE_BYTES;
+}
+KEEL_INLINE uint64_t *ph_cword(const keel_pheap_t *ph, uint32_t chunk) {
+  return (uint64_t *)(ph->view.base + ph_zone_off(ph, chunk / PH_ZONE_CHUNKS)) +
+         chunk % PH_ZONE_CHUNKS;
+}
+KEEL_INLINE uint64_t ph_chunk_off(const keel_pheap_t *ph, uint32_t chunk) {
+  return ph_zone_off(ph, chunk / PH_ZONE_CHUNKS) + PH_ZONE_META +
+         (uint64_t)(chunk % PH_ZONE_CHUNKS) * PH_CHUNK;
+}
+/* The chunk holding offset `off`, or UINT32_MAX outside the chunk space. */
+uint32_t _keel_ph_chunk_at(const keel_pheap_t *ph, uint64_t off) KEEL_HIDDEN;
+/* Chunks that fit in a pool of `size` bytes with heap at heap_off. */
+uint32_t _keel_ph_chunks_for(uint64_t heap_off, uint64_t size) KEEL_HIDDEN;
+
+/* ---- checksums and header words (format.c) ---- */
+uint64_t _keel_ph_csum(const void *p, size_t len, uint64_t seed) KEEL_HIDDEN;
+uint64_t _keel_ph_size_word(uint64_t size) KEEL_HIDDEN;
+/* Size from a size word, or 0 if its check fails. */
+uint64_t _keel_ph_size_from_word(uint64_t w) KEEL_HIDDEN;
+/* Validates a header read from `path` of `file_size` bytes; 0 or error with
+ * the message set. */
+int _keel_ph_header_check(const ph_header_t *h, const char *path, uint64_t file_size,
+                          const char *layout) KEEL_HIDDEN;
+/* Sets this thread's keel_pheap_errmsg text; returns err. */
+int _keel_ph_err(int err, const char *path, const char *fmt, ...) KEEL_PRINTF(3, 4) KEEL_HIDDEN;
+
+/* ---- persistence (persist.c) ---- */
+/* Flush-site ids for fault injection (tests remove one site at a time). */
+enum ph_site {
+  PH_S_NONE = 0,
+  PH_S_OBJHDR,   /* object header before its allocation is logged */
+  PH_S_REDO,     /* redo log before the barrier that commits it */
+  PH_S_APPLY,    /* redo entries applied */
+  PH_S_UNDO,     /* undo entry before the caller may store */
+  PH_S_UNDO_INV, /* undo invalidation at commit */
+  PH_S_TXDATA,   /* snapshot ranges' new contents at commit */
+  PH_S_TXNEW,    /* objects allocated by the transaction at commit */
+  PH_S_ROLLBACK, /* restored bytes at abort/recovery */
+  PH_S_RUN,      /* run header + bitmap before the chunk word */
+  PH_S_CKPT,     /* deferred lines at a checkpoint */
+  PH_S_SNAPSHOT, /* not a flush: the snapshot copy in keel_tx_add_range */
+  PH_S_COUNT
+};
+extern int _keel_ph_fault KEEL_HIDDEN; /* site to skip, PH_S_NONE normally */
+/* Called at the start of every persist barrier with the running count (tests
+ * crash the process there). NULL normally. */
+extern void (*_keel_ph_barrier_hook)(keel_pheap_t *ph, ph_tcache_t *tc) KEEL_HIDDEN;
+/* When set before open/create, pools use simulated media (tests). */
+extern bool _keel_ph_sim_next KEEL_HIDDEN;
+
+void _keel_pm_flush(keel_pheap_t *ph, ph_tcache_t *tc, const void *p, size_t len,
+                    enum ph_site site) KEEL_HIDDEN;
+void _keel_pm_drain(keel_pheap_t *ph, ph_tcache_t *tc) KEEL_HIDDEN;
+/* Copies len bytes (8-aligned) to pool memory with non-temporal stores where
+ * the mode flushes by CPU instruction (the lines need no flush then), else
+ * memcpy + flush. The caller drains. */
+void _keel_pm_write_nt(keel_pheap_t *ph, ph_tcache_t *tc, void *dst, const void *src, size_t len,
+                       enum ph_site site) KEEL_HIDDEN;
+int _keel_pm_mode(keel_pheap_t *ph) KEEL_HIDDEN; /* resolves pheap_flush */
+/* Simulated media: writes a seeded subset of the lines flushed but not yet
+ * drained (torn at 8-byte granularity when `torn`), as a crash would. */
+void _keel_pm_sim_crash(keel_pheap_t *ph, ph_tcache_t *tc, uint64_t seed, bool torn) KEEL_HIDDEN;
+/* Copies every byte of the mapping to the file (sim mode close). */
+void _keel_pm_sim_writeall(keel_pheap_t *ph) KEEL_HIDDEN;
+
+/* ---- thread caches (tcache.c) ---- */
+ph_tcache_t *_keel_ph_tcache(keel_pheap_t *ph) KEEL_HIDDEN;
+void _keel_ph_tcaches_destroy(keel_pheap_t *ph) KEEL_HIDDEN;
+
+/* ---- heap (heap.c) ---- */
+int _keel_ph_heap_boot(keel_pheap_t *ph, ph_tcache_t *tc) KEEL_HIDDEN;
+void _keel_ph_heap_fini(keel_pheap_t *ph) KEEL_HIDDEN;
+/* Takes a free block (volatile reservation) for `size` user bytes; writes
+ * nothing persistent. *cls = class or -1 for huge (then the chunk word SET
+ * is what publishes it). 0 or KEEL_ENOSPC/EINVAL. */
+int _keel_ph_take(keel_pheap_t *ph, ph_tcache_t *tc, size_t size, int *cls,
+                  keel_poff_t *off) KEEL_HIDDEN;
+/* Returns a volatile reservation (never published, or freed and durable). */
+void _keel_ph_give(keel_pheap_t *ph, ph_tcache_t *tc, int cls, keel_poff_t off) KEEL_HIDDEN;
+/* The redo entry that publishes (alloc) or frees a block. Aborts on a bad
+ * offset when `must_live`. */
+ph_redo_entry_t _keel_ph_mark(keel_pheap_t *ph, int cls, keel_poff_t off, bool alloc) KEEL_HIDDEN;
+/* Validates `off` as a live object and returns its class (-1 huge); dies with
+ * `call` in the message otherwise. */
+int _keel_ph_live_class(keel_pheap_t *ph, keel_poff_t off, const char *call) KEEL_HIDDEN;
+size_t _keel_ph_usable(keel_pheap_t *ph, int cls, keel_poff_t off) KEEL_HIDDEN;
+/* Writes the object header and flushes it (and zeroes the body if asked). */
+void _keel_ph_init_obj(keel_pheap_t *ph, ph_tcache_t *tc, keel_poff_t off, size_t size,
+                       uint64_t type, bool zero, bool flush) KEEL_HIDDEN;
+
+/* ---- logs and lanes (log.c) ---- */
+ph_lane_t *_keel_ph_lane_get(keel_pheap_t *ph, ph_tcache_t *tc) KEEL_HIDDEN;
+void _keel_ph_lane_put(keel_pheap_t *ph, ph_lane_t *l) KEEL_HIDDEN;
+uint64_t _keel_ph_next_seq(keel_pheap_t *ph) KEEL_HIDDEN;
+/* Writes a log of n entries (committing undo seq `tx`, or 0) into the lane's
+ * ring and starts its write-back; the caller then drains. Marks the lane in
+ * flight until _keel_ph_log_apply. Returns the log's seq. */
+uint64_t _keel_ph_log_write(keel_pheap_t *ph, ph_tcache_t *tc, ph_lane_t *l, uint64_t tx,
+                            const ph_redo_entry_t *e, size_t n) KEEL_HIDDEN;
+/* Applies entries in place. deferred: the touched lines are left for the
+ * next checkpoint (atomic operations); otherwise they are flushed now (the
+ * caller drains). Ends the lane's in-flight state. */
+void _keel_ph_log_apply(keel_pheap_t *ph, ph_tcache_t *tc, ph_lane_t *l, const ph_redo_entry_t *e,
+                        size_t n, bool deferred) KEEL_HIDDEN;
+/* Lines of the ring a lane uses before it wraps (PH_RING_LINES; tests
+ * shrink it to make wraps and checkpoints frequent). */
+extern unsigned _keel_ph_ring_limit KEEL_HIDDEN;
+/* Flushes every deferred line and raises the durable watermark (2 barriers). */
+/* True if some atomic operation's effects still wait for a checkpoint. */
+bool _keel_ph_deferred(keel_pheap_t *ph) KEEL_HIDDEN;
+void _keel_ph_checkpoint(keel_pheap_t *ph, ph_tcache_t *tc) KEEL_HIDDEN;
+/* True if the data named by a log's CHK entries still matches its dsum. */
+bool _keel_ph_redo_data_ok(keel_pheap_t *ph, const ph_redo_t *r) KEEL_HIDDEN;
+/* Appends a CHK entry for [off, off+len) if the budget (*chk_bytes) allows;
+ * false otherwise: the caller then needs a barrier before writing the log. */
+bool _keel_ph_chk_add(ph_redo_entry_t *e, size_t *n, size_t cap, uint64_t off, uint64_t len,
+                      uint64_t *chk_bytes) KEEL_HIDDEN;
+/* Crash recovery (see log.c). Returns logs processed. */
+int _keel_ph_recover(keel_pheap_t *ph, ph_tcache_t *tc) KEEL_HIDDEN;
+/* Undo log entry walk (shared with check.c). */
+bool _keel_ph_undo_next(const ph_undo_t *u, uint64_t *pos, const ph_undo_entry_t **out) KEEL_HIDDEN;
+/* A valid log header at ring line `pos` with seq above `above`, or NULL. */
+const ph_redo_t *_keel_ph_ring_log(const char *ring, unsigned pos, uint64_t above) KEEL_HIDDEN;
+
+/* ---- atomic actions (action.c) ---- */
+enum { PH_ACT_NONE = 0, PH_ACT_RESERVE = 1, PH_ACT_SET = 2, PH_ACT_FREE = 3 };
+/* Redo entries for n actions into e (capacity cap); -1 if too many. */
+long _keel_ph_acts_entries(keel_pheap_t *ph, const keel_pheap_act_t *acts, size_t n,
+                           ph_redo_entry_t *e, size_t cap) KEEL_HIDDEN;
+/* After the actions are durable: frees return their blocks. */
+void _keel_ph_acts_done(keel_pheap_t *ph, ph_tcache_t *tc, keel_pheap_act_t *acts,
+                        size_t n) KEEL_HIDDEN;
+
+/* ---- growth (pool.c) ---- */
+/* Makes room for at least `need` more chunks; ph->lock held. 0 or ENOSPC. */
+int __keel_ph_grow(keel_pheap_t *ph, ph_tcache_t *tc, uint32_t need) KEEL_HIDDEN;
+
+#define PH_ROOT_TYPE (UINT64_MAX - 1)
+
+/* ---- transactions (tx.c) ---- */
+/* The tx store check in simulated media (tests): called at commit with the
+ * tx's ranges; returns the number of dirty bytes outside them. */
+extern uint64_t _keel_ph_stray_bytes KEEL_HIDDEN;
+extern bool _keel_ph_stray_check KEEL_HIDDEN;
+
+#endif /* KEEL_PHEAP_INT_H */

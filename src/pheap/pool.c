@@ -1,0 +1,289 @@
+/* pheap pools: create, open (validate, lock, map, recover), close, grow.
+ *
+ * Open order: lock the file (flock, so a second opener in any process gets
+ * KEEL_ELOCKED), read and validate the header with pread before mapping
+ * anything, so a bad file is reported and never written; then map, recover
+ * (log.c), bump the epoch (one barrier) and rebuild the volatile heap
+ * (heap.c).
+ *
+ * Mapping: a PROT_NONE reservation of PH_RESERVE bytes holds the file
+ * mapping at its start, so growth maps the new tail in place (MAP_FIXED over
+ * the reservation) and no pointer into the pool ever moves. Growth: extend
+ * the file (zeros = free chunks, see pheap_int.h), fsync so the new size
+ * survives, map the tail, and only then store the new size word and persist
+ * it: a crash in between leaves a file longer than the pool says, which open
+ * accepts (the extra bytes are reused by the next growth).
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/file.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "base/clock.h"
+#include "base/die.h"
+#include "base/options.h"
+#include "pheap/pheap_int.h"
+
+#ifndef MAP_SHARED_VALIDATE
+#define MAP_SHARED_VALIDATE 0x03
+#endif
+#ifndef MAP_SYNC
+#define MAP_SYNC 0x80000
+#endif
+
+#if defined(KEEL_ASAN) || defined(KEEL_TSAN)
+#define PH_RESERVE ((uint64_t)8 << 30) /* sanitizers shadow what is mapped: keep it modest */
+#else
+#define PH_RESERVE ((uint64_t)64 << 30)
+#endif
+
+int _keel_pm_cpu_best(void) KEEL_HIDDEN;
+int _keel_ph_registry_add(keel_pheap_t *ph) KEEL_HIDDEN;
+static keel_atomic(uint64_t) ph_ids;
+
+static void *fail_null(int err) {
+  errno = -err;
+  return NULL;
+}
+
+static int map_tail(keel_pheap_t *ph, uint64_t from, uint64_t to, bool first) {
+  int flags = ph->sim ? MAP_PRIVATE | MAP_FIXED : MAP_SHARED | MAP_FIXED;
+  void *want = ph->view.base + from, *p = MAP_FAILED;
+  if (!ph->sim && ph->flush_mode == -1) {
+    /* auto: MAP_SYNC only succeeds on DAX, where CPU flushes are enough. */
+    p = mmap(want, to - from, PROT_READ | PROT_WRITE, MAP_SHARED_VALIDATE | MAP_SYNC | MAP_FIXED,
+             ph->fd, (off_t)from);
+    ph->flush_mode = p != MAP_FAILED ? _keel_pm_cpu_best() : KEEL_FLUSH_MSYNC;
+  } else if (!ph->sim && first == false && ph->flush_mode != KEEL_FLUSH_MSYNC &&
+             ph->flush_mode != KEEL_FLUSH_NONE) {
+    p = mmap(want, to - from, PROT_READ | PROT_WRITE, MAP_SHARED_VALIDATE | MAP_SYNC | MAP_FIXED,
+             ph->fd, (off_t)from);
+  }
+  if (p == MAP_FAILED)
+    p = mmap(want, to - from, PROT_READ | PROT_WRITE, flags, ph->fd, (off_t)from);
+  return p == MAP_FAILED ? -errno : 0;
+}
+
+static void ph_free_volatile(keel_pheap_t *ph) {
+  if (ph->classq) {
+    for (unsigned i = 0; i < _keel_ph_nclasses; i++) pthread_mutex_destroy(&ph->classq[i].lock);
+    free(ph->classq);
+  }
+  for (unsigned i = 0; i < PH_NLANES; i++) {
+    pthread_mutex_destroy(&ph->lanes[i].lock);
+    pthread_mutex_destroy(&ph->lanes[i].dirty_lock);
+  }
+  pthread_mutex_destroy(&ph->ckpt_lock);
+  pthread_mutex_destroy(&ph->lock);
+  pthread_mutex_destroy(&ph->root_lock);
+  free(ph->chunk_free);
+  free(ph->chunk_run);
+  free(ph->path);
+  if (ph->view.base) munmap(ph->view.base, ph->reserve);
+  if (ph->fd >= 0) close(ph->fd); /* drops the flock */
+  free(ph);
+}
+
+/* Maps a validated pool and brings it up; consumes fd. */
+static keel_pheap_t *ph_start(const char *path, int fd, uint64_t size, unsigned flags) {
+  keel_pheap_t *ph = calloc(1, sizeof *ph);
+  if (ph == NULL) {
+    close(fd);
+    return fail_null(_keel_ph_err(KEEL_ENOMEM, path, "out of memory"));
+  }
+  ph->fd = fd;
+  pthread_mutex_init(&ph->lock, NULL);
+  pthread_mutex_init(&ph->root_lock, NULL);
+  for (unsigned i = 0; i < PH_NLANES; i++) {
+    pthread_mutex_init(&ph->lanes[i].lock, NULL);
+    pthread_mutex_init(&ph->lanes[i].dirty_lock, NULL);
+  }
+  pthread_mutex_init(&ph->ckpt_lock, NULL);
+  ph->path = strdup(path);
+  ph->sim = _keel_ph_sim_next;
+  ph->fixed = (flags & KEEL_PHEAP_FIXED) != 0;
+  ph->id = keel_fetch_add_relaxed(&ph_ids, 1) + 1;
+  int opt = (int)_keel_option(KEEL_OPT_pheap_flush);
+  ph->flush_mode = opt == KEEL_FLUSH_AUTO ? -1 : _keel_pm_mode(ph);
+  ph->reserve = size * 4 > PH_RESERVE ? KEEL_ALIGN_UP(size * 4, PH_CHUNK) : PH_RESERVE;
+  void *base =
+      mmap(NULL, ph->reserve, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  int rc;
+  if (base == MAP_FAILED) {
+    rc = _keel_ph_err(KEEL_ENOMEM, path, "cannot reserve %llu bytes of address space",
+                      (unsigned long long)ph->reserve);
+    goto fail;
+  }
+  ph->view.base = base;
+  if ((rc = map_tail(ph, 0, size, true)) != 0) {
+    rc = _keel_ph_err(rc, path, "mmap failed: %s", strerror(-rc));
+    goto fail;
+  }
+  keel_store_relaxed(&ph->size, size);
+  ph->hdr = (ph_header_t *)ph->view.base;
+  _keel_ph_classes_init();
+  ph->chunk_cap = _keel_ph_chunks_for(ph->hdr->heap_off, ph->reserve);
+  ph->chunk_free = calloc(ph->chunk_cap, 1);
+  ph->chunk_run = calloc(ph->chunk_cap, sizeof *ph->chunk_run);
+  ph->classq = calloc(_keel_ph_nclasses, sizeof *ph->classq);
+  if (!ph->path || !ph->chunk_free || !ph->chunk_run || !ph->classq) {
+    rc = _keel_ph_err(KEEL_ENOMEM, path, "out of memory");
+    goto fail;
+  }
+  for (unsigned i = 0; i < _keel_ph_nclasses; i++) pthread_mutex_init(&ph->classq[i].lock, NULL);
+  for (unsigned i = 0; i < PH_NLANES; i++) {
+    char *l = ph->view.base + ph->hdr->lanes_off + i * PH_LANE_BYTES;
+    ph->lanes[i].ring = l;
+    ph->lanes[i].undo = (ph_undo_t *)(l + PH_REDO_BYTES);
+    ph->lanes[i].idx = i;
+  }
+  keel_store_relaxed(&ph->nchunks, _keel_ph_chunks_for(ph->hdr->heap_off, size));
+  ph_tcache_t *tc = _keel_ph_registry_add(ph) == 0 ? _keel_ph_tcache(ph) : NULL;
+  if (tc == NULL) {
+    rc = _keel_ph_err(KEEL_ENOMEM, path, "out of memory");
+    goto fail;
+  }
+  ph->recovered = (uint64_t)_keel_ph_recover(ph, tc);
+  /* A new epoch: every seq of this session is above every log on media
+   * (and above the watermark), so no stale log can ever pass for a new one. */
+  ph->hdr->epoch++;
+  _keel_pm_flush(ph, tc, &ph->hdr->epoch, 8, PH_S_NONE);
+  _keel_pm_drain(ph, tc);
+  keel_store_relaxed(&ph->seq, ph->hdr->epoch << 40);
+  keel_store_relaxed(&ph->ckpt_seq, ph->hdr->ckpt_seq);
+  if ((rc = _keel_ph_heap_boot(ph, tc)) != 0) {
+    rc = _keel_ph_err(rc, path, "heap rebuild failed: %s", keel_strerror(rc));
+    goto fail;
+  }
+  return ph;
+fail:
+  _keel_ph_tcaches_destroy(ph);
+  _keel_ph_heap_fini(ph);
+  ph_free_volatile(ph);
+  return fail_null(rc);
+}
+
+static int lock_file(int fd, const char *path) {
+  if (flock(fd, LOCK_EX | LOCK_NB) == 0) return 0;
+  if (errno == EWOULDBLOCK)
+    return _keel_ph_err(KEEL_ELOCKED, path, "pool is already open (locked by another handle)");
+  return _keel_ph_err(-errno, path, "flock failed: %s", strerror(errno));
+}
+
+keel_pheap_t *keel_pheap_open(const char *path, const char *layout) {
+  if (path == NULL || layout == NULL)
+    return fail_null(_keel_ph_err(KEEL_EINVAL, path, "path and layout are required"));
+  int fd = open(path, O_RDWR | O_CLOEXEC);
+  if (fd < 0) return fail_null(_keel_ph_err(-errno, path, "cannot open: %s", strerror(errno)));
+  int rc = lock_file(fd, path);
+  struct stat st;
+  ph_header_t h;
+  if (rc == 0 && fstat(fd, &st) != 0) rc = _keel_ph_err(-errno, path, "fstat: %s", strerror(errno));
+  if (rc == 0 && (uint64_t)st.st_size < sizeof h)
+    rc = _keel_ph_err(KEEL_ECORRUPT, path, "truncated: %lld bytes is smaller than a pool header",
+                      (long long)st.st_size);
+  if (rc == 0 && pread(fd, &h, sizeof h, 0) != (ssize_t)sizeof h)
+    rc = _keel_ph_err(KEEL_ECORRUPT, path, "cannot read the pool header");
+  if (rc == 0) rc = _keel_ph_header_check(&h, path, (uint64_t)st.st_size, layout);
+  if (rc != 0) {
+    close(fd);
+    return fail_null(rc);
+  }
+  return ph_start(path, fd, _keel_ph_size_from_word(h.size_word), (unsigned)h.flags);
+}
+
+keel_pheap_t *keel_pheap_create(const char *path, const char *layout, size_t size, unsigned flags) {
+  if (path == NULL || layout == NULL)
+    return fail_null(_keel_ph_err(KEEL_EINVAL, path, "path and layout are required"));
+  if (strlen(layout) > KEEL_PHEAP_LAYOUT_MAX)
+    return fail_null(
+        _keel_ph_err(KEEL_EINVAL, path, "layout name longer than %d bytes", KEEL_PHEAP_LAYOUT_MAX));
+  if (size < KEEL_PHEAP_MIN_SIZE)
+    return fail_null(_keel_ph_err(KEEL_EINVAL, path, "size %zu is below the minimum %zu", size,
+                                  KEEL_PHEAP_MIN_SIZE));
+  if (flags & ~KEEL_PHEAP_FIXED)
+    return fail_null(_keel_ph_err(KEEL_EINVAL, path, "unknown flags 0x%x", flags));
+  size = KEEL_ALIGN_DOWN(size, (size_t)4096);
+  int fd = open(path, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+  if (fd < 0) return fail_null(_keel_ph_err(-errno, path, "cannot create: %s", strerror(errno)));
+  int rc = lock_file(fd, path);
+  if (rc == 0 && ftruncate(fd, (off_t)size) != 0)
+    rc = _keel_ph_err(-errno, path, "cannot size the file: %s", strerror(errno));
+  if (rc == 0) {
+    ph_header_t h;
+    memset(&h, 0, sizeof h);
+    memcpy(h.magic, PH_MAGIC, sizeof PH_MAGIC);
+    h.version = PH_VERSION;
+    h.hdr_bytes = PH_HDR_BYTES;
+    strcpy(h.layout, layout);
+    h.nlanes = PH_NLANES;
+    h.lane_bytes = PH_LANE_BYTES;
+    h.lanes_off = PH_HDR_BYTES;
+    h.heap_off = PH_HDR_BYTES + PH_NLANES * PH_LANE_BYTES;
+    h.chunk_bytes = PH_CHUNK;
+    h.zone_chunks = PH_ZONE_CHUNKS;
+    h.flags = flags;
+    h.uuid[0] = keel_clock_ns();
+    h.uuid[1] = (uint64_t)getpid() * 0x9e3779b97f4a7c15ull ^ (uint64_t)(uintptr_t)&h;
+    h.csum = _keel_ph_csum(&h, offsetof(ph_header_t, csum), 0);
+    h.size_word = _keel_ph_size_word(size);
+    /* The header is written last and synced: a crash before this leaves a
+     * file without a valid header, which open rejects (never half a pool). */
+    if (pwrite(fd, &h, sizeof h, 0) != (ssize_t)sizeof h || fsync(fd) != 0)
+      rc = _keel_ph_err(KEEL_EINVAL, path, "cannot write the header: %s", strerror(errno));
+  }
+  if (rc != 0) {
+    unlink(path);
+    close(fd);
+    return fail_null(rc);
+  }
+  keel_pheap_t *ph = ph_start(path, fd, size, flags);
+  if (ph == NULL) {
+    int e = errno;
+    unlink(path);
+    errno = e;
+  }
+  return ph;
+}
+
+int keel_pheap_close(keel_pheap_t *ph) {
+  if (ph == NULL) return KEEL_EINVAL;
+  ph_tcache_t *tc = _keel_ph_tcache(ph);
+  if (tc) _keel_ph_checkpoint(ph, tc); /* the next open has nothing to replay */
+  if (ph->sim) _keel_pm_sim_writeall(ph);
+  _keel_ph_tcaches_destroy(ph);
+  _keel_ph_heap_fini(ph);
+  ph_free_volatile(ph);
+  return 0;
+}
+
+int __keel_ph_grow(keel_pheap_t *ph, ph_tcache_t *tc, uint32_t need) {
+  if (ph->fixed) return KEEL_ENOSPC;
+  uint32_t have = keel_load_relaxed(&ph->nchunks);
+  uint32_t add = need > have / 4 ? need : have / 4;
+  if (add < 32) add = 32; /* at least 8 MiB at a time */
+  uint64_t last = (uint64_t)have + add - 1;
+  uint64_t size = ph->hdr->heap_off + (last / PH_ZONE_CHUNKS) * PH_ZONE_BYTES + PH_ZONE_META +
+                  (last % PH_ZONE_CHUNKS + 1) * PH_CHUNK;
+  if (size > ph->reserve) return KEEL_ENOSPC;
+  uint64_t old = keel_load_relaxed(&ph->size);
+  struct stat st;
+  if (fstat(ph->fd, &st) != 0) return KEEL_ENOSPC;
+  if ((uint64_t)st.st_size < size && (ftruncate(ph->fd, (off_t)size) != 0 || fsync(ph->fd) != 0))
+    return KEEL_ENOSPC;
+  if (map_tail(ph, old, size, false) != 0) return KEEL_ENOSPC;
+  keel_store_relaxed(&ph->size, size);
+  ph->hdr->size_word = _keel_ph_size_word(size);
+  _keel_pm_flush(ph, tc, &ph->hdr->size_word, 8, PH_S_NONE);
+  _keel_pm_drain(ph, tc);
+  uint32_t n = _keel_ph_chunks_for(ph->hdr->heap_off, size);
+  for (uint32_t c = have; c < n; c++) ph->chunk_free[c] = 1;
+  keel_store_release(&ph->nchunks, n); /* publishes chunk_free/chunk_run for the new chunks */
+  keel_fetch_add_relaxed(&ph->grows, 1);
+  return 0;
+}

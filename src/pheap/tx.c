@@ -1,0 +1,447 @@
+/* pheap transactions: undo log for user data, redo log for allocation state.
+ *
+ * keel_tx_add_range copies the bytes about to change into the lane's undo
+ * log (entry = {off, len, checksum over the tx seq and the data}) and ends
+ * with a barrier, so the snapshot is durable before the caller's first
+ * store. The range cache (a sorted array of disjoint ranges per transaction)
+ * makes repeated or overlapping adds snapshot only bytes not yet covered, and
+ * a fully covered add costs no barrier at all. Objects allocated in the
+ * transaction need no snapshot: they vanish on abort.
+ *
+ * tx_alloc only reserves (volatile); tx_free and tx_publish only queue. A
+ * transaction that snapshot nothing commits like an atomic operation after a
+ * barrier that orders its new objects' bytes (2 barriers). Otherwise, at
+ * commit: (1) flush the snapshot ranges and the new objects, write the commit
+ * log (bit sets for allocations, clears for frees, queued value stores; its
+ * `tx` names the undo log) with CHK entries whose checksum vouches for those
+ * new bytes, so they need no barrier of their own (past 1 KiB a barrier
+ * orders them first instead): barrier 1, after which the transaction is
+ * committed (recovery finds a commit log for the undo log, with its data
+ * intact, and discards the undo log instead of rolling back); (2) apply the
+ * entries, flush them and empty the undo log: barrier 2. The commit log stays in the lane's ring
+ * until a checkpoint passes it (log.c). A transaction that snapshot nothing
+ * and allocated nothing commits with no barrier.
+ * Abort: restore snapshots newest first, barrier, empty the undo log,
+ * barrier; reservations go back to the thread cache.
+ */
+#define _GNU_SOURCE
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "base/die.h"
+#include "base/tls.h"
+#include "pheap/pheap_int.h"
+
+uint64_t _keel_ph_stray_bytes;
+bool _keel_ph_stray_check;
+
+uint64_t _keel_ph_undo_csum(uint64_t seq, const ph_undo_entry_t *e) KEEL_HIDDEN;
+void _keel_ph_undo_rollback(keel_pheap_t *ph, ph_tcache_t *tc, ph_undo_t *u) KEEL_HIDDEN;
+
+typedef struct tx_range {
+  uint64_t lo, hi;
+} tx_range_t;
+
+typedef struct tx_new {
+  keel_poff_t off;
+  int cls;
+} tx_new_t;
+
+/* A thread's transaction. Invariants: depth > 0 <=> lane held; ranges sorted
+ * and disjoint; undo_pos = bytes of undo entries written; at most one of
+ * committed/aborted. */
+typedef struct ph_tx {
+  keel_pheap_t *ph;
+  ph_tcache_t *tc;
+  ph_lane_t *lane;
+  int depth, err;
+  bool committed, aborted, undo_started;
+  uint64_t seq, undo_pos;
+  tx_range_t *ranges;
+  size_t nr, rcap;
+  tx_new_t *news;
+  size_t nn, ncap;
+  keel_pheap_act_t *acts;
+  size_t na, acap;
+} ph_tx_t;
+
+static __thread ph_tx_t tx;
+static __thread keel_thread_hook_t tx_hook;
+
+/* Thread exit: the transaction's arrays (kept between transactions). */
+static void tx_thread_exit(void *arg) {
+  (void)arg;
+  free(tx.ranges);
+  free(tx.news);
+  free(tx.acts);
+  tx.ranges = NULL;
+  tx.news = NULL;
+  tx.acts = NULL;
+  tx.rcap = tx.ncap = tx.acap = 0;
+}
+
+static int grow(void **p, size_t *cap, size_t need, size_t elem) {
+  if (need <= *cap) return 0;
+  size_t c = *cap ? *cap * 2 : 16;
+  while (c < need) c *= 2;
+  void *n = realloc(*p, c * elem);
+  if (n == NULL) return KEEL_ENOMEM;
+  *p = n;
+  *cap = c;
+  return 0;
+}
+
+static void tx_rollback(void) {
+  keel_pheap_t *ph = tx.ph;
+  if (tx.undo_started) {
+    _keel_ph_undo_rollback(ph, tx.tc, tx.lane->undo);
+    _keel_pm_drain(ph, tx.tc);
+    uint64_t zero = 0;
+    _keel_pm_write_nt(ph, tx.tc, &tx.lane->undo->seq, &zero, 8, PH_S_UNDO_INV);
+    _keel_pm_drain(ph, tx.tc);
+    tx.undo_started = false;
+  }
+  for (size_t i = 0; i < tx.nn; i++) _keel_ph_give(ph, tx.tc, tx.news[i].cls, tx.news[i].off);
+  tx.nn = 0;
+  keel_pheap_cancel(ph, tx.acts, tx.na);
+  tx.na = 0;
+  tx.nr = 0;
+  keel_fetch_add_relaxed(&ph->tx_aborts, 1);
+}
+
+/* Any failure inside a transaction aborts it at once (flat semantics). */
+static int tx_fail(int err) {
+  if (!tx.aborted && !tx.committed) {
+    tx_rollback();
+    tx.aborted = true;
+    tx.err = err;
+  }
+  return err;
+}
+
+static int tx_check(void) {
+  if (tx.depth == 0) return KEEL_EPERM;
+  if (tx.aborted || tx.committed) return KEEL_ECANCELED;
+  return 0;
+}
+
+int keel_tx_begin(keel_pheap_t *ph) {
+  if (ph == NULL) return KEEL_EINVAL;
+  if (tx.depth > 0) {
+    if (tx.ph != ph) return KEEL_EINVAL;
+    tx.depth++;
+    return tx.aborted ? KEEL_ECANCELED : 0;
+  }
+  ph_tcache_t *tc = _keel_ph_tcache(ph);
+  if (tc == NULL) return KEEL_ENOMEM;
+  if (tx_hook.fn == NULL) {
+    tx_hook.fn = tx_thread_exit;
+    _keel_thread_hook_arm(&tx_hook);
+  }
+  tx.ph = ph;
+  tx.tc = tc;
+  tx.lane = _keel_ph_lane_get(ph, tc);
+  tx.depth = 1;
+  tx.err = 0;
+  tx.committed = tx.aborted = tx.undo_started = false;
+  tx.seq = _keel_ph_next_seq(ph);
+  tx.undo_pos = 0;
+  tx.nr = tx.nn = tx.na = 0;
+  return 0;
+}
+
+int keel_tx_depth(void) {
+  return tx.depth;
+}
+
+static bool in_new(uint64_t lo, uint64_t hi) {
+  for (size_t i = 0; i < tx.nn; i++) {
+    uint64_t o = tx.news[i].off;
+    if (lo >= o && hi <= o + _keel_ph_usable(tx.ph, tx.news[i].cls, o)) return true;
+  }
+  return false;
+}
+
+/* Appends one snapshot to the undo log and flushes it (no barrier). */
+static int undo_append(uint64_t off, uint64_t len) {
+  keel_pheap_t *ph = tx.ph;
+  ph_undo_t *u = tx.lane->undo;
+  uint64_t need = sizeof(ph_undo_entry_t) + KEEL_ALIGN_UP(len, (uint64_t)8);
+  if (tx.undo_pos + need > sizeof u->data) return KEEL_ENOSPC;
+  if (!tx.undo_started) {
+    uint64_t seq = tx.seq;
+    _keel_pm_write_nt(ph, tx.tc, &u->seq, &seq, 8, PH_S_UNDO);
+    tx.undo_started = true;
+  }
+  if (keel_unlikely(_keel_ph_fault == PH_S_SNAPSHOT)) return 0;
+  /* Entry header and data go out with non-temporal stores where the mode
+   * allows (no flush, no cache pollution by the copy); the last partial
+   * word of the data is padded through a bounce word. */
+  ph_undo_entry_t *e = (ph_undo_entry_t *)(u->data + tx.undo_pos);
+  ph_undo_entry_t h = {off, len, 0};
+  uint64_t body = len & ~(uint64_t)7, tail = 0;
+  memcpy(&tail, ph->view.base + off + body, len - body);
+  /* The checksum covers exactly len bytes, as rollback reads them. */
+  h.csum = _keel_ph_csum(ph->view.base + off, len, tx.seq * 0xc2b2ae3d27d4eb4full ^ off * 31 ^ len);
+  _keel_pm_write_nt(ph, tx.tc, e, &h, sizeof h, PH_S_UNDO);
+  if (body) _keel_pm_write_nt(ph, tx.tc, e + 1, ph->view.base + off, body, PH_S_UNDO);
+  if (len > body) _keel_pm_write_nt(ph, tx.tc, (char *)(e + 1) + body, &tail, 8, PH_S_UNDO);
+  tx.undo_pos += need;
+  return 0;
+}
+
+int keel_tx_add_range(void *ptr, size_t size) {
+  int rc = tx_check();
+  if (rc) return rc;
+  keel_pheap_t *ph = tx.ph;
+  if (size == 0) return 0;
+  if ((char *)ptr < ph->view.base + ph->hdr->heap_off ||
+      (char *)ptr + size > ph->view.base + keel_load_relaxed(&ph->size))
+    return tx_fail(KEEL_EINVAL);
+  uint64_t lo = (uint64_t)((char *)ptr - ph->view.base), hi = lo + size;
+  if (in_new(lo, hi)) return 0;
+  /* First cached range ending after lo. */
+  size_t a = 0, b = tx.nr;
+  while (a < b) {
+    size_t m = (a + b) / 2;
+    if (tx.ranges[m].hi <= lo)
+      a = m + 1;
+    else
+      b = m;
+  }
+  uint64_t cur = lo;
+  bool added = false;
+  size_t i = a;
+  for (; i < tx.nr && tx.ranges[i].lo < hi; i++) {
+    if (tx.ranges[i].lo > cur) {
+      if ((rc = undo_append(cur, tx.ranges[i].lo - cur)) != 0) return tx_fail(rc);
+      added = true;
+    }
+    if (tx.ranges[i].hi > cur) cur = tx.ranges[i].hi;
+  }
+  if (cur < hi) {
+    if ((rc = undo_append(cur, hi - cur)) != 0) return tx_fail(rc);
+    added = true;
+  }
+  if (!added) return 0;
+  /* Merge [lo, hi) with ranges a..i-1 (those it overlaps). */
+  uint64_t nlo = lo, nhi = hi;
+  if (a < i && tx.ranges[a].lo < nlo) nlo = tx.ranges[a].lo;
+  if (a < i && tx.ranges[i - 1].hi > nhi) nhi = tx.ranges[i - 1].hi;
+  if (a == i) {
+    if (grow((void **)&tx.ranges, &tx.rcap, tx.nr + 1, sizeof *tx.ranges))
+      return tx_fail(KEEL_ENOMEM);
+    memmove(tx.ranges + a + 1, tx.ranges + a, (tx.nr - a) * sizeof *tx.ranges);
+    tx.nr++;
+  } else if (i - a > 1) {
+    memmove(tx.ranges + a + 1, tx.ranges + i, (tx.nr - i) * sizeof *tx.ranges);
+    tx.nr -= i - a - 1;
+  }
+  tx.ranges[a] = (tx_range_t){nlo, nhi};
+  _keel_pm_drain(ph, tx.tc);
+  return 0;
+}
+
+static keel_poff_t tx_alloc_common(size_t size, uint64_t type, bool zero) {
+  int rc = tx_check();
+  if (rc == 0 && grow((void **)&tx.news, &tx.ncap, tx.nn + 1, sizeof *tx.news))
+    rc = tx_fail(KEEL_ENOMEM);
+  int cls;
+  keel_poff_t off = 0;
+  if (rc == 0 && (rc = _keel_ph_take(tx.ph, tx.tc, size, &cls, &off)) != 0) tx_fail(rc);
+  if (rc != 0) {
+    errno = -rc;
+    return 0;
+  }
+  _keel_ph_init_obj(tx.ph, tx.tc, off, size, type, zero, false);
+  tx.news[tx.nn++] = (tx_new_t){off, cls};
+  return off;
+}
+
+keel_poff_t keel_tx_alloc(size_t size, uint64_t type) {
+  return tx_alloc_common(size, type, false);
+}
+keel_poff_t keel_tx_zalloc(size_t size, uint64_t type) {
+  return tx_alloc_common(size, type, true);
+}
+
+int keel_tx_free(keel_poff_t off) {
+  int rc = tx_check();
+  if (rc || off == 0) return rc;
+  for (size_t i = 0; i < tx.nn; i++) {
+    if (tx.news[i].off != off) continue;
+    _keel_ph_give(tx.ph, tx.tc, tx.news[i].cls, off); /* never durable: just drop it */
+    tx.news[i] = tx.news[--tx.nn];
+    return 0;
+  }
+  if (grow((void **)&tx.acts, &tx.acap, tx.na + 1, sizeof *tx.acts)) return tx_fail(KEEL_ENOMEM);
+  keel_pheap_defer_free(tx.ph, &tx.acts[tx.na++], off);
+  return 0;
+}
+
+int keel_tx_publish(keel_pheap_act_t *acts, size_t n) {
+  int rc = tx_check();
+  if (rc) return rc;
+  if (grow((void **)&tx.acts, &tx.acap, tx.na + n, sizeof *tx.acts)) return tx_fail(KEEL_ENOMEM);
+  for (size_t i = 0; i < n; i++) {
+    if (acts[i].kind == PH_ACT_NONE) continue;
+    tx.acts[tx.na++] = acts[i];
+    acts[i].kind = PH_ACT_NONE; /* the transaction owns it now */
+  }
+  return 0;
+}
+
+static bool covered(uint64_t off) {
+  for (size_t i = 0; i < tx.nr; i++)
+    if (off >= tx.ranges[i].lo && off < tx.ranges[i].hi) return true;
+  for (size_t i = 0; i < tx.nn; i++) {
+    uint64_t o = tx.news[i].off - PH_OBJ_HDR;
+    if (off >= o && off < o + PH_OBJ_HDR + _keel_ph_usable(tx.ph, tx.news[i].cls, tx.news[i].off))
+      return true;
+  }
+  for (size_t i = 0; i < tx.na; i++) {
+    if (tx.acts[i].kind != PH_ACT_RESERVE) continue;
+    uint64_t o = tx.acts[i].off - PH_OBJ_HDR;
+    if (off >= o &&
+        off < o + PH_OBJ_HDR + _keel_ph_usable(tx.ph, (int)tx.acts[i].cls, tx.acts[i].off))
+      return true;
+  }
+  return false;
+}
+
+/* Simulated media only: bytes that differ between the mapping and the file
+ * outside the logs and this transaction's ranges and objects were stored
+ * without keel_tx_add_range (single-threaded tests). */
+static void stray_check(void) {
+  keel_pheap_t *ph = tx.ph;
+  uint64_t size = keel_load_relaxed(&ph->size), heap = ph->hdr->heap_off;
+  char buf[4096];
+  for (uint64_t off = heap; off < size; off += sizeof buf) {
+    if (pread(ph->fd, buf, sizeof buf, (off_t)off) != (ssize_t)sizeof buf) return;
+    if (memcmp(buf, ph->view.base + off, sizeof buf) == 0) continue;
+    for (uint64_t j = 0; j < sizeof buf; j++)
+      if (buf[j] != ph->view.base[off + j] && !covered(off + j)) _keel_ph_stray_bytes++;
+  }
+}
+
+static int tx_commit_outer(void) {
+  keel_pheap_t *ph = tx.ph;
+  ph_tcache_t *tc = tx.tc;
+  if (keel_unlikely(_keel_ph_stray_check) && ph->sim) stray_check();
+  ph_redo_entry_t e[PH_REDO_MAX];
+  size_t k = 0;
+  if (tx.nn > PH_REDO_MAX) return tx_fail(KEEL_ENOSPC);
+  for (size_t i = 0; i < tx.nn; i++)
+    e[k++] = _keel_ph_mark(ph, tx.news[i].cls, tx.news[i].off, true);
+  long m = _keel_ph_acts_entries(ph, tx.acts, tx.na, e + k, PH_REDO_MAX - k);
+  if (m < 0) return tx_fail(KEEL_ENOSPC);
+  k += (size_t)m;
+  if (k == 0 && !tx.undo_started) {
+    tx.committed = true;
+    keel_fetch_add_relaxed(&ph->tx_commits, 1);
+    return 0;
+  }
+  if (!tx.undo_started) {
+    /* Nothing snapshot: flush the new objects, order them with a barrier,
+     * then log like an atomic operation (deferred apply, log.c). */
+    bool data = false;
+    for (size_t i = 0; i < tx.nn + tx.na; i++) {
+      keel_poff_t off;
+      if (i < tx.nn)
+        off = tx.news[i].off;
+      else if (tx.acts[i - tx.nn].kind == PH_ACT_RESERVE)
+        off = tx.acts[i - tx.nn].off;
+      else
+        continue;
+      const ph_objhdr_t *h = (const ph_objhdr_t *)(ph->view.base + off - PH_OBJ_HDR);
+      _keel_pm_flush(ph, tc, h, PH_OBJ_HDR + h->size, PH_S_TXNEW);
+      data = true;
+    }
+    if (data) _keel_pm_drain(ph, tc);
+    _keel_ph_log_write(ph, tc, tx.lane, 0, e, k);
+    _keel_pm_drain(ph, tc); /* committed */
+    _keel_ph_log_apply(ph, tc, tx.lane, e, k, true);
+  } else {
+    /* The new bytes must be durable no later than the commit log: the log
+     * vouches for them by checksum (CHK entries), or past the budget a
+     * barrier orders them first. */
+    uint64_t chk = 0;
+    bool vouched = true;
+    for (size_t i = 0; i < tx.nr; i++) {
+      uint64_t lo = tx.ranges[i].lo, len = tx.ranges[i].hi - lo;
+      _keel_pm_flush(ph, tc, ph->view.base + lo, len, PH_S_TXDATA);
+      uint64_t alo = KEEL_ALIGN_DOWN(lo, (uint64_t)8);
+      uint64_t alen = KEEL_ALIGN_UP(lo + len, (uint64_t)8) - alo;
+      if (vouched) vouched = _keel_ph_chk_add(e, &k, PH_REDO_MAX, alo, alen, &chk);
+    }
+    for (size_t i = 0; i < tx.nn + tx.na; i++) {
+      keel_poff_t off;
+      if (i < tx.nn)
+        off = tx.news[i].off;
+      else if (tx.acts[i - tx.nn].kind == PH_ACT_RESERVE)
+        off = tx.acts[i - tx.nn].off;
+      else
+        continue;
+      const ph_objhdr_t *h = (const ph_objhdr_t *)(ph->view.base + off - PH_OBJ_HDR);
+      _keel_pm_flush(ph, tc, h, PH_OBJ_HDR + h->size, PH_S_TXNEW);
+      if (vouched)
+        vouched =
+            _keel_ph_chk_add(e, &k, PH_REDO_MAX, off - PH_OBJ_HDR, PH_OBJ_HDR + h->size, &chk);
+    }
+    if (!vouched) _keel_pm_drain(ph, tc);
+    _keel_ph_log_write(ph, tc, tx.lane, tx.seq, e, k);
+    _keel_pm_drain(ph, tc); /* committed */
+    /* Applied, flushed and the undo log emptied before commit returns: from
+     * then on recovery replays this log whatever its data (log.c). */
+    _keel_ph_log_apply(ph, tc, tx.lane, e, k, false);
+    uint64_t zero = 0; /* non-temporal: the line is not re-read until the next tx */
+    _keel_pm_write_nt(ph, tc, &tx.lane->undo->seq, &zero, 8, PH_S_UNDO_INV);
+    _keel_pm_drain(ph, tc);
+  }
+  tx.undo_started = false;
+  _keel_ph_acts_done(ph, tc, tx.acts, tx.na);
+  tx.na = tx.nn = tx.nr = 0;
+  tx.committed = true;
+  keel_fetch_add_relaxed(&ph->tx_commits, 1);
+  return 0;
+}
+
+int keel_tx_commit(void) {
+  int rc = tx_check();
+  if (rc) return tx.depth && tx.aborted ? tx.err : rc;
+  if (tx.depth > 1) return 0;
+  return tx_commit_outer();
+}
+
+void keel_tx_abort(int err) {
+  if (tx.depth == 0) return;
+  tx_fail(err < 0 ? err : KEEL_ECANCELED);
+}
+
+int keel_tx_end(void) {
+  if (tx.depth == 0) return KEEL_EPERM;
+  if (--tx.depth > 0) return tx.aborted ? tx.err : 0;
+  if (!tx.committed && !tx.aborted) tx_fail(KEEL_ECANCELED);
+  int rc = tx.committed ? 0 : tx.err;
+  _keel_ph_lane_put(tx.ph, tx.lane);
+  tx.ph = NULL;
+  tx.lane = NULL;
+  /* Keep the arrays for the next transaction unless one grew large. */
+  if (tx.rcap > 1024) {
+    free(tx.ranges);
+    tx.ranges = NULL;
+    tx.rcap = 0;
+  }
+  if (tx.ncap > 1024) {
+    free(tx.news);
+    tx.news = NULL;
+    tx.ncap = 0;
+  }
+  if (tx.acap > 1024) {
+    free(tx.acts);
+    tx.acts = NULL;
+    tx.acap = 0;
+  }
+  return rc;
+}

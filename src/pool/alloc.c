@@ -1,0 +1,174 @@
+/* keel_pool_alloc, keel_pool_zalloc, keel_pool_free: the per-thread fast
+ * paths and their slow (`_generic`) halves.
+ *
+ * Fast path, alloc: TLS slot lookup, busy = 1, load req, pop hot, busy = 0,
+ * write the tag: about a dozen instructions, no RMW, no lock. Free is the
+ * mirror image plus the tag check. Everything else (first use by a thread, an
+ * empty hot list, a pending sweep request, hooks, debug builds, misuse) goes
+ * to the generic functions below.
+ */
+#include <string.h>
+
+#include "base/die.h"
+#include "pool_impl.h"
+
+/* Pops from the calling thread's hot list, or NULL for the generic path.
+ * `heavy` is a constant false on the plain fast path. */
+KEEL_INLINE pool_hdr_t *pool_pop_fast(keel_pool_t *p, bool heavy) {
+  pool_sub_t *sp = pool_sub_get(p);
+  if (keel_unlikely(sp == NULL)) return NULL;
+  pool_enter(sp, heavy);
+  pool_hdr_t *h = NULL;
+  if (keel_likely(pool_req(sp) == POOL_REQ_NONE)) {
+    h = sp->hot;
+    if (keel_likely(h != NULL)) {
+      sp->hot = h->next;
+      pool_count(&sp->hot_hits, 1);
+    }
+  }
+  pool_leave(sp);
+  return h;
+}
+
+/* Takes an object from sp's lists under sp->lock, doing any pending sweep
+ * request first (its objects go to the heap after the lock is dropped). */
+static pool_hdr_t *pool_pop_locked(keel_pool_t *p, pool_sub_t *sp) {
+  size_t n = 0;
+  pthread_mutex_lock(&sp->lock);
+  uint32_t req = keel_load_relaxed(&sp->req);
+  pool_hdr_t *gone = req != POOL_REQ_NONE ? __keel_pool_sub_service(sp, req, &n) : NULL;
+  pool_hdr_t *h = sp->hot;
+  if (h != NULL) {
+    sp->hot = h->next;
+    pool_count(&sp->hot_hits, 1);
+  } else if ((h = sp->cold) != NULL) {
+    sp->cold = h->next;
+    pool_count(&sp->cold_hits, 1);
+  }
+  pool_leave(sp);
+  pthread_mutex_unlock(&sp->lock);
+  if (gone != NULL) _keel_pool_release_list(p, gone, n, "keel_pool_alloc");
+  return h;
+}
+
+static KEEL_NOINLINE void *pool_alloc_generic(keel_pool_t *p, bool zero) {
+  static const char *const call[2] = {"keel_pool_alloc", "keel_pool_zalloc"};
+  /* Pools with hooks, debug checks or the fallback fence still pop without
+   * a lock; only the per-object extras below are added. */
+  pool_hdr_t *h = p->flags != 0 ? pool_pop_fast(p, p->flags & POOL_F_FENCE) : NULL;
+  void *obj;
+  if (h != NULL) {
+    obj = h + 1;
+    _keel_pool_obj_reused(p, obj, call[zero]);
+  } else {
+    _keel_pool_check_live(p, call[zero]);
+    pool_sub_t *sp = pool_sub_get(p);
+    if (sp == NULL && (sp = _keel_pool_sub_attach(p)) == NULL) return NULL;
+    if ((h = pool_pop_locked(p, sp)) != NULL) {
+      obj = h + 1;
+      _keel_pool_obj_reused(p, obj, call[zero]);
+    } else {
+      void *block =
+          p->align <= 16 ? keel_malloc(p->block_size) : keel_aligned_alloc(p->align, p->block_size);
+      if (block == NULL) {
+        errno = ENOMEM;
+        return NULL;
+      }
+      pool_count(&sp->heap_allocs, 1);
+      _keel_pool_sweeper_ensure(); /* cheap when running; restarts it in a forked child */
+      KEEL_ASSERT(((uintptr_t)block & (p->hdr_size - 1)) == 0);
+      obj = (char *)block + p->hdr_size;
+      h = pool_hdr(obj);
+      _keel_pool_obj_fresh(p, obj);
+    }
+  }
+  h->tag = (uintptr_t)p;
+  if (zero) memset(obj, 0, p->obj_size);
+  if (p->ops.init != NULL) p->ops.init(obj, p->ops.arg);
+  return obj;
+}
+
+void *keel_pool_alloc(keel_pool_t *p) {
+  if (keel_likely(p->flags == 0)) {
+    pool_hdr_t *h = pool_pop_fast(p, false);
+    if (keel_likely(h != NULL)) {
+      h->tag = (uintptr_t)p;
+      return h + 1;
+    }
+  }
+  return pool_alloc_generic(p, false);
+}
+
+void *keel_pool_zalloc(keel_pool_t *p) {
+  if (keel_likely(p->flags == 0)) {
+    pool_hdr_t *h = pool_pop_fast(p, false);
+    if (keel_likely(h != NULL)) {
+      h->tag = (uintptr_t)p;
+      return memset(h + 1, 0, p->obj_size);
+    }
+  }
+  return pool_alloc_generic(p, true);
+}
+
+/* Pushes h on sp's hot list without a lock; false if a sweep request is
+ * pending (the caller then takes the locked path). */
+KEEL_INLINE bool pool_push_fast(pool_sub_t *sp, pool_hdr_t *h, bool heavy) {
+  pool_enter(sp, heavy);
+  if (keel_unlikely(pool_req(sp) != POOL_REQ_NONE)) {
+    pool_leave(sp);
+    return false;
+  }
+  h->next = sp->hot;
+  sp->hot = h;
+  pool_count(&sp->frees, 1);
+  pool_leave(sp);
+  return true;
+}
+
+/* The misuse checks, in the order that gives the most precise message. */
+static void pool_free_check(keel_pool_t *p, void *obj) {
+  _keel_pool_check_live(p, "keel_pool_free");
+  uintptr_t tag = pool_hdr(obj)->tag;
+  if (tag == ((uintptr_t)p | POOL_TAG_FREE))
+    keel_die("keel_pool_free", "double free of %p in pool '%s'", obj, p->name);
+  if (tag != (uintptr_t)p)
+    keel_die("keel_pool_free", "%p does not belong to pool '%s'", obj, p->name);
+}
+
+static KEEL_NOINLINE void pool_free_generic(keel_pool_t *p, void *obj) {
+  pool_free_check(p, obj);
+  if (p->ops.fini != NULL) p->ops.fini(obj, p->ops.arg);
+  pool_hdr_t *h = pool_hdr(obj);
+  h->tag = (uintptr_t)p | POOL_TAG_FREE;
+  _keel_pool_obj_cached(p, obj);
+  pool_sub_t *sp = pool_sub_get(p);
+  if (sp == NULL && (sp = _keel_pool_sub_attach(p)) == NULL) {
+    /* No memory for a sub-pool: the object goes straight back to the heap. */
+    h->next = NULL;
+    _keel_pool_release_list(p, h, 1, "keel_pool_free");
+    return;
+  }
+  if (pool_push_fast(sp, h, p->flags & POOL_F_FENCE)) return;
+  size_t n = 0;
+  pthread_mutex_lock(&sp->lock);
+  uint32_t req = keel_load_relaxed(&sp->req);
+  pool_hdr_t *gone = req != POOL_REQ_NONE ? __keel_pool_sub_service(sp, req, &n) : NULL;
+  h->next = sp->hot;
+  sp->hot = h;
+  pool_count(&sp->frees, 1);
+  pool_leave(sp);
+  pthread_mutex_unlock(&sp->lock);
+  if (gone != NULL) _keel_pool_release_list(p, gone, n, "keel_pool_free");
+}
+
+void keel_pool_free(keel_pool_t *p, void *obj) {
+  if (keel_unlikely(obj == NULL)) return;
+  pool_hdr_t *h = pool_hdr(obj);
+  pool_sub_t *sp = pool_sub_get(p);
+  if (keel_likely(sp != NULL && h->tag == (uintptr_t)p && p->flags == 0)) {
+    h->tag = (uintptr_t)p | POOL_TAG_FREE;
+    if (keel_likely(pool_push_fast(sp, h, false))) return;
+    h->tag = (uintptr_t)p; /* let the generic path see it as live again */
+  }
+  pool_free_generic(p, obj);
+}

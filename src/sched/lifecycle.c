@@ -1,0 +1,316 @@
+/* The pool's life: init, shutdown, cancel, clients and statistics.
+ *
+ * States: UNINIT -> RUNNING (init, explicit or lazy) -> STOPPING (shutdown
+ * started: submits fail) -> SHUTDOWN (every worker joined) -> RUNNING (a new
+ * init). init and shutdown are serialised by life_lock. Counters are never
+ * reset (a producer can be between its count and its gate check at any
+ * time), so statistics count since the process started.
+ */
+#define _GNU_SOURCE
+#include <sched.h>
+#include <stdlib.h>
+#include <unistd.h>
+
+#include "base/options.h"
+#include "sched/sched_int.h"
+
+sched_t _keel_sched = {
+    .lock = PTHREAD_MUTEX_INITIALIZER,
+    .idle_lock = PTHREAD_MUTEX_INITIALIZER,
+    .life_lock = PTHREAD_MUTEX_INITIALIZER,
+};
+
+void keel_sched_config_default(keel_sched_config_t *cfg) {
+  long ncpu = sysconf(_SC_NPROCESSORS_ONLN);
+  if (ncpu < 1) ncpu = 1;
+  int64_t max = _keel_option(KEEL_OPT_sched_max_threads);
+  if (max == 0) max = ncpu * 16 > 1024 ? 1024 : ncpu * 16;
+  cfg->min_threads = (unsigned)_keel_option(KEEL_OPT_sched_min_threads);
+  cfg->max_threads = (unsigned)max;
+  if (cfg->max_threads < cfg->min_threads) cfg->max_threads = cfg->min_threads;
+  cfg->idle_ms = (unsigned)_keel_option(KEEL_OPT_sched_idle_ms);
+  cfg->block_ms = (unsigned)_keel_option(KEEL_OPT_sched_block_ms);
+}
+
+static void client_init(struct keel_sched_client *c) {
+  for (int p = 0; p < PRIO_COUNT; p++) {
+    CDS_INIT_LIST_HEAD(&c->q[p]);
+    CDS_INIT_LIST_HEAD(&c->ring[p]);
+    c->n[p] = c->used[p] = 0;
+    c->in_ring[p] = false;
+  }
+}
+
+/* Resets the dispatch state; no worker exists and no job is queued. */
+static void reset(const keel_sched_config_t *cfg) {
+  sched_t *s = &_keel_sched;
+  for (int i = 0; i < SCHED_SHARDS; i++) __cds_wfcq_init(&s->in[i].head, &s->in[i].tail);
+  for (int i = 0; i < SCHED_SHARDS; i++) {
+    __cds_wfcq_init(&s->in[i].head2, &s->in[i].tail2);
+    __cds_wfcq_init(&s->stage[i].head, &s->stage[i].tail);
+    __cds_wfcq_init(&s->stage2[i].head, &s->stage2[i].tail);
+  }
+  s->stage_next = 0;
+  s->stage_mask = s->stage2_mask = 0;
+  for (int p = 0; p < PRIO_COUNT; p++) {
+    CDS_INIT_LIST_HEAD(&s->levels[p].ring);
+    s->levels[p].n = 0;
+  }
+  client_init(&_keel_sched_default_client);
+  s->since_low = s->since_normal = 0;
+  atomic_store(&s->nlocal, 0);
+  atomic_store(&s->staged, 0);
+  atomic_store(&s->gate_closed, 0);
+  CDS_INIT_LIST_HEAD(&s->workers);
+  CDS_INIT_LIST_HEAD(&s->zombies);
+  CDS_INIT_LIST_HEAD(&s->idle);
+  atomic_store(&s->nthreads, 0);
+  atomic_store(&s->nidle, 0);
+  s->cfg = *cfg;
+  long ncpu = sysconf(_SC_NPROCESSORS_ONLN);
+  s->ncpu = ncpu < 1 ? 1 : (int)ncpu;
+}
+
+static void stop(int how);
+
+static int init_locked(const keel_sched_config_t *user) {
+  sched_t *s = &_keel_sched;
+  int st = atomic_load(&s->state);
+  if (st == SCHED_RUNNING || st == SCHED_STOPPING) return KEEL_EBUSY;
+  keel_sched_config_t cfg;
+  if (user == NULL)
+    keel_sched_config_default(&cfg);
+  else
+    cfg = *user;
+  if (cfg.max_threads == 0 || cfg.min_threads == 0 || cfg.min_threads > cfg.max_threads ||
+      cfg.idle_ms == 0 || cfg.block_ms == 0)
+    return KEEL_EINVAL;
+  reset(&cfg);
+  _keel_sched_gate_init();
+  atomic_store(&s->state, SCHED_RUNNING);
+  int rc = 0;
+  for (unsigned i = 0; i < cfg.min_threads && rc == 0; i++) rc = _keel_sched_spawn();
+  if (rc == 0) rc = _keel_sched_monitor_start();
+  if (rc != 0) stop(KEEL_SCHED_CANCEL);
+  return rc;
+}
+
+/* Set while this thread runs init or shutdown: an on_cancel callback that
+ * shutdown runs and that calls init or shutdown would wait on life_lock,
+ * which its own thread holds. */
+static __thread bool in_life;
+
+int keel_sched_init(const keel_sched_config_t *cfg) {
+  if (in_life || _keel_sched_self != NULL) return KEEL_EDEADLK;
+  pthread_mutex_lock(&_keel_sched.life_lock);
+  int rc = init_locked(cfg);
+  pthread_mutex_unlock(&_keel_sched.life_lock);
+  return rc;
+}
+
+int _keel_sched_lazy_init(void) {
+  sched_t *s = &_keel_sched;
+  pthread_mutex_lock(&s->life_lock);
+  int st = atomic_load(&s->state);
+  int rc = st == SCHED_UNINIT ? init_locked(NULL) : (st == SCHED_RUNNING ? 0 : KEEL_ESHUTDOWN);
+  pthread_mutex_unlock(&s->life_lock);
+  return rc;
+}
+
+/* submitted - run - cancelled. Exact once the gate is closed (submitted is
+ * then final and `done` can only lag); the caller holds sched.lock. */
+int64_t _keel_sched_pending(void) {
+  sched_t *s = &_keel_sched;
+  int64_t done = atomic_load(&s->cancelled);
+  for (int p = 0; p < PRIO_COUNT; p++) done += (int64_t)s->run_retired[p];
+  sched_worker_t *w;
+  cds_list_for_each_entry(w, &s->workers, link) for (int p = 0; p < PRIO_COUNT; p++) done +=
+      (int64_t)atomic_load(&w->nrun[p]);
+  cds_list_for_each_entry(w, &s->zombies, link) for (int p = 0; p < PRIO_COUNT; p++) done +=
+      (int64_t)atomic_load(&w->nrun[p]);
+  return _keel_sched_submitted() - done;
+}
+
+/* Hands a CANCELLING or TAKEN job back: counted, then IDLE (release: the
+ * last keel access to it), then on_cancel. */
+void _keel_sched_notify_cancel(keel_job_t *job) {
+  keel_job_fn cb = job->on_cancel;
+  atomic_fetch_add(&_keel_sched.cancelled, 1);
+  _keel_job_set_state(job, JOB_IDLE);
+  if (cb != NULL) cb(job);
+}
+
+static void notify_all(struct cds_list_head *list) {
+  while (!cds_list_empty(list)) {
+    struct cds_list_head *l = list->next;
+    cds_list_del(l);
+    keel_job_t *job = _keel_link_job(l);
+    _keel_sched_notify_cancel(job);
+  }
+}
+
+/* Under sched.lock: moves every LOCAL job and every timer onto `out`. */
+static void collect(struct cds_list_head *out, bool queued) {
+  sched_t *s = &_keel_sched;
+  sched_worker_t *w;
+  cds_list_for_each_entry(w, &s->workers, link) _keel_sched_timers_cancel_all(w, out);
+  if (!queued) return;
+  keel_job_t *batch[KEEL_SCHED_BATCH];
+  bool stuck;
+  unsigned n;
+  /* What a preempted producer still holds back, the workers cancel when
+   * they take it (run_batch in CANCEL mode). */
+  while ((n = __keel_sched_dispatch(batch, KEEL_SCHED_BATCH, &stuck)) > 0)
+    for (unsigned i = 0; i < n; i++) cds_list_add_tail(_keel_job_link(batch[i]), out);
+}
+
+static void stop(int how) {
+  sched_t *s = &_keel_sched;
+  CDS_LIST_HEAD(notices);
+  keel_store_relaxed(&s->how, how);
+  pthread_mutex_lock(&s->lock);
+  atomic_store(&s->state, SCHED_STOPPING);
+  collect(&notices, how == KEEL_SCHED_CANCEL);
+  pthread_mutex_unlock(&s->lock);
+  _keel_sched_gate_close();         /* no submit is half done after this */
+  atomic_store(&s->gate_closed, 1); /* release: the counts are final */
+  notify_all(&notices);             /* outside the lock: callbacks may call keel */
+  _keel_sched_monitor_stop();
+  _keel_sched_wake_all();
+  _keel_sched_join_workers(); /* each exits once nothing is pending */
+  pthread_mutex_lock(&s->lock);
+  KEEL_ASSERT(_keel_sched_pending() == 0);
+  pthread_mutex_unlock(&s->lock);
+  atomic_store(&s->state, SCHED_SHUTDOWN);
+}
+
+int keel_sched_shutdown(int how) {
+  if (how != KEEL_SCHED_DRAIN && how != KEEL_SCHED_CANCEL) return KEEL_EINVAL;
+  if (_keel_sched_self != NULL || in_life) return KEEL_EDEADLK; /* it would wait for itself */
+  sched_t *s = &_keel_sched;
+  pthread_mutex_lock(&s->life_lock);
+  in_life = true;
+  int st = atomic_load(&s->state);
+  if (st == SCHED_UNINIT)
+    atomic_store(&s->state, SCHED_SHUTDOWN);
+  else if (st == SCHED_RUNNING)
+    stop(how);
+  in_life = false;
+  pthread_mutex_unlock(&s->life_lock);
+  return 0;
+}
+
+static bool is_running(keel_job_t *job) {
+  sched_worker_t *w;
+  cds_list_for_each_entry(w, &_keel_sched.workers,
+                          link) if (keel_load_relaxed(&w->current) == job) return true;
+  return false;
+}
+
+/* Under sched.lock. Returns 0 when the job is now IDLE (notify it), a
+ * KEEL_E* code, or 1 to look again after a yield. */
+static int cancel_locked(keel_job_t *job) {
+  unsigned st = _keel_job_state(job);
+  if (st == JOB_QUEUED) {
+    __keel_sched_flatten(); /* it may still be behind a half-linked enqueue */
+    st = _keel_job_state(job);
+    if (st == JOB_QUEUED) return 1;
+  }
+  switch (st) {
+    case JOB_LOCAL:
+      __keel_sched_unlink(job);
+      _keel_job_set_state(job, JOB_CANCELLING);
+      return 0;
+    case JOB_TIMER:
+      return _keel_sched_timer_cancel(job) == 0 ? 0 : 1;
+    case JOB_TAKEN:
+      return KEEL_EBUSY;
+    default:
+      return is_running(job) ? KEEL_EBUSY : KEEL_ENOENT;
+  }
+}
+
+int keel_sched_cancel(keel_job_t *job) {
+  if (job == NULL) return KEEL_EINVAL;
+  sched_t *s = &_keel_sched;
+  for (;;) {
+    pthread_mutex_lock(&s->lock);
+    int rc = atomic_load(&s->state) == SCHED_UNINIT ? KEEL_ENOENT : cancel_locked(job);
+    pthread_mutex_unlock(&s->lock);
+    if (rc == 0) _keel_sched_notify_cancel(job);
+    if (rc != 1) return rc;
+    sched_yield();
+  }
+}
+
+keel_sched_client_t *keel_sched_client_create(void) {
+  struct keel_sched_client *c = malloc(sizeof(*c));
+  if (c == NULL) {
+    errno = ENOMEM;
+    return NULL;
+  }
+  client_init(c);
+  return c;
+}
+
+int keel_sched_client_destroy(keel_sched_client_t *c) {
+  if (c == NULL) return KEEL_EINVAL;
+  sched_t *s = &_keel_sched;
+  int busy = 0;
+  pthread_mutex_lock(&s->lock);
+  if (atomic_load(&s->state) != SCHED_UNINIT) {
+    while (__keel_sched_flatten()) { /* its jobs may sit in staging */
+      pthread_mutex_unlock(&s->lock);
+      sched_yield();
+      pthread_mutex_lock(&s->lock);
+    }
+    for (int p = 0; p < PRIO_COUNT; p++) busy |= c->n[p] != 0;
+  }
+  pthread_mutex_unlock(&s->lock);
+  if (busy) return KEEL_EBUSY;
+  free(c);
+  return 0;
+}
+
+static void stats_workers(keel_sched_stats_t *st, struct cds_list_head *list) {
+  sched_worker_t *w;
+  cds_list_for_each_entry(w, list, link) {
+    for (int p = 0; p < PRIO_COUNT; p++) st->run_prio[p] += atomic_load(&w->nrun[p]);
+    st->running += keel_load_acquire(&w->seq) & 1;
+    pthread_mutex_lock(&w->tlock);
+    st->timers += w->nheap;
+    pthread_mutex_unlock(&w->tlock);
+  }
+}
+
+int keel_sched_stats(keel_sched_stats_t *st) {
+  if (st == NULL) return KEEL_EINVAL;
+  sched_t *s = &_keel_sched;
+  if (atomic_load(&s->state) == SCHED_UNINIT) {
+    int rc = _keel_sched_lazy_init();
+    if (rc != 0 && rc != KEEL_EBUSY) return rc;
+  }
+  *st = (keel_sched_stats_t){0};
+  pthread_mutex_lock(&s->lock);
+  for (int p = 0; p < PRIO_COUNT; p++) {
+    st->run_prio[p] = s->run_retired[p];
+    st->queued_prio[p] = s->levels[p].n;
+  }
+  stats_workers(st, &s->workers);
+  stats_workers(st, &s->zombies);
+  st->cancelled = (uint64_t)atomic_load(&s->cancelled);
+  int64_t sub = _keel_sched_submitted();
+  st->threads = (unsigned)keel_load_relaxed(&s->nthreads);
+  st->spawned = s->spawned;
+  st->retired = s->retired;
+  pthread_mutex_unlock(&s->lock);
+  st->idle = (unsigned)atomic_load(&s->nidle);
+  pthread_mutex_lock(&s->idle_lock);
+  st->wakeups = s->wakeups;
+  pthread_mutex_unlock(&s->idle_lock);
+  st->submitted = (uint64_t)sub;
+  st->run = st->run_prio[0] + st->run_prio[1] + st->run_prio[2];
+  int64_t q = sub - (int64_t)(st->run + st->cancelled + st->running + st->timers);
+  st->queued = q > 0 ? (uint64_t)q : 0;
+  return 0;
+}

@@ -1,0 +1,169 @@
+/* Parking idle workers on a futex each, and waking exactly one.
+ *
+ * A parked worker sits on sched.idle (LIFO: the most recently active worker
+ * is woken first, so the one at the bottom stays idle long enough to retire)
+ * and sleeps on its own futex word. A waker pops one worker, sets its word to
+ * 1 and wakes that futex: one syscall wakes one thread, never a herd.
+ *
+ * No lost wake-up: the parking worker increments nidle (seq_cst) and then
+ * re-reads the incoming queue, nlocal and staged; a producer appends (wfcqueue's
+ * xchg, a full barrier) and then reads nidle. One of the two must see the
+ * other's write, so either the producer wakes someone or the worker does not
+ * sleep. The same argument covers dispatch's chain wake (nlocal, then nidle).
+ */
+#define _GNU_SOURCE
+#include <linux/futex.h>
+#include <sched.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "base/clock.h"
+#include "sched/sched_int.h"
+
+/* Waits while *word == val, until the absolute CLOCK_MONOTONIC deadline
+ * (UINT64_MAX: none). Returns 0 or -errno; spurious returns are possible. */
+int _keel_futex_wait(keel_atomic(uint32_t) * word, uint32_t val, uint64_t deadline_ns) {
+  struct timespec ts, *tsp = NULL;
+  if (deadline_ns != UINT64_MAX) {
+    ts.tv_sec = (time_t)(deadline_ns / 1000000000u);
+    ts.tv_nsec = (long)(deadline_ns % 1000000000u);
+    tsp = &ts;
+  }
+  long rc = syscall(SYS_futex, (void *)word, FUTEX_WAIT_BITSET | FUTEX_PRIVATE_FLAG, val, tsp, NULL,
+                    FUTEX_BITSET_MATCH_ANY);
+  return rc == 0 ? 0 : -errno;
+}
+
+void _keel_futex_wake(keel_atomic(uint32_t) * word, int n) {
+  syscall(SYS_futex, (void *)word, FUTEX_WAKE | FUTEX_PRIVATE_FLAG, n, NULL, NULL, 0);
+}
+
+/* Pops the most recently parked worker and wakes it. The futex call comes
+ * after the unlock; if the worker has meanwhile returned on its own, the
+ * wake is a harmless spurious one (every wait re-checks its condition). */
+void _keel_sched_wake_one(void) {
+  sched_t *s = &_keel_sched;
+  pthread_mutex_lock(&s->idle_lock);
+  if (cds_list_empty(&s->idle)) {
+    pthread_mutex_unlock(&s->idle_lock);
+    return;
+  }
+  sched_worker_t *w = cds_list_first_entry(&s->idle, sched_worker_t, idle_link);
+  cds_list_del(&w->idle_link);
+  w->parked = false;
+  s->wakeups++;
+  keel_fetch_sub_relaxed(&s->nidle, 1); /* idle_lock orders it against parkers */
+  atomic_store(&w->word, 1);
+  pthread_mutex_unlock(&s->idle_lock);
+  _keel_futex_wake(&w->word, 1);
+}
+
+void _keel_sched_wake_all(void) {
+  sched_t *s = &_keel_sched;
+  pthread_mutex_lock(&s->idle_lock);
+  while (!cds_list_empty(&s->idle)) {
+    sched_worker_t *w = cds_list_first_entry(&s->idle, sched_worker_t, idle_link);
+    cds_list_del(&w->idle_link);
+    w->parked = false;
+    keel_fetch_sub_relaxed(&s->nidle, 1);
+    atomic_store(&w->word, 1);
+    _keel_futex_wake(&w->word, 1);
+  }
+  pthread_mutex_unlock(&s->idle_lock);
+}
+
+/* Makes a parked worker re-read its timer deadline (a timer was added). The
+ * CAS only succeeds while it is parked; otherwise it reads next_deadline
+ * (stored before this) on its way to parking. */
+void _keel_sched_kick_worker(sched_worker_t *w) {
+  uint32_t parked = 0;
+  if (atomic_compare_exchange_strong(&w->word, &parked, 2)) _keel_futex_wake(&w->word, 1);
+}
+
+static void park_push(sched_worker_t *w) {
+  sched_t *s = &_keel_sched;
+  pthread_mutex_lock(&s->idle_lock);
+  atomic_store(&w->word, 0);
+  w->parked = true;
+  cds_list_add(&w->idle_link, &s->idle);
+  atomic_fetch_add(&s->nidle, 1); /* seq_cst: before the re-check of the queue */
+  pthread_mutex_unlock(&s->idle_lock);
+}
+
+/* Takes w off the idle stack if a waker has not; true if it was still on. */
+static bool park_pop(sched_worker_t *w) {
+  sched_t *s = &_keel_sched;
+  pthread_mutex_lock(&s->idle_lock);
+  bool was = w->parked;
+  if (was) {
+    cds_list_del(&w->idle_link);
+    w->parked = false;
+    keel_fetch_sub_relaxed(&s->nidle, 1);
+  }
+  pthread_mutex_unlock(&s->idle_lock);
+  return was;
+}
+
+/* Leaves the pool if it is above min, idle long enough and owns no timer.
+ * Under sched.lock, which keel_sched_after holds while it picks a worker. */
+static bool try_retire(sched_worker_t *w, uint64_t now) {
+  sched_t *s = &_keel_sched;
+  bool retire = false;
+  pthread_mutex_lock(&s->lock);
+  if (atomic_load(&s->state) == SCHED_RUNNING &&
+      keel_load_relaxed(&s->nthreads) > (int)s->cfg.min_threads &&
+      now - w->busy_ns >= (uint64_t)s->cfg.idle_ms * 1000000u &&
+      atomic_load(&w->next_deadline) == UINT64_MAX) {
+    cds_list_del(&w->link);
+    cds_list_add_tail(&w->link, &s->zombies);
+    keel_fetch_sub_relaxed(&s->nthreads, 1);
+    s->retired++;
+    retire = true;
+  }
+  pthread_mutex_unlock(&s->lock);
+  if (retire) _keel_sched_poke(); /* the monitor joins it */
+  return retire;
+}
+
+static uint64_t park_deadline(sched_worker_t *w, bool stopping) {
+  sched_t *s = &_keel_sched;
+  uint64_t d = atomic_load(&w->next_deadline);
+  if (stopping) return keel_clock_ns() + 1000000u; /* re-check pending each ms */
+  /* A worker with timers never retires, so it must not wake for that. */
+  if (d == UINT64_MAX && keel_load_relaxed(&s->nthreads) > (int)s->cfg.min_threads) {
+    uint64_t retire_at = w->busy_ns + (uint64_t)s->cfg.idle_ms * 1000000u;
+    if (retire_at < d) d = retire_at;
+  }
+  return d;
+}
+
+/* Called with nothing to do. Returns false when the worker must exit. */
+bool _keel_sched_park(sched_worker_t *w) {
+  sched_t *s = &_keel_sched;
+  bool stopping = atomic_load(&s->state) == SCHED_STOPPING;
+  if (stopping && atomic_load(&s->gate_closed)) {
+    pthread_mutex_lock(&s->lock);
+    int64_t pending = _keel_sched_pending();
+    pthread_mutex_unlock(&s->lock);
+    if (pending == 0) {
+      _keel_sched_wake_all(); /* the others need not wait out their 1 ms */
+      return false;
+    }
+  }
+  park_push(w);
+  uint64_t deadline = park_deadline(w, stopping);
+  /* A shutdown that began after the load above either found w on the idle
+   * stack (its wake_all takes idle_lock after storing STOPPING) or is seen
+   * here; without this re-check w could sleep through it forever. */
+  bool changed = !stopping && atomic_load(&s->state) != SCHED_RUNNING;
+  if (changed || _keel_sched_work_visible() || deadline <= keel_clock_ns()) {
+    park_pop(w);
+    return true;
+  }
+  _keel_futex_wait(&w->word, 0, deadline);
+  if (!park_pop(w)) return true; /* woken for work */
+  uint64_t now = keel_clock_ns();
+  if (!stopping && now >= deadline && try_retire(w, now)) return false;
+  return true;
+}

@@ -1,0 +1,143 @@
+/* The monitor: the one thread that grows the pool (and reaps retired workers).
+ *
+ * Growth rule, checked at most once per SPAWN_INTERVAL_NS while jobs wait
+ * and no worker is parked: add one worker if below max_threads and the
+ * workers not blocked number fewer than max(CPUs, min_threads). A worker is
+ * blocked while it runs a KEEL_JOB_BLOCKING job or one that has run longer
+ * than block_ms (seen as the same odd seq on two looks block_ms apart), so
+ * sleeping jobs let the pool pass the CPU count, up to max.
+ *
+ * It also wakes a parked worker when work has waited a tick while one was
+ * parked (workers chain-wake a sibling only when they fill a batch).
+ *
+ * The monitor sleeps on its futex with no deadline (MON_INF) while nothing
+ * waits; the producer that makes the queue non-empty with no worker parked,
+ * or a worker that leaves work behind, pokes it (one CAS and FUTEX_WAKE,
+ * only from MON_INF). While jobs wait it ticks: every millisecond when it
+ * could grow, else every block_ms/2 to spot long jobs and to fire the due
+ * timers of workers stuck in them. No signals: GlusterFS's pool woke its
+ * leader with SIGALRM, which every thread in the process could receive.
+ */
+#include "base/clock.h"
+#include "sched/sched_int.h"
+
+#define SPAWN_INTERVAL_NS 1000000u /* 1 ms: 1000 threads/s at most */
+
+void _keel_sched_poke(void) {
+  sched_t *s = &_keel_sched;
+  uint32_t inf = MON_INF;
+  if (atomic_compare_exchange_strong(&s->mon_mode, &inf, MON_POKED))
+    _keel_futex_wake(&s->mon_mode, 1);
+}
+
+static bool backlog(void) {
+  sched_t *s = &_keel_sched;
+  return _keel_sched_work_visible() || (s->stage_mask | s->stage2_mask) != 0;
+}
+
+/* Looks at one worker; true if it counts as blocked. Fires its due timers if
+ * it is stuck in a job. *timers is set if it runs a job and owns timers. */
+static bool look(sched_worker_t *w, uint64_t now, uint64_t block_ns, bool *timers) {
+  uint64_t seq = keel_load_acquire(&w->seq);
+  if (!(seq & 1)) return false;
+  if (seq != w->mon_seq) {
+    w->mon_seq = seq;
+    w->mon_since = now;
+  }
+  bool stuck = now - w->mon_since >= block_ns;
+  uint64_t due = atomic_load(&w->next_deadline);
+  if (due != UINT64_MAX) {
+    *timers = true;
+    if (stuck && due <= now) _keel_sched_timers_fire(w, now);
+  }
+  return stuck || keel_load_relaxed(&w->blocking);
+}
+
+/* One look at the pool. Returns the ns to sleep (UINT64_MAX: until poked). */
+static uint64_t tick(uint64_t now) {
+  sched_t *s = &_keel_sched;
+  uint64_t block_ns = (uint64_t)s->cfg.block_ms * 1000000u;
+  bool timers = false;
+  int blocked = 0;
+  pthread_mutex_lock(&s->lock);
+  sched_worker_t *w;
+  cds_list_for_each_entry(w, &s->workers, link) blocked += look(w, now, block_ns, &timers);
+  int n = keel_load_relaxed(&s->nthreads);
+  int cap = s->ncpu > (int)s->cfg.min_threads ? s->ncpu : (int)s->cfg.min_threads;
+  bool work = backlog();
+  bool waiting = work && atomic_load(&s->nidle) == 0;
+  bool grow = waiting && n < (int)s->cfg.max_threads && n - blocked < cap &&
+              atomic_load(&s->state) == SCHED_RUNNING;
+  pthread_mutex_unlock(&s->lock);
+  if (work && !waiting) {
+    /* Work waits while a worker is parked: the worker that left it chose not
+     * to chain-wake (a batch of one) and may now be in a long job. Only on
+     * the second tick in a row, so that work a waking worker is about to
+     * take does not cost a second wake-up. */
+    if (s->mon_saw_work) _keel_sched_wake_one();
+    s->mon_saw_work = true;
+    return SPAWN_INTERVAL_NS;
+  }
+  s->mon_saw_work = false;
+  if (grow && now - s->last_spawn_ns >= SPAWN_INTERVAL_NS) {
+    s->last_spawn_ns = now;
+    _keel_sched_spawn();
+  }
+  if (grow) return SPAWN_INTERVAL_NS;
+  if (waiting || timers) return block_ns / 2 > SPAWN_INTERVAL_NS ? block_ns / 2 : SPAWN_INTERVAL_NS;
+  return UINT64_MAX;
+}
+
+/* Goes to MON_INF unless exiting; false if a poke is due after all (a
+ * producer that read MON_TICK skipped its poke: the seq_cst store here and
+ * its append are ordered, so one of us sees the other). */
+static bool go_inf(void) {
+  sched_t *s = &_keel_sched;
+  uint32_t m = atomic_load(&s->mon_mode);
+  if (m == MON_EXIT || !atomic_compare_exchange_strong(&s->mon_mode, &m, MON_INF)) return false;
+  pthread_mutex_lock(&s->lock);
+  bool again = (backlog() && atomic_load(&s->nidle) == 0) || !cds_list_empty(&s->zombies);
+  pthread_mutex_unlock(&s->lock);
+  if (again) {
+    uint32_t inf = MON_INF;
+    atomic_compare_exchange_strong(&s->mon_mode, &inf, MON_TICK);
+    return false;
+  }
+  return true;
+}
+
+static void *monitor_main(void *arg) {
+  (void)arg;
+  sched_t *s = &_keel_sched;
+  for (;;) {
+    if (atomic_load(&s->mon_mode) == MON_EXIT) break;
+    _keel_sched_join_zombies();
+    uint64_t now = keel_clock_ns();
+    uint64_t wait = tick(now);
+    if (wait == UINT64_MAX) {
+      if (go_inf()) _keel_futex_wait(&s->mon_mode, MON_INF, UINT64_MAX);
+      continue;
+    }
+    uint32_t poked = MON_POKED;
+    atomic_compare_exchange_strong(&s->mon_mode, &poked, MON_TICK);
+    _keel_futex_wait(&s->mon_mode, MON_TICK, now + wait);
+  }
+  return NULL;
+}
+
+int _keel_sched_monitor_start(void) {
+  sched_t *s = &_keel_sched;
+  atomic_store(&s->mon_mode, MON_TICK);
+  int rc = pthread_create(&s->monitor, NULL, monitor_main, NULL);
+  s->monitor_started = rc == 0;
+  return -rc;
+}
+
+void _keel_sched_monitor_stop(void) {
+  sched_t *s = &_keel_sched;
+  if (!s->monitor_started) return;
+  atomic_store(&s->mon_mode, MON_EXIT);
+  _keel_futex_wake(&s->mon_mode, 1);
+  pthread_join(s->monitor, NULL);
+  s->monitor_started = false;
+}

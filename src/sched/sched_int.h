@@ -1,0 +1,295 @@
+/* sched internals: the one pool, its workers, clients and job states.
+ *
+ * Where a job is, by its _state:
+ *   IDLE    owned by the caller (never submitted, or fn/on_cancel called);
+ *   QUEUED  in an incoming wfcqueue shard or a staging queue;
+ *   LOCAL   on its client's FIFO for its level (dispatch mutex);
+ *   TIMER   in a worker's timer heap (that worker's timer mutex);
+ *   TAKEN   in a worker's batch, about to run;
+ *   CANCELLING  off every queue, its notice about to be delivered.
+ * Transitions: IDLE->QUEUED (submit, CAS), IDLE->TIMER (after, CAS),
+ * TIMER->QUEUED (fire) under the timer mutex, QUEUED->LOCAL (sorted),
+ * QUEUED->TAKEN (fast lane) and LOCAL->TAKEN under the dispatch mutex,
+ * TAKEN->IDLE by the worker right before it calls fn; LOCAL, TIMER
+ * or TAKEN -> CANCELLING (under the lock that held it) -> IDLE right before
+ * on_cancel, in _keel_sched_notify_cancel. keel reads nothing of a job after
+ * its release store of IDLE.
+ *
+ * Locks, outer to inner: life_lock (init/shutdown), lock (dispatch: staging,
+ * levels, clients, worker list), a worker's tlock (its timer heap), then
+ * either idle_lock (the parked-worker stack) or gate.c's prod_lock (the
+ * producer registry). A submit takes none of them unless it must wake a
+ * parked worker (idle_lock) or is its thread's first (prod_lock).
+ */
+#ifndef KEEL_SCHED_INT_H
+#define KEEL_SCHED_INT_H
+
+#define _LGPL_SOURCE /* wfcqueue's inline fast paths, not the library calls */
+#include <pthread.h>
+#include <urcu/list.h>
+#include <urcu/wfcqueue.h>
+
+#include <keel/sched.h>
+
+#include "base/atomic.h"
+#include "base/common.h"
+#include "base/tls.h"
+
+enum { JOB_IDLE, JOB_QUEUED, JOB_LOCAL, JOB_TIMER, JOB_TAKEN, JOB_CANCELLING };
+enum { PRIO_HIGH, PRIO_NORMAL, PRIO_LOW, PRIO_COUNT };
+enum { SCHED_UNINIT, SCHED_RUNNING, SCHED_STOPPING, SCHED_SHUTDOWN };
+
+/* A fairness domain. Invariant (dispatch mutex): in_ring[p] iff on level
+ * p's ring; on it iff it has jobs of level p waiting (q[p] non-empty), except
+ * that the default client at normal level (q[p] plus the staging queues) may
+ * stay on with nothing waiting until a take finds it empty;
+ * n[p] == length of q[p]; used[p] < KEEL_SCHED_QUANTUM. */
+struct keel_sched_client {
+  struct cds_list_head q[PRIO_COUNT];    /* its LOCAL jobs, FIFO */
+  struct cds_list_head ring[PRIO_COUNT]; /* link in levels[p].ring */
+  uint32_t n[PRIO_COUNT];
+  uint32_t used[PRIO_COUNT]; /* dispatches in the current turn */
+  bool in_ring[PRIO_COUNT];
+};
+
+/* One priority level: the clients with queued jobs, served round-robin. */
+typedef struct sched_level {
+  struct cds_list_head ring;
+  uint64_t n; /* LOCAL jobs of this level, all clients */
+} sched_level_t;
+
+/* A worker thread. Fields marked (own) are written only by the worker;
+ * (lock), (tlock), (idle) name the mutex that guards them. */
+typedef struct sched_worker {
+  struct cds_list_head link;      /* sched.workers or sched.zombies (lock) */
+  struct cds_list_head idle_link; /* sched.idle while parked (idle) */
+  bool parked;                    /* on sched.idle (idle) */
+  pthread_t thread;
+  keel_atomic(uint32_t) word;             /* futex: 0 parked, 1 woken, 2 kicked */
+  keel_atomic(uint64_t) seq;              /* (own) odd while inside fn; +2 per job */
+  uint64_t mon_seq, mon_since;            /* monitor's last sight of seq, and when */
+  keel_atomic(int) blocking;              /* (own) running a KEEL_JOB_BLOCKING job */
+  keel_atomic(keel_job_t *) current;      /* (own) the job inside fn, for cancel */
+  keel_atomic(uint64_t) nrun[PRIO_COUNT]; /* (own) fn calls returned */
+  uint64_t busy_ns;                       /* (own) when it last ran a job */
+  unsigned fast_max;                      /* (own) next batch size, 1..KEEL_SCHED_BATCH */
+  /* Timers: a binary min-heap on job->_t; job->_l[1] is the slot. */
+  pthread_mutex_t tlock;
+  keel_job_t **heap; /* (tlock) */
+  uint32_t nheap, capheap;
+  keel_atomic(uint64_t) next_deadline; /* heap[0]->_t, UINT64_MAX if empty */
+  keel_job_t *batch[KEEL_SCHED_BATCH]; /* (own) taken jobs */
+} sched_worker_t;
+
+/* One shard of the fast incoming queue. A producer preempted between its
+ * xchg and its link store hides every node behind its own from consumers
+ * until it runs again; with 64 producers on 2 cores that can be a whole
+ * round of the run queue. Sharding by producer thread limits that to the
+ * producers of one shard and divides the contention on each tail line
+ * (keel-bench sched latency, 256 paced producers on 2 cores: p99 6.8-10 ms
+ * with 8 shards, 0.6-1.6 ms with 32). Per-thread FIFO order holds (a thread
+ * always uses one shard); across threads there was none to keep. */
+#define SCHED_SHARDS 32 /* <= 64: the staging masks are 64-bit */
+typedef struct sched_shard {
+  struct __cds_wfcq_head head KEEL_CACHE_ALIGNED;  /* fast lane, consumers' end */
+  struct cds_wfcq_tail tail KEEL_CACHE_ALIGNED;    /* fast lane, producers' end */
+  struct __cds_wfcq_head head2 KEEL_CACHE_ALIGNED; /* every other job */
+  struct cds_wfcq_tail tail2 KEEL_CACHE_ALIGNED;
+} sched_shard_t;
+
+/* A spliced-off queue, private to the dispatcher (sched.lock). */
+typedef struct sched_q {
+  struct __cds_wfcq_head head;
+  struct cds_wfcq_tail tail;
+} sched_q_t;
+
+/* A submitting thread's record (gate.c), in its TLS. */
+typedef struct sched_producer {
+  keel_atomic(uint32_t) active;   /* (own) 1 between the gate check and the count */
+  bool registered;                /* (own) on the registry */
+  unsigned shard;                 /* (own) its shard of the fast queue */
+  keel_atomic(int64_t) submitted; /* (own) accepted submits and timers */
+  struct cds_list_head link;      /* registry (prod_lock) */
+  keel_thread_hook_t hook;        /* unregisters at thread exit */
+} sched_producer_t;
+
+typedef struct sched {
+  /* Read by every submit, written only by init and shutdown: alone on its
+   * line, apart from nidle, which every park and wake-up writes. */
+  keel_atomic(int) state KEEL_CACHE_ALIGNED;
+  keel_atomic(int) how; /* shutdown mode while STOPPING */
+  /* Read by the submit that turns a queue non-empty; written per park. */
+  keel_atomic(int) nidle KEEL_CACHE_ALIGNED; /* parked workers */
+  keel_atomic(uint32_t) mon_mode;            /* futex word, MON_* */
+  keel_atomic(int) nspinning;                /* workers polling before they park */
+  /* Incoming queues, one pair per shard: producers xchg a tail, the
+   * dispatcher splices. The fast lane takes normal jobs of the default
+   * client (the common case, which then never touches a list); the other
+   * queue takes every other job. */
+  sched_shard_t in[SCHED_SHARDS];
+  /* Dispatch state, under `lock`. */
+  pthread_mutex_t lock KEEL_CACHE_ALIGNED;
+  /* Spliced from each shard's fast lane: the newer part of the default
+   * client's normal FIFO (its list q[PRIO_NORMAL] holds the older part,
+   * filled only by cancel and shutdown, which need O(1) removal). Kept per
+   * shard so that a node a preempted producer has not linked yet holds back
+   * only its own shard, never the jobs spliced after it from other shards. */
+  sched_q_t stage[SCHED_SHARDS];
+  uint64_t stage_mask;              /* bit i: stage[i] is not empty */
+  unsigned stage_next;              /* shard the default client takes from next */
+  sched_q_t stage2[SCHED_SHARDS];   /* spliced from the other queues, being sorted */
+  uint64_t stage2_mask;             /* bit i: stage2[i] still holds unsorted jobs */
+  sched_level_t levels[PRIO_COUNT]; /* a level waits iff its ring is non-empty */
+  uint32_t since_low, since_normal; /* dispatches since that level last ran */
+  keel_atomic(uint64_t) nlocal;     /* sum of levels[].n (read without lock) */
+  keel_atomic(int) staged;          /* staging left non-empty by the last dispatch */
+  struct cds_list_head workers;     /* live workers; head = next timer owner */
+  struct cds_list_head zombies;     /* retired, not yet joined */
+  keel_atomic(int) nthreads;        /* workers counted, started or starting */
+  uint64_t spawned, retired;
+  uint64_t run_retired[PRIO_COUNT]; /* nrun of joined workers */
+  keel_atomic(int64_t) cancelled;
+  keel_sched_config_t cfg;
+  int ncpu;
+  /* Parked workers, LIFO so the coldest ones time out and retire. */
+  pthread_mutex_t idle_lock KEEL_CACHE_ALIGNED;
+  struct cds_list_head idle;
+  uint64_t wakeups; /* (idle_lock) */
+  /* The monitor thread (scale.c). */
+  pthread_t monitor;
+  bool monitor_started;
+  uint64_t last_spawn_ns;
+  bool mon_saw_work; /* the last tick saw work waiting with a worker parked */
+  pthread_mutex_t life_lock;
+  keel_atomic(int) gate_closed; /* shutdown saw every producer leave the gate */
+} sched_t;
+
+extern sched_t _keel_sched KEEL_HIDDEN;
+extern __thread sched_worker_t *_keel_sched_self KEEL_HIDDEN;
+extern struct keel_sched_client _keel_sched_default_client KEEL_HIDDEN;
+
+/* Monitor modes: sleeping with no deadline, poked awake, ticking. */
+enum { MON_INF, MON_POKED, MON_TICK, MON_EXIT };
+
+KEEL_INLINE unsigned _keel_job_prio(const keel_job_t *job) {
+  return (job->flags & KEEL_JOB_HIGH) ? PRIO_HIGH
+                                      : ((job->flags & KEEL_JOB_LOW) ? PRIO_LOW : PRIO_NORMAL);
+}
+
+KEEL_INLINE unsigned _keel_job_state(keel_job_t *job) {
+  return __atomic_load_n(&job->_state, __ATOMIC_ACQUIRE);
+}
+KEEL_INLINE void _keel_job_set_state(keel_job_t *job, unsigned s) {
+  __atomic_store_n(&job->_state, s, __ATOMIC_RELEASE);
+}
+KEEL_INLINE struct cds_wfcq_node *_keel_job_node(keel_job_t *job) {
+  return (struct cds_wfcq_node *)(void *)&job->_q;
+}
+KEEL_INLINE keel_job_t *_keel_node_job(struct cds_wfcq_node *n) {
+  return (keel_job_t *)(void *)((char *)n - offsetof(keel_job_t, _q));
+}
+KEEL_INLINE struct cds_list_head *_keel_job_link(keel_job_t *job) {
+  return (struct cds_list_head *)(void *)job->_l;
+}
+KEEL_INLINE keel_job_t *_keel_link_job(struct cds_list_head *l) {
+  return (keel_job_t *)(void *)((char *)l - offsetof(keel_job_t, _l));
+}
+
+/* <urcu/list.h> 0.13 has cds_list_move (to the head) but no move to the tail. */
+KEEL_INLINE void _keel_list_move_tail(struct cds_list_head *elem, struct cds_list_head *head) {
+  cds_list_del(elem);
+  cds_list_add_tail(elem, head);
+}
+
+/* Lifecycle (lifecycle.c). */
+int _keel_sched_lazy_init(void) KEEL_HIDDEN;
+int64_t _keel_sched_pending(void) KEEL_HIDDEN;
+void _keel_sched_notify_cancel(keel_job_t *job) KEEL_HIDDEN;
+
+/* Producer side (submit.c). */
+void _keel_sched_enqueue(keel_job_t *job, bool fast) KEEL_HIDDEN;
+
+/* Normal jobs of the default client go to the fast lane, the rest to the
+ * other queue of the producer's shard. */
+KEEL_INLINE bool _keel_sched_fast_lane(const keel_job_t *job) {
+  return job->client == NULL && !(job->flags & (KEEL_JOB_HIGH | KEEL_JOB_LOW));
+}
+void _keel_sched_kick(void) KEEL_HIDDEN;
+
+/* The producer gate (gate.c). */
+extern __thread sched_producer_t _keel_sched_me KEEL_HIDDEN;
+extern int _keel_sched_fence_needed KEEL_HIDDEN;
+int _keel_sched_register(void) KEEL_HIDDEN;
+void _keel_sched_gate_init(void) KEEL_HIDDEN;
+void _keel_sched_gate_close(void) KEEL_HIDDEN;
+int64_t _keel_sched_submitted(void) KEEL_HIDDEN;
+
+/* Opens the gate for one submit: 0, or KEEL_EAGAIN (no exit hook). */
+KEEL_INLINE int _keel_sched_gate_enter(sched_producer_t *me) {
+  if (keel_unlikely(!me->registered)) {
+    int rc = _keel_sched_register();
+    if (rc != 0) return rc;
+  }
+  /* Orders the store of `active` before the caller's load of state. With
+   * membarrier, shutdown makes the ordering, so a compiler barrier is all it
+   * takes here; without, a seq_cst exchange (both sides seq_cst: the store
+   * buffering outcome is excluded by the C11 model itself). */
+  if (keel_likely(!__atomic_load_n(&_keel_sched_fence_needed, __ATOMIC_RELAXED))) {
+    keel_store_relaxed(&me->active, 1);
+    atomic_signal_fence(memory_order_seq_cst);
+  } else {
+    atomic_exchange(&me->active, 1);
+  }
+  return 0;
+}
+
+/* Counts one accepted submit (owner-only: no lock prefix). */
+KEEL_INLINE void _keel_sched_count_submit(sched_producer_t *me) {
+  keel_store_relaxed(&me->submitted, keel_load_relaxed(&me->submitted) + 1);
+}
+
+/* Release: the count and the enqueue are visible to whoever sees 0. */
+KEEL_INLINE void _keel_sched_gate_leave(sched_producer_t *me) {
+  keel_store_release(&me->active, 0);
+}
+
+/* Dispatch (dispatch.c); `__` means the caller holds sched.lock. */
+bool __keel_sched_flatten(void) KEEL_HIDDEN;
+unsigned __keel_sched_dispatch(keel_job_t **out, unsigned max, bool *stuck) KEEL_HIDDEN;
+
+/* Work a worker could take: incoming, staged or sorted. Lock-free hint; the
+ * seq_cst loads pair with nidle's increment in park.c. */
+KEEL_INLINE bool _keel_sched_work_visible(void) {
+  sched_t *s = &_keel_sched;
+  for (int i = 0; i < SCHED_SHARDS; i++)
+    if (!cds_wfcq_empty(&s->in[i].head, &s->in[i].tail)) return true;
+  for (int i = 0; i < SCHED_SHARDS; i++)
+    if (!cds_wfcq_empty(&s->in[i].head2, &s->in[i].tail2)) return true;
+  return atomic_load(&s->nlocal) > 0 || atomic_load(&s->staged);
+}
+void __keel_sched_unlink(keel_job_t *job) KEEL_HIDDEN;
+
+/* Parking (park.c). */
+void _keel_sched_wake_one(void) KEEL_HIDDEN;
+void _keel_sched_wake_all(void) KEEL_HIDDEN;
+void _keel_sched_kick_worker(sched_worker_t *w) KEEL_HIDDEN;
+bool _keel_sched_park(sched_worker_t *w) KEEL_HIDDEN;
+int _keel_futex_wait(keel_atomic(uint32_t) * word, uint32_t val, uint64_t deadline_ns) KEEL_HIDDEN;
+void _keel_futex_wake(keel_atomic(uint32_t) * word, int n) KEEL_HIDDEN;
+
+/* Workers (worker.c). */
+int _keel_sched_spawn(void) KEEL_HIDDEN;
+void _keel_sched_join_zombies(void) KEEL_HIDDEN;
+void _keel_sched_join_workers(void) KEEL_HIDDEN;
+
+/* Timers (timer.c). */
+void _keel_sched_timers_fire(sched_worker_t *w, uint64_t now) KEEL_HIDDEN;
+unsigned _keel_sched_timers_cancel_all(sched_worker_t *w, struct cds_list_head *out) KEEL_HIDDEN;
+int _keel_sched_timer_cancel(keel_job_t *job) KEEL_HIDDEN;
+
+/* Monitor (scale.c). */
+int _keel_sched_monitor_start(void) KEEL_HIDDEN;
+void _keel_sched_monitor_stop(void) KEEL_HIDDEN;
+void _keel_sched_poke(void) KEEL_HIDDEN;
+
+#endif /* KEEL_SCHED_INT_H */

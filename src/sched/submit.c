@@ -1,0 +1,113 @@
+/* The producer side: keel_sched_submit and keel_sched_run.
+ *
+ * Fast path (no lock, no syscall, no allocation): two stores and a load for
+ * the shutdown gate (gate.c), a CAS
+ * on the job's state, wfcqueue's xchg on the shared tail and the link store.
+ * Only the submit that turns an incoming queue from empty to non-empty looks
+ * further: if a worker is parked it wakes exactly one (the rest of a burst
+ * rides on that wake-up and on the chain wake in dispatch); if none is, it
+ * pokes the monitor, which decides about growing the pool.
+ *
+ * Measured (perf, 64 producers on 2 cores): the job CAS and the link store
+ * into the previous producer's job are a cache miss each and make up nearly
+ * all of a submit's cost; a per-submit locked add on a counter stripe cost
+ * as much again before the gate moved to membarrier.
+ */
+#include <stdlib.h>
+
+#include "sched/sched_int.h"
+
+/* Publishes a job whose state is already QUEUED; `fast` comes from
+ * _keel_sched_fast_lane(), read before that state store (whose release is
+ * all that orders the caller's accesses to the job before a worker's: after
+ * it, keel reads nothing of the job but the link). wfcqueue's xchg is a full
+ * barrier (uatomic_xchg), which the nidle load of the kick relies on (see
+ * park.c for the other half). */
+void _keel_sched_enqueue(keel_job_t *job, bool fast) {
+  sched_t *s = &_keel_sched;
+  struct cds_wfcq_node *node = _keel_job_node(job);
+  cds_wfcq_node_init(node);
+  bool was_empty;
+  if (keel_likely(fast))
+    was_empty = !cds_wfcq_enqueue(&s->in[_keel_sched_me.shard].head,
+                                  &s->in[_keel_sched_me.shard].tail, node);
+  else
+    was_empty = !cds_wfcq_enqueue(&s->in[_keel_sched_me.shard].head2,
+                                  &s->in[_keel_sched_me.shard].tail2, node);
+  if (keel_unlikely(was_empty)) _keel_sched_kick();
+}
+
+/* The queue went from empty to non-empty: make sure someone will look. */
+KEEL_NOINLINE void _keel_sched_kick(void) {
+  if (atomic_load(&_keel_sched.nidle) > 0)
+    _keel_sched_wake_one();
+  else if (keel_load_relaxed(&_keel_sched.mon_mode) == MON_INF)
+    _keel_sched_poke();
+}
+
+static KEEL_NOINLINE int submit_slow(keel_job_t *job) {
+  int st = atomic_load(&_keel_sched.state);
+  if (st == SCHED_UNINIT) {
+    int rc = _keel_sched_lazy_init();
+    if (rc != 0 && rc != KEEL_EBUSY) return rc;
+    return keel_sched_submit(job);
+  }
+  return KEEL_ESHUTDOWN;
+}
+
+int keel_sched_submit(keel_job_t *job) {
+  if (keel_unlikely(job == NULL || job->fn == NULL)) return KEEL_EINVAL;
+  sched_producer_t *me = &_keel_sched_me;
+  int rc = _keel_sched_gate_enter(me);
+  if (keel_unlikely(rc != 0)) return rc;
+  /* seq_cst (a plain load on x86): pairs with shutdown's store, gate.c. */
+  if (keel_unlikely(atomic_load(&_keel_sched.state) != SCHED_RUNNING)) {
+    _keel_sched_gate_leave(me);
+    return submit_slow(job);
+  }
+  bool fast = _keel_sched_fast_lane(job);
+  unsigned idle = JOB_IDLE;
+  /* Acq_rel: acquire pairs with the worker's release of IDLE before it ran
+   * fn (the job's last use by keel); release publishes the caller's fields. */
+  if (keel_unlikely(!__atomic_compare_exchange_n(&job->_state, &idle, JOB_QUEUED, false,
+                                                 __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))) {
+    _keel_sched_gate_leave(me);
+    return KEEL_EBUSY;
+  }
+  _keel_sched_enqueue(job, fast);
+  _keel_sched_count_submit(me);
+  _keel_sched_gate_leave(me);
+  return 0;
+}
+
+/* keel_sched_run's job: malloc'd, freed by whichever callback runs. */
+typedef struct run_job {
+  keel_job_t job;
+  void (*fn)(void *);
+  void *arg;
+} run_job_t;
+
+static void run_job_fn(keel_job_t *job) {
+  run_job_t *r = (run_job_t *)job;
+  void (*fn)(void *) = r->fn;
+  void *arg = r->arg;
+  free(r); /* before fn: fn may take long, and the memory is no longer keel's */
+  fn(arg);
+}
+
+static void run_job_cancel(keel_job_t *job) {
+  free(job);
+}
+
+int keel_sched_run(void (*fn)(void *arg), void *arg, unsigned flags) {
+  if (fn == NULL) return KEEL_EINVAL;
+  run_job_t *r = malloc(sizeof(*r));
+  if (r == NULL) return KEEL_ENOMEM;
+  keel_job_init(&r->job, run_job_fn, flags);
+  r->job.on_cancel = run_job_cancel;
+  r->fn = fn;
+  r->arg = arg;
+  int rc = keel_sched_submit(&r->job);
+  if (rc != 0) free(r);
+  return rc;
+}

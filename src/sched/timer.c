@@ -1,0 +1,188 @@
+/* Timers: a binary min-heap per worker, keyed on the deadline in ns.
+ *
+ * keel_sched_after puts the job in the calling worker's heap, or (from any
+ * other thread) in the heap of the worker at the head of sched.workers, which
+ * then moves to the tail: round-robin without a cursor. The owner checks its
+ * earliest deadline (one relaxed load) before each dispatch and parks no
+ * longer than it, so a timer fires within the futex wake-up latency of its
+ * deadline (well under the millisecond resolution promised), never before.
+ * If the owner is stuck in one job longer than sched_block_ms, the monitor
+ * fires its due timers for it. A worker with timers never retires.
+ *
+ * The heap slot lives in job->_l[1] so cancel removes in O(log n); the heap
+ * array grows by doubling (the only allocation in sched besides threads,
+ * clients and keel_sched_run).
+ */
+#include <stdlib.h>
+
+#include "base/clock.h"
+#include "sched/sched_int.h"
+
+static void heap_set(sched_worker_t *w, uint32_t i, keel_job_t *job) {
+  w->heap[i] = job;
+  job->_l[1] = (void *)(uintptr_t)i;
+}
+
+static uint32_t slot_of(keel_job_t *job) {
+  return (uint32_t)(uintptr_t)job->_l[1];
+}
+
+static void sift_up(sched_worker_t *w, uint32_t i) {
+  keel_job_t *job = w->heap[i];
+  while (i > 0) {
+    uint32_t parent = (i - 1) / 2;
+    if (w->heap[parent]->_t <= job->_t) break;
+    heap_set(w, i, w->heap[parent]);
+    i = parent;
+  }
+  heap_set(w, i, job);
+}
+
+static void sift_down(sched_worker_t *w, uint32_t i) {
+  keel_job_t *job = w->heap[i];
+  for (;;) {
+    uint32_t c = 2 * i + 1;
+    if (c >= w->nheap) break;
+    if (c + 1 < w->nheap && w->heap[c + 1]->_t < w->heap[c]->_t) c++;
+    if (job->_t <= w->heap[c]->_t) break;
+    heap_set(w, i, w->heap[c]);
+    i = c;
+  }
+  heap_set(w, i, job);
+}
+
+static void heap_remove(sched_worker_t *w, uint32_t i) {
+  KEEL_ASSERT(i < w->nheap);
+  keel_job_t *last = w->heap[--w->nheap];
+  if (i == w->nheap) return;
+  heap_set(w, i, last);
+  sift_up(w, i);
+  sift_down(w, slot_of(last));
+}
+
+static int heap_push(sched_worker_t *w, keel_job_t *job) {
+  if (w->nheap == w->capheap) {
+    uint32_t cap = w->capheap ? 2 * w->capheap : 16;
+    keel_job_t **h = realloc(w->heap, cap * sizeof(*h));
+    if (h == NULL) return KEEL_ENOMEM;
+    w->heap = h;
+    w->capheap = cap;
+  }
+  heap_set(w, w->nheap++, job);
+  sift_up(w, w->nheap - 1);
+  return 0;
+}
+
+/* seq_cst store: pairs with the parking worker's load after it cleared its
+ * futex word (see _keel_sched_kick_worker). */
+static void publish_min(sched_worker_t *w) {
+  atomic_store(&w->next_deadline, w->nheap ? w->heap[0]->_t : UINT64_MAX);
+}
+
+/* Submits every job of w's heap whose deadline has passed, earliest first. */
+void _keel_sched_timers_fire(sched_worker_t *w, uint64_t now) {
+  pthread_mutex_lock(&w->tlock);
+  while (w->nheap > 0 && w->heap[0]->_t <= now) {
+    keel_job_t *job = w->heap[0];
+    heap_remove(w, 0);
+    bool fast = _keel_sched_fast_lane(job);
+    _keel_job_set_state(job, JOB_QUEUED); /* counted as submitted when armed */
+    _keel_sched_enqueue(job, fast);
+  }
+  publish_min(w);
+  pthread_mutex_unlock(&w->tlock);
+}
+
+/* Empties w's heap onto `out` (linked through job->_l) for shutdown. */
+unsigned _keel_sched_timers_cancel_all(sched_worker_t *w, struct cds_list_head *out) {
+  pthread_mutex_lock(&w->tlock);
+  unsigned n = w->nheap;
+  for (uint32_t i = 0; i < w->nheap; i++) {
+    _keel_job_set_state(w->heap[i], JOB_CANCELLING); /* before _l is reused */
+    cds_list_add_tail(_keel_job_link(w->heap[i]), out);
+  }
+  w->nheap = 0;
+  publish_min(w);
+  pthread_mutex_unlock(&w->tlock);
+  return n;
+}
+
+/* Removes a TIMER job; caller holds sched.lock (so its owner cannot be
+ * freed). KEEL_EAGAIN if it fired meanwhile (the caller looks again). */
+int _keel_sched_timer_cancel(keel_job_t *job) {
+  sched_worker_t *w = job->_l[0];
+  pthread_mutex_lock(&w->tlock);
+  int rc = KEEL_EAGAIN;
+  if (_keel_job_state(job) == JOB_TIMER && job->_l[0] == w) {
+    heap_remove(w, slot_of(job));
+    publish_min(w);
+    _keel_job_set_state(job, JOB_CANCELLING);
+    rc = 0;
+  }
+  pthread_mutex_unlock(&w->tlock);
+  return rc;
+}
+
+static sched_worker_t *timer_owner(void) {
+  sched_t *s = &_keel_sched;
+  if (_keel_sched_self != NULL) return _keel_sched_self;
+  sched_worker_t *w = cds_list_first_entry(&s->workers, sched_worker_t, link);
+  _keel_list_move_tail(&w->link, &s->workers);
+  return w;
+}
+
+/* Arms under sched.lock: the state check is serialised with shutdown, and
+ * the owner is on sched.workers so it cannot retire meanwhile. */
+static int arm(keel_job_t *job, uint64_t deadline, sched_worker_t **owner, bool *earliest) {
+  sched_t *s = &_keel_sched;
+  if (atomic_load(&s->state) != SCHED_RUNNING) return KEEL_ESHUTDOWN;
+  unsigned idle = JOB_IDLE;
+  if (!__atomic_compare_exchange_n(&job->_state, &idle, JOB_TIMER, false, __ATOMIC_ACQ_REL,
+                                   __ATOMIC_ACQUIRE))
+    return KEEL_EBUSY;
+  sched_worker_t *w = timer_owner();
+  pthread_mutex_lock(&w->tlock);
+  job->_t = deadline;
+  job->_l[0] = w;
+  int rc = heap_push(w, job);
+  if (rc == 0) {
+    *earliest = w->heap[0] == job;
+    publish_min(w);
+    /* Counted under sched.lock, which orders it before shutdown's look. */
+    _keel_sched_count_submit(&_keel_sched_me);
+  } else {
+    _keel_job_set_state(job, JOB_IDLE);
+  }
+  pthread_mutex_unlock(&w->tlock);
+  *owner = w;
+  return rc;
+}
+
+int keel_sched_after(keel_job_t *job, uint64_t ms) {
+  if (job == NULL || job->fn == NULL) return KEEL_EINVAL;
+  if (ms == 0) return keel_sched_submit(job);
+  if (atomic_load(&_keel_sched.state) == SCHED_UNINIT) {
+    int rc = _keel_sched_lazy_init();
+    if (rc != 0 && rc != KEEL_EBUSY) return rc;
+  }
+  if (!_keel_sched_me.registered) {
+    int rc = _keel_sched_register();
+    if (rc != 0) return rc;
+  }
+  if (ms > UINT64_MAX / 2000000u) ms = UINT64_MAX / 2000000u; /* "never", without overflow */
+  uint64_t deadline = keel_clock_ns() + ms * 1000000u;
+  sched_worker_t *w = NULL;
+  bool earliest = false;
+  pthread_mutex_lock(&_keel_sched.lock);
+  int rc = arm(job, deadline, &w, &earliest);
+  pthread_mutex_unlock(&_keel_sched.lock);
+  if (rc != 0) return rc;
+  if (w == _keel_sched_self) {
+    /* Armed from inside a job: if that job runs long, the monitor is the one
+     * who fires this timer on time. */
+    if (keel_load_relaxed(&_keel_sched.mon_mode) == MON_INF) _keel_sched_poke();
+  } else if (earliest) {
+    _keel_sched_kick_worker(w);
+  }
+  return 0;
+}

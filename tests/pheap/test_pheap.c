@@ -1,0 +1,637 @@
+/* pheap unit tests: API contract, every bad input from the issue, counts of
+ * persist barriers per operation, growth, out of space, and a multi-thread
+ * stress whose end state must walk to exactly the reachable objects. */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <pthread.h>
+#include <string.h>
+#include <sys/wait.h>
+
+#include "common.h"
+#include "harness.h"
+#include "pheap/pheap_int.h"
+
+#define LAYOUT "test-layout"
+#define NSLOTS 256
+
+typedef struct root {
+  keel_poff_t slot[NSLOTS];
+  uint64_t counter[4];
+} root_t;
+
+static int count_cb(keel_pheap_t *ph, keel_poff_t off, void *arg) {
+  (void)ph;
+  (void)off;
+  ++*(uint64_t *)arg;
+  return 0;
+}
+static uint64_t count_type(keel_pheap_t *ph, uint64_t type) {
+  uint64_t n = 0;
+  keel_pheap_foreach(ph, type, count_cb, &n);
+  return n;
+}
+
+static void test_create_open_close(void) {
+  char p[256];
+  tp_path(p, sizeof p, "coc");
+  keel_pheap_t *ph = keel_pheap_create(p, LAYOUT, KEEL_PHEAP_MIN_SIZE, 0);
+  KT_REQUIRE(ph != NULL);
+  root_t *r = keel_pheap_root(ph, sizeof *r);
+  KT_REQUIRE(r != NULL);
+  KT_EQ(r->slot[0], 0);
+  KT_EQ(keel_pheap_alloc(ph, &r->slot[0], 100, 7), 0);
+  KT_CHECK(r->slot[0] != 0);
+  strcpy(keel_pheap_ptr(ph, r->slot[0]), "hello");
+  keel_pheap_persist(ph, keel_pheap_ptr(ph, r->slot[0]), 6);
+  KT_EQ(keel_pheap_off(ph, keel_pheap_ptr(ph, r->slot[0])), r->slot[0]);
+  KT_EQ(keel_pheap_close(ph), 0);
+  KT_EQ(keel_pheap_check(p), 0);
+  ph = keel_pheap_open(p, LAYOUT);
+  KT_REQUIRE(ph != NULL);
+  r = keel_pheap_root(ph, sizeof *r);
+  KT_REQUIRE(r != NULL && r->slot[0] != 0);
+  KT_STREQ(keel_pheap_ptr(ph, r->slot[0]), "hello");
+  KT_EQ(keel_pheap_type(ph, r->slot[0]), 7);
+  KT_CHECK(keel_pheap_usable_size(ph, r->slot[0]) >= 100);
+  KT_EQ(count_type(ph, 7), 1);
+  KT_EQ(count_type(ph, KEEL_PHEAP_ANY_TYPE), 2); /* root too */
+  KT_CHECK(keel_pheap_root(ph, sizeof *r * 100) == NULL && errno == EINVAL);
+  keel_pheap_close(ph);
+  unlink(p);
+}
+
+/* Opens `p` expecting `err` and a message containing `what`; the file must
+ * come out byte for byte the same. */
+static void expect_open_fails(const char *p, const char *layout, int err, const char *what) {
+  uint64_t before = tp_fingerprint(p);
+  keel_pheap_t *ph = keel_pheap_open(p, layout);
+  KT_CHECK(ph == NULL);
+  if (ph) keel_pheap_close(ph);
+  KT_EQ(-errno, err);
+  KT_CONTAINS(keel_pheap_errmsg(), p);
+  KT_CONTAINS(keel_pheap_errmsg(), what);
+  KT_EQ(tp_fingerprint(p), before);
+}
+
+static void make_pool(const char *p) {
+  keel_pheap_t *ph = keel_pheap_create(p, LAYOUT, KEEL_PHEAP_MIN_SIZE, 0);
+  KT_REQUIRE(ph != NULL);
+  root_t *r = keel_pheap_root(ph, sizeof *r);
+  KT_REQUIRE(r != NULL);
+  KT_EQ(keel_pheap_alloc(ph, &r->slot[1], 1000, 1), 0);
+  keel_pheap_close(ph);
+}
+
+static void patch(const char *p, off_t off, const void *data, size_t len) {
+  int fd = open(p, O_RDWR);
+  KT_REQUIRE(fd >= 0);
+  KT_REQUIRE(pwrite(fd, data, len, off) == (ssize_t)len);
+  close(fd);
+}
+
+static ph_header_t read_hdr(const char *p) {
+  ph_header_t h;
+  int fd = open(p, O_RDONLY);
+  KT_CHECK(pread(fd, &h, sizeof h, 0) == (ssize_t)sizeof h);
+  close(fd);
+  return h;
+}
+
+static void test_bad_wrong_layout(void) {
+  char p[256];
+  make_pool(tp_path(p, sizeof p, "layout"));
+  expect_open_fails(p, "other-layout", KEEL_EINVAL, "layout is \"test-layout\", expected");
+  unlink(p);
+}
+
+static void test_bad_truncated(void) {
+  char p[256];
+  make_pool(tp_path(p, sizeof p, "trunc"));
+  KT_REQUIRE(truncate(p, KEEL_PHEAP_MIN_SIZE / 2) == 0);
+  expect_open_fails(p, LAYOUT, KEEL_ECORRUPT, "truncated");
+  KT_EQ(keel_pheap_check(p), KEEL_ECORRUPT);
+  KT_REQUIRE(truncate(p, 100) == 0);
+  expect_open_fails(p, LAYOUT, KEEL_ECORRUPT, "smaller than a pool header");
+  unlink(p);
+}
+
+static void test_bad_corrupt_header(void) {
+  char p[256];
+  make_pool(tp_path(p, sizeof p, "corrupt"));
+  char x = 'X';
+  patch(p, offsetof(ph_header_t, layout) + 2, &x, 1);
+  expect_open_fails(p, LAYOUT, KEEL_ECORRUPT, "checksum");
+  KT_EQ(keel_pheap_check(p), KEEL_ECORRUPT);
+  patch(p, 0, "NOTPOOL", 8);
+  expect_open_fails(p, LAYOUT, KEEL_ECORRUPT, "bad magic");
+  unlink(p);
+  /* A corrupted size word (the mutable part has its own check). */
+  make_pool(p);
+  uint64_t w = 0x1234;
+  patch(p, offsetof(ph_header_t, size_word), &w, 8);
+  expect_open_fails(p, LAYOUT, KEEL_ECORRUPT, "size word");
+  unlink(p);
+}
+
+static void test_bad_below_minimum(void) {
+  char p[256];
+  tp_path(p, sizeof p, "small");
+  KT_CHECK(keel_pheap_create(p, LAYOUT, KEEL_PHEAP_MIN_SIZE - 4096, 0) == NULL);
+  KT_EQ(-errno, KEEL_EINVAL);
+  KT_CONTAINS(keel_pheap_errmsg(), "below the minimum");
+  KT_CHECK(access(p, F_OK) != 0); /* nothing created */
+  make_pool(p);
+  uint64_t w = _keel_ph_size_word(4 << 20); /* well-formed but too small */
+  patch(p, offsetof(ph_header_t, size_word), &w, 8);
+  expect_open_fails(p, LAYOUT, KEEL_ECORRUPT, "below the minimum");
+  unlink(p);
+}
+
+static void test_bad_version(void) {
+  char p[256];
+  make_pool(tp_path(p, sizeof p, "version"));
+  ph_header_t h = read_hdr(p);
+  h.version = PH_VERSION + 1;
+  h.csum = _keel_ph_csum(&h, offsetof(ph_header_t, csum), 0);
+  patch(p, 0, &h, offsetof(ph_header_t, size_word));
+  expect_open_fails(p, LAYOUT, KEEL_EVERSION, "format version 2");
+  unlink(p);
+}
+
+static void test_bad_already_open(void) {
+  char p[256];
+  tp_path(p, sizeof p, "locked");
+  keel_pheap_t *ph = keel_pheap_create(p, LAYOUT, KEEL_PHEAP_MIN_SIZE, 0);
+  KT_REQUIRE(ph != NULL);
+  expect_open_fails(p, LAYOUT, KEEL_ELOCKED, "already open");
+  KT_EQ(keel_pheap_check(p), KEEL_ELOCKED);
+  /* From another process too. */
+  pid_t pid = fork();
+  if (pid == 0) {
+    keel_pheap_t *o = keel_pheap_open(p, LAYOUT);
+    _exit(o == NULL && errno == -KEEL_ELOCKED ? 0 : 1);
+  }
+  int st;
+  waitpid(pid, &st, 0);
+  KT_CHECK(WIFEXITED(st) && WEXITSTATUS(st) == 0);
+  keel_pheap_close(ph);
+  /* Create over an existing file. */
+  KT_CHECK(keel_pheap_create(p, LAYOUT, KEEL_PHEAP_MIN_SIZE, 0) == NULL);
+  KT_EQ(-errno, KEEL_EEXIST);
+  /* Missing file, long layout. */
+  unlink(p);
+  KT_CHECK(keel_pheap_open(p, LAYOUT) == NULL && errno == ENOENT);
+  char longl[100];
+  memset(longl, 'a', 99);
+  longl[99] = 0;
+  KT_CHECK(keel_pheap_create(p, longl, KEEL_PHEAP_MIN_SIZE, 0) == NULL && errno == EINVAL);
+}
+
+static void test_alloc_free_sizes(void) {
+  char p[256];
+  tp_path(p, sizeof p, "sizes");
+  keel_pheap_t *ph = keel_pheap_create(p, LAYOUT, 32 << 20, 0);
+  KT_REQUIRE(ph != NULL);
+  root_t *r = keel_pheap_root(ph, sizeof *r);
+  size_t sizes[] = {1, 8, 16, 48, 64, 100, 500, 4000, 20000, 135168, 300000, 600000, 3 << 20};
+  for (size_t i = 0; i < KEEL_ARRAY_SIZE(sizes); i++) {
+    KT_EQ(keel_pheap_alloc(ph, &r->slot[i], sizes[i], 100 + i), 0);
+    KT_CHECK(keel_pheap_usable_size(ph, r->slot[i]) >= sizes[i]);
+    KT_EQ((r->slot[i] & 15), 0);
+    memset(keel_pheap_ptr(ph, r->slot[i]), 0xab, sizes[i]);
+  }
+  KT_EQ(keel_pheap_usable_size(ph, r->slot[4]), 64); /* 64 B asks 80 B of media */
+  for (size_t i = 0; i < KEEL_ARRAY_SIZE(sizes); i++) KT_EQ(count_type(ph, 100 + i), 1);
+  for (size_t i = 0; i < KEEL_ARRAY_SIZE(sizes); i++) {
+    KT_EQ(keel_pheap_free(ph, &r->slot[i]), 0);
+    KT_EQ(r->slot[i], 0);
+  }
+  KT_EQ(keel_pheap_free(ph, &r->slot[0]), 0); /* free of 0 is a no-op */
+  KT_EQ(count_type(ph, KEEL_PHEAP_ANY_TYPE), 1);
+  keel_poff_t z;
+  KT_EQ(keel_pheap_alloc(ph, &z, 0, 1), KEEL_EINVAL);
+  KT_EQ(keel_pheap_alloc(ph, NULL, 10, 1), KEEL_EINVAL);
+  KT_EQ(keel_pheap_zalloc(ph, &r->slot[0], 300, 1), 0);
+  for (int i = 0; i < 300; i++) KT_EQ(((unsigned char *)keel_pheap_ptr(ph, r->slot[0]))[i], 0);
+  keel_pheap_close(ph);
+  KT_EQ(keel_pheap_check(p), 0);
+  unlink(p);
+}
+
+static void double_free_child(void *arg) {
+  keel_pheap_t *ph = keel_pheap_open(arg, LAYOUT);
+  root_t *r = keel_pheap_root(ph, sizeof *r);
+  keel_poff_t copy = r->slot[1];
+  keel_pheap_free(ph, &r->slot[1]);
+  keel_pheap_free(ph, &copy);
+}
+
+static void bad_offset_child(void *arg) {
+  keel_pheap_t *ph = keel_pheap_open(arg, LAYOUT);
+  root_t *r = keel_pheap_root(ph, sizeof *r);
+  keel_pheap_alloc(ph, &r->slot[2], 1000, 1);
+  keel_poff_t bogus = r->slot[2] + 16;
+  keel_pheap_free(ph, &bogus);
+}
+
+static void test_misuse_aborts(void) {
+  char p[256];
+  make_pool(tp_path(p, sizeof p, "misuse"));
+  KT_EXPECT_ABORT(double_free_child, p, "keel_pheap_free: offset");
+  KT_EXPECT_ABORT(bad_offset_child, p, "is not a live object");
+  unlink(p);
+}
+
+static void test_reserve_publish_cancel(void) {
+  char p[256];
+  tp_path(p, sizeof p, "rp");
+  keel_pheap_t *ph = keel_pheap_create(p, LAYOUT, KEEL_PHEAP_MIN_SIZE, 0);
+  root_t *r = keel_pheap_root(ph, sizeof *r);
+  keel_pheap_act_t a[20];
+  for (int i = 0; i < 10; i++) {
+    KT_EQ(keel_pheap_reserve(ph, &a[2 * i], 64 + i, 9), 0);
+    memset(keel_pheap_ptr(ph, a[2 * i].off), i, 64);
+    keel_pheap_set_value(ph, &a[2 * i + 1], &r->slot[i], a[2 * i].off);
+  }
+  KT_EQ(count_type(ph, 9), 0); /* reservations are invisible */
+  KT_EQ(keel_pheap_publish(ph, a, 10), 0);
+  keel_pheap_cancel(ph, a + 10, 10);
+  KT_EQ(count_type(ph, 9), 5);
+  for (int i = 0; i < 5; i++) KT_EQ(((char *)keel_pheap_ptr(ph, r->slot[i]))[3], i);
+  for (int i = 5; i < 10; i++) KT_EQ(r->slot[i], 0);
+  /* A deferred free published with its destination cleared. */
+  keel_pheap_act_t f[2];
+  keel_pheap_defer_free(ph, &f[0], r->slot[0]);
+  keel_pheap_set_value(ph, &f[1], &r->slot[0], 0);
+  KT_EQ(keel_pheap_publish(ph, f, 2), 0);
+  KT_EQ(count_type(ph, 9), 4);
+  keel_pheap_close(ph);
+  ph = keel_pheap_open(p, LAYOUT);
+  KT_EQ(count_type(ph, 9), 4);
+  keel_pheap_close(ph);
+  unlink(p);
+}
+
+static void test_tx_commit_abort_nested(void) {
+  char p[256];
+  tp_path(p, sizeof p, "tx");
+  keel_pheap_t *ph = keel_pheap_create(p, LAYOUT, KEEL_PHEAP_MIN_SIZE, 0);
+  root_t *r = keel_pheap_root(ph, sizeof *r);
+  KT_EQ(keel_tx_begin(ph), 0);
+  KT_EQ(keel_tx_add_range(r->counter, sizeof r->counter), 0);
+  r->counter[0] = 5;
+  KT_EQ(keel_tx_add_range(&r->slot[0], 8), 0);
+  r->slot[0] = keel_tx_alloc(200, 3);
+  KT_CHECK(r->slot[0] != 0);
+  KT_EQ(keel_tx_begin(ph), 0); /* nested: flat */
+  KT_EQ(keel_tx_depth(), 2);
+  KT_EQ(keel_tx_add_range(&r->counter[1], 8), 0); /* covered already: no barrier */
+  r->counter[1] = 6;
+  KT_EQ(keel_tx_commit(), 0);
+  KT_EQ(keel_tx_end(), 0);
+  KT_EQ(count_type(ph, 3), 0); /* not yet committed */
+  KT_EQ(keel_tx_commit(), 0);
+  KT_EQ(keel_tx_end(), 0);
+  KT_EQ(keel_tx_depth(), 0);
+  KT_EQ(count_type(ph, 3), 1);
+  KT_EQ(r->counter[0], 5);
+  KT_EQ(r->counter[1], 6);
+  /* Abort: everything rolls back, allocation vanishes. */
+  keel_poff_t old = r->slot[0];
+  KT_EQ(keel_tx_begin(ph), 0);
+  KT_EQ(keel_tx_add_range(r, sizeof *r), 0);
+  r->counter[0] = 99;
+  KT_EQ(keel_tx_free(r->slot[0]), 0);
+  r->slot[0] = keel_tx_alloc(300, 4);
+  KT_EQ(keel_tx_begin(ph), 0);
+  keel_tx_abort(KEEL_EBUSY);
+  KT_EQ(keel_tx_end(), KEEL_EBUSY);
+  KT_EQ(keel_tx_add_range(r, 8), KEEL_ECANCELED);
+  KT_EQ(keel_tx_commit(), KEEL_EBUSY);
+  KT_EQ(keel_tx_end(), KEEL_EBUSY);
+  KT_EQ(r->counter[0], 5);
+  KT_EQ(r->slot[0], old);
+  KT_EQ(count_type(ph, 3), 1);
+  KT_EQ(count_type(ph, 4), 0);
+  /* End without commit aborts. */
+  KT_EQ(keel_tx_begin(ph), 0);
+  KT_EQ(keel_tx_add_range(r->counter, 8), 0);
+  r->counter[0] = 1234;
+  KT_EQ(keel_tx_end(), KEEL_ECANCELED);
+  KT_EQ(r->counter[0], 5);
+  /* tx_free commits; tx_alloc then tx_free in one tx leaves nothing. */
+  KT_EQ(keel_tx_begin(ph), 0);
+  KT_EQ(keel_tx_add_range(&r->slot[0], 8), 0);
+  KT_EQ(keel_tx_free(r->slot[0]), 0);
+  r->slot[0] = 0;
+  keel_poff_t t = keel_tx_alloc(50, 5);
+  KT_EQ(keel_tx_free(t), 0);
+  KT_EQ(keel_tx_commit(), 0);
+  KT_EQ(keel_tx_end(), 0);
+  KT_EQ(count_type(ph, 3), 0);
+  KT_EQ(count_type(ph, 5), 0);
+  /* Misuse outside a tx. */
+  KT_EQ(keel_tx_add_range(r, 8), KEEL_EPERM);
+  KT_EQ(keel_tx_end(), KEEL_EPERM);
+  keel_pheap_close(ph);
+  KT_EQ(keel_pheap_check(p), 0);
+  unlink(p);
+}
+
+/* Reservations handed to a transaction are published by its commit and
+ * cancelled by its abort; tx_zalloc zeroes. */
+static void test_tx_publish_and_zalloc(void) {
+  char p[256];
+  tp_path(p, sizeof p, "txpub");
+  keel_pheap_t *ph = keel_pheap_create(p, LAYOUT, KEEL_PHEAP_MIN_SIZE, 0);
+  root_t *r = keel_pheap_root(ph, sizeof *r);
+  keel_pheap_act_t a[2];
+  for (int round = 0; round < 2; round++) {
+    KT_EQ(keel_pheap_reserve(ph, &a[0], 200, 30 + round), 0);
+    keel_pheap_set_value(ph, &a[1], &r->slot[round], a[0].off);
+    KT_EQ(keel_tx_begin(ph), 0);
+    KT_EQ(keel_tx_publish(a, 2), 0);
+    KT_EQ(a[0].kind, 0); /* the transaction owns the actions now */
+    keel_poff_t z = keel_tx_zalloc(500, 40);
+    KT_REQUIRE(z != 0);
+    for (int i = 0; i < 500; i++) KT_EQ(((unsigned char *)keel_pheap_ptr(ph, z))[i], 0);
+    if (round == 0) {
+      KT_EQ(keel_tx_commit(), 0);
+      KT_EQ(keel_tx_end(), 0);
+    } else {
+      KT_EQ(keel_tx_end(), KEEL_ECANCELED); /* not committed: aborted */
+    }
+  }
+  KT_EQ(count_type(ph, 30), 1);
+  KT_EQ(count_type(ph, 31), 0);
+  KT_EQ(count_type(ph, 40), 1);
+  KT_CHECK(r->slot[0] != 0);
+  KT_EQ(r->slot[1], 0);
+  keel_pheap_close(ph);
+  KT_EQ(keel_pheap_check(p), 0);
+  unlink(p);
+}
+
+static void test_tx_out_of_space_aborts(void) {
+  char p[256];
+  tp_path(p, sizeof p, "txfull");
+  keel_pheap_t *ph = keel_pheap_create(p, LAYOUT, KEEL_PHEAP_MIN_SIZE, KEEL_PHEAP_FIXED);
+  root_t *r = keel_pheap_root(ph, sizeof *r);
+  r->counter[0] = 1;
+  keel_pheap_persist(ph, r->counter, 8);
+  KT_EQ(keel_tx_begin(ph), 0);
+  KT_EQ(keel_tx_add_range(r, sizeof *r), 0);
+  r->counter[0] = 2;
+  int i = 0;
+  for (; i < 1000; i++) {
+    keel_poff_t o = keel_tx_alloc(1 << 20, 6);
+    if (o == 0) break;
+    r->slot[i % NSLOTS] = o;
+  }
+  KT_CHECK(i < 1000);
+  KT_EQ(errno, ENOSPC);
+  KT_EQ(keel_tx_commit(), KEEL_ENOSPC);
+  KT_EQ(keel_tx_end(), KEEL_ENOSPC);
+  KT_EQ(r->counter[0], 1);
+  KT_EQ(r->slot[0], 0);
+  KT_EQ(count_type(ph, 6), 0);
+  /* The space is usable again, and an oversized undo snapshot aborts too. */
+  KT_EQ(keel_pheap_alloc(ph, &r->slot[0], 1 << 20, 6), 0);
+  KT_EQ(keel_tx_begin(ph), 0);
+  KT_EQ(keel_tx_add_range(keel_pheap_ptr(ph, r->slot[0]), 1 << 20), KEEL_ENOSPC);
+  KT_EQ(keel_tx_end(), KEEL_ENOSPC);
+  keel_pheap_close(ph);
+  KT_EQ(keel_pheap_check(p), 0);
+  unlink(p);
+}
+
+static void test_full_pool_free_never_fails(void) {
+  char p[256];
+  tp_path(p, sizeof p, "full");
+  keel_pheap_t *ph = keel_pheap_create(p, LAYOUT, KEEL_PHEAP_MIN_SIZE, KEEL_PHEAP_FIXED);
+  root_t *r = keel_pheap_root(ph, sizeof *r);
+  keel_poff_t *many = keel_pheap_ptr(ph, 0);
+  (void)many;
+  int n = 0, rc;
+  while ((rc = keel_pheap_alloc(ph, &r->slot[n % NSLOTS], 20000, 8)) == 0 && n < 100000) {
+    if (n >= NSLOTS) break;
+    n++;
+  }
+  /* Fill the rest with objects only the walk knows about. */
+  keel_poff_t junk;
+  while ((rc = keel_pheap_alloc(ph, &junk, 20000, 9)) == 0) {}
+  KT_EQ(rc, KEEL_ENOSPC);
+  for (int i = 0; i < n; i++) KT_EQ(keel_pheap_free(ph, &r->slot[i]), 0);
+  KT_EQ(keel_pheap_alloc(ph, &r->slot[0], 20000, 8), 0);
+  keel_pheap_close(ph);
+  unlink(p);
+}
+
+static void test_grow(void) {
+  char p[256];
+  tp_path(p, sizeof p, "grow");
+  keel_pheap_t *ph = keel_pheap_create(p, LAYOUT, KEEL_PHEAP_MIN_SIZE, 0);
+  root_t *r = keel_pheap_root(ph, sizeof *r);
+  for (int i = 0; i < 40; i++) {
+    KT_EQ(keel_pheap_alloc(ph, &r->slot[i], 1 << 20, 10), 0);
+    memset(keel_pheap_ptr(ph, r->slot[i]), i, 1 << 20);
+  }
+  for (int i = 40; i < 200; i++) KT_EQ(keel_pheap_alloc(ph, &r->slot[i], 1000 + i * 7, 11), 0);
+  keel_pheap_stats_t st;
+  KT_EQ(keel_pheap_stats(ph, &st), 0);
+  KT_CHECK(st.grows > 0);
+  KT_CHECK(st.pool_bytes > (40u << 20));
+  keel_pheap_close(ph);
+  KT_EQ(keel_pheap_check(p), 0);
+  ph = keel_pheap_open(p, LAYOUT);
+  KT_REQUIRE(ph != NULL);
+  r = keel_pheap_root(ph, sizeof *r);
+  for (int i = 0; i < 40; i++) KT_EQ(((unsigned char *)keel_pheap_ptr(ph, r->slot[i]))[12345], i);
+  KT_EQ(count_type(ph, 10), 40);
+  KT_EQ(count_type(ph, 11), 160);
+  keel_pheap_close(ph);
+  unlink(p);
+}
+
+/* The barrier budget from the issue: <= 2 per atomic alloc, <= 3 per tx
+ * alloc, averaged over enough operations to include the checkpoints. */
+static double barriers_per(keel_pheap_t *ph, root_t *r, int kind, int n) {
+  keel_pheap_stats_t a, b;
+  keel_pheap_stats(ph, &a);
+  for (int i = 0; i < n; i++) {
+    switch (kind) {
+      case 0:
+        keel_pheap_alloc(ph, &r->slot[i % NSLOTS], 64, 1);
+        break;
+      case 1:
+        keel_pheap_free(ph, &r->slot[i % NSLOTS]);
+        break;
+      case 2: /* tx with one alloc into an added destination */
+        keel_tx_begin(ph);
+        keel_tx_add_range(&r->slot[i % NSLOTS], 8);
+        r->slot[i % NSLOTS] = keel_tx_alloc(64, 1);
+        keel_tx_commit();
+        keel_tx_end();
+        break;
+      case 3: /* tx with one alloc only */
+        keel_tx_begin(ph);
+        keel_tx_alloc(64, 1);
+        keel_tx_commit();
+        keel_tx_end();
+        break;
+      default: {
+        keel_pheap_act_t act[2];
+        keel_pheap_reserve(ph, &act[0], 64, 1);
+        keel_pheap_set_value(ph, &act[1], &r->slot[i % NSLOTS], act[0].off);
+        keel_pheap_publish(ph, act, 2);
+      }
+    }
+  }
+  keel_pheap_stats(ph, &b);
+  return (double)(b.barriers - a.barriers) / n;
+}
+
+static void test_barrier_counts(void) {
+  char p[256];
+  tp_path(p, sizeof p, "barriers");
+  keel_pheap_t *ph = keel_pheap_create(p, LAYOUT, KEEL_PHEAP_MIN_SIZE, 0);
+  root_t *r = keel_pheap_root(ph, sizeof *r);
+  KT_EQ(keel_pheap_alloc(ph, &r->slot[0], 64, 1), 0); /* make the run first */
+  KT_EQ(keel_pheap_free(ph, &r->slot[0]), 0);
+  double alloc = barriers_per(ph, r, 0, NSLOTS), fr = barriers_per(ph, r, 1, NSLOTS);
+  double txr = barriers_per(ph, r, 2, NSLOTS);
+  for (int i = 0; i < NSLOTS; i++) keel_pheap_free(ph, &r->slot[i]);
+  double tx1 = barriers_per(ph, r, 3, NSLOTS), pub = barriers_per(ph, r, 4, NSLOTS);
+  printf("  barriers per op: alloc %.2f, free %.2f, tx alloc %.2f (with add_range %.2f), "
+         "publish %.2f\n",
+         alloc, fr, tx1, txr, pub);
+  KT_CHECK(alloc <= 1.2);
+  KT_CHECK(fr <= 1.2);
+  KT_CHECK(pub <= 1.2);
+  KT_CHECK(tx1 <= 2.1); /* 2, plus a checkpoint per ring wrap */
+  KT_CHECK(txr <= 3.1);
+  keel_pheap_close(ph);
+  unlink(p);
+}
+
+static void test_check_detects_corruption(void) {
+  char p[256];
+  make_pool(tp_path(p, sizeof p, "chk"));
+  KT_EQ(keel_pheap_check(p), 0);
+  KT_CONTAINS(keel_pheap_errmsg(), "ok");
+  ph_header_t h = read_hdr(p);
+  uint64_t bad = PH_CW_MAKE(7, 3);
+  patch(p, (off_t)h.heap_off + 8 * 5, &bad, 8);
+  KT_EQ(keel_pheap_check(p), KEEL_ECORRUPT);
+  KT_CONTAINS(keel_pheap_errmsg(), "chunk 5");
+  unlink(p);
+}
+
+/* Threads race alloc/free/tx/publish on shared slots (each thread owns a
+ * slice); at the end the walk must count exactly the reachable objects. */
+typedef struct stress_arg {
+  keel_pheap_t *ph;
+  root_t *r;
+  int id, nthreads;
+  long iters;
+} stress_arg_t;
+
+static void *stress_thread(void *p) {
+  stress_arg_t *a = p;
+  uint64_t s = 0x9e3779b97f4a7c15ull * (uint64_t)(a->id + 1);
+  int per = NSLOTS / a->nthreads;
+  for (long i = 0; i < a->iters; i++) {
+    s ^= s << 13, s ^= s >> 7, s ^= s << 17;
+    keel_poff_t *slot = &a->r->slot[a->id * per + (int)(s % (uint64_t)per)];
+    size_t sz = 16 + (s >> 20) % 3000;
+    switch ((s >> 8) % 4) {
+      case 0:
+        if (*slot)
+          keel_pheap_free(a->ph, slot);
+        else
+          keel_pheap_alloc(a->ph, slot, sz, 20);
+        break;
+      case 1: {
+        keel_tx_begin(a->ph);
+        keel_tx_add_range(slot, 8);
+        if (*slot)
+          keel_tx_free(*slot), *slot = 0;
+        else
+          *slot = keel_tx_alloc(sz, 20);
+        keel_tx_commit();
+        keel_tx_end();
+        break;
+      }
+      case 2: {
+        if (*slot) break;
+        keel_pheap_act_t act[2];
+        if (keel_pheap_reserve(a->ph, &act[0], sz, 20) != 0) break;
+        keel_pheap_set_value(a->ph, &act[1], slot, act[0].off);
+        if ((s >> 30) & 1)
+          keel_pheap_publish(a->ph, act, 2);
+        else
+          keel_pheap_cancel(a->ph, act, 2);
+        break;
+      }
+      default:
+        keel_tx_begin(a->ph);
+        keel_tx_add_range(&a->r->counter[a->id % 4], 8);
+        a->r->counter[a->id % 4]++;
+        keel_tx_abort(0);
+        keel_tx_end();
+    }
+  }
+  return NULL;
+}
+
+static void test_stress_threads(void) {
+  char p[256];
+  tp_path(p, sizeof p, "stress");
+  keel_pheap_t *ph = keel_pheap_create(p, LAYOUT, KEEL_PHEAP_MIN_SIZE, 0);
+  root_t *r = keel_pheap_root(ph, sizeof *r);
+  int nt = (int)kt_env_int("KEEL_TEST_THREADS", 4);
+  long iters = kt_scale(kt_env_int("KEEL_TEST_ITERS", 20000));
+  pthread_t t[64];
+  stress_arg_t a[64];
+  for (int i = 0; i < nt; i++) {
+    a[i] = (stress_arg_t){ph, r, i, nt, iters};
+    pthread_create(&t[i], NULL, stress_thread, &a[i]);
+  }
+  for (int i = 0; i < nt; i++) pthread_join(t[i], NULL);
+  uint64_t reach = 1;
+  for (int i = 0; i < NSLOTS; i++) reach += r->slot[i] != 0;
+  KT_EQ(count_type(ph, KEEL_PHEAP_ANY_TYPE), reach);
+  for (int i = 0; i < 4; i++) KT_EQ(r->counter[i], 0);
+  keel_pheap_close(ph);
+  KT_EQ(keel_pheap_check(p), 0);
+  ph = keel_pheap_open(p, LAYOUT);
+  KT_EQ(count_type(ph, KEEL_PHEAP_ANY_TYPE), reach);
+  keel_pheap_close(ph);
+  unlink(p);
+}
+
+static void test_classes_fragmentation(void) {
+  _keel_ph_classes_init();
+  double sum = 0;
+  int n = 0;
+  for (size_t sz = 100; sz <= 132 * 1024; sz += 100) {
+    int c = _keel_ph_class_of(sz + PH_OBJ_HDR);
+    KT_REQUIRE(c >= 0);
+    const ph_class_t *k = &_keel_ph_classes[c];
+    KT_CHECK(k->block >= sz + PH_OBJ_HDR);
+    double media = (double)k->chunks * PH_CHUNK / k->nblocks; /* run tail included */
+    sum += (media - (double)sz) / media;
+    n++;
+  }
+  KT_CHECK(sum / n < 0.05);
+}
+
+KT_MAIN(KT_CASE(test_create_open_close), KT_CASE(test_bad_wrong_layout),
+        KT_CASE(test_bad_truncated), KT_CASE(test_bad_corrupt_header),
+        KT_CASE(test_bad_below_minimum), KT_CASE(test_bad_version), KT_CASE(test_bad_already_open),
+        KT_CASE(test_alloc_free_sizes), KT_CASE(test_misuse_aborts),
+        KT_CASE(test_reserve_publish_cancel), KT_CASE(test_tx_commit_abort_nested),
+        KT_CASE(test_tx_publish_and_zalloc), KT_CASE(test_tx_out_of_space_aborts),
+        KT_CASE(test_full_pool_free_never_fails), KT_CASE(test_grow), KT_CASE(test_barrier_counts),
+        KT_CASE(test_check_detects_corruption), KT_CASE(test_stress_threads),
+        KT_CASE(test_classes_fragmentation))

@@ -1,0 +1,508 @@
+/* Tests of src/pool: the hot/cold/sweep state machine, hooks, alignment,
+ * stats and reclaim, thread exit, the sweeper on a short period, and every
+ * bad-input behaviour of issue 5 (each in a forked child where it aborts).
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <pthread.h>
+#include <semaphore.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include <keel/heap.h>
+#include <keel/pool.h>
+
+#include "base/options.h"
+#include "harness.h"
+#include "pool/pool_impl.h"
+
+#if defined(KEEL_ASAN)
+#include <sanitizer/asan_interface.h>
+#endif
+
+static keel_pool_stats_t stats(keel_pool_t *p) {
+  keel_pool_stats_t st;
+  keel_pool_stats(p, &st);
+  return st;
+}
+
+/* The sweeper must not run during the deterministic cases: a day-long
+ * period, applied at once with a kick. */
+static void sweeper_quiet(void) {
+  _keel_option_set(KEEL_OPT_pool_sweep_s, 86400000);
+  _keel_pool_sweeper_kick();
+}
+
+static void state_machine(void) {
+  sweeper_quiet();
+  keel_pool_t *p = keel_pool_create("sm", 100, 0, NULL);
+  KT_REQUIRE(p != NULL);
+  void *o[8];
+  for (int i = 0; i < 8; i++) KT_REQUIRE((o[i] = keel_pool_alloc(p)) != NULL);
+  keel_pool_stats_t st = stats(p);
+  KT_EQ(st.heap_allocs, 8);
+  KT_EQ(st.live, 8);
+  KT_EQ(st.cached, 0);
+  for (int i = 0; i < 8; i++) keel_pool_free(p, o[i]);
+  st = stats(p);
+  KT_EQ(st.live, 0);
+  KT_EQ(st.cached, 8);
+  KT_EQ(st.cached_bytes, 8 * st.block_bytes);
+  /* Hot hits, LIFO: the last freed comes back first. */
+  void *a = keel_pool_alloc(p);
+  KT_CHECK(a == o[7]);
+  keel_pool_free(p, a);
+  for (int i = 0; i < 8; i++) o[i] = keel_pool_alloc(p);
+  st = stats(p);
+  KT_EQ(st.hot_hits, 9);
+  KT_EQ(st.heap_allocs, 8);
+  for (int i = 0; i < 8; i++) keel_pool_free(p, o[i]);
+  /* Sweep 1: hot turns cold, nothing freed. */
+  KT_EQ(keel_pool_sweep(p), 0);
+  st = stats(p);
+  KT_EQ(st.sweeps, 1);
+  KT_EQ(st.cached, 8);
+  KT_EQ(st.heap_frees, 0);
+  /* The hot list is empty: the next allocation is a cold hit. */
+  a = keel_pool_alloc(p);
+  KT_EQ(stats(p).cold_hits, 1);
+  keel_pool_free(p, a); /* hot: 1, cold: 7 */
+  /* Sweep 2: the 7 cold go to the heap, the 1 hot turns cold. */
+  keel_pool_sweep(p);
+  st = stats(p);
+  KT_EQ(st.heap_frees, 7);
+  KT_EQ(st.cached, 1);
+  /* Sweep 3: empty. */
+  keel_pool_sweep(p);
+  st = stats(p);
+  KT_EQ(st.heap_frees, 8);
+  KT_EQ(st.cached, 0);
+  KT_EQ(st.cached_bytes, 0);
+  KT_EQ(st.sweeps, 3);
+  /* With both lists empty the heap is called again. */
+  a = keel_pool_alloc(p);
+  KT_EQ(stats(p).heap_allocs, 9);
+  keel_pool_free(p, a);
+  st = stats(p);
+  KT_EQ(st.allocs, st.hot_hits + st.cold_hits + st.heap_allocs);
+  KT_EQ(keel_pool_destroy(p), 0);
+}
+
+/* The hand-off: a sweep that finds the owner inside a call leaves the
+ * request, and the owner's next call carries it out. */
+static void owner_services_pending_sweep(void) {
+  sweeper_quiet();
+  keel_pool_t *p = keel_pool_create("handoff", 64, 0, NULL);
+  void *o[4];
+  for (int i = 0; i < 4; i++) o[i] = keel_pool_alloc(p);
+  for (int i = 0; i < 4; i++) keel_pool_free(p, o[i]); /* hot: 4 */
+  pool_sub_t *sp = pool_sub_get(p);
+  KT_REQUIRE(sp != NULL);
+  keel_store_relaxed(&sp->busy, 1); /* as if this thread were mid-call */
+  KT_EQ(keel_pool_sweep(p), 0);
+  KT_EQ(keel_load_relaxed(&sp->req), POOL_REQ_SWEEP);
+  KT_EQ(stats(p).heap_frees, 0);
+  keel_store_relaxed(&sp->busy, 0);
+  /* The next alloc sees the request: hot turns cold under the lock, then
+   * the object comes from the cold list. */
+  void *a = keel_pool_alloc(p); /* hot: 0, cold: 3 */
+  KT_EQ(keel_load_relaxed(&sp->req), POOL_REQ_NONE);
+  KT_EQ(stats(p).cold_hits, 1);
+  keel_store_relaxed(&sp->busy, 1);
+  keel_pool_sweep(p);
+  keel_store_relaxed(&sp->busy, 0);
+  KT_EQ(keel_load_relaxed(&sp->req), POOL_REQ_SWEEP);
+  /* This time a free carries it out: the 3 cold go to the heap. */
+  keel_pool_free(p, a);
+  KT_EQ(keel_load_relaxed(&sp->req), POOL_REQ_NONE);
+  keel_pool_stats_t st = stats(p);
+  KT_EQ(st.heap_frees, 3);
+  KT_EQ(st.cached, 1);
+  KT_EQ(st.sweeps, 2);
+  KT_EQ(keel_pool_destroy(p), 0);
+}
+
+/* keel_pool_reclaim stops once it has freed enough, withdrawing its own
+ * requests but not a sweep an earlier pass left for a busy owner. */
+static void reclaim_keeps_pending_sweep(void) {
+  sweeper_quiet();
+  keel_pool_t *a = keel_pool_create("reclaim-first", 64, 0, NULL);
+  keel_pool_t *b = keel_pool_create("reclaim-busy", 64, 0, NULL);
+  keel_pool_free(a, keel_pool_alloc(a));
+  keel_pool_free(b, keel_pool_alloc(b));
+  pool_sub_t *sb = pool_sub_get(b);
+  keel_store_relaxed(&sb->busy, 1);
+  keel_pool_sweep(b); /* left pending: the owner is "mid-call" */
+  KT_EQ(keel_load_relaxed(&sb->req), POOL_REQ_SWEEP);
+  KT_EQ(keel_pool_reclaim(1), stats(a).block_bytes); /* a's object satisfies the goal */
+  KT_EQ(keel_load_relaxed(&sb->req), POOL_REQ_SWEEP);
+  keel_store_relaxed(&sb->busy, 0);
+  keel_pool_free(b, keel_pool_alloc(b)); /* the owner does the sweep: hot turns cold */
+  KT_EQ(keel_load_relaxed(&sb->req), POOL_REQ_NONE);
+  KT_EQ(stats(b).cold_hits, 1);
+  KT_EQ(keel_pool_destroy(a), 0);
+  KT_EQ(keel_pool_destroy(b), 0);
+}
+
+static int init_calls, fini_calls;
+static void obj_init(void *o, void *arg) {
+  KT_CHECK(arg == &init_calls);
+  KT_EQ(((unsigned char *)o)[0], 0); /* zalloc: init sees the zeroed object */
+  ((unsigned char *)o)[1] = 0x5a;
+  init_calls++;
+}
+static void obj_fini(void *o, void *arg) {
+  KT_CHECK(arg == &init_calls);
+  KT_EQ(((unsigned char *)o)[1], 0x5a);
+  fini_calls++;
+}
+
+static void hooks_and_zalloc(void) {
+  keel_pool_ops_t ops = {obj_init, obj_fini, &init_calls};
+  keel_pool_t *p = keel_pool_create("hooked", 48, 0, &ops);
+  KT_REQUIRE(p != NULL);
+  for (int round = 0; round < 3; round++) {
+    unsigned char *o = keel_pool_zalloc(p);
+    KT_REQUIRE(o != NULL);
+    KT_EQ(o[1], 0x5a);
+    for (int i = 2; i < 48; i++) KT_EQ(o[i], 0);
+    memset(o, 0xff, 48);
+    o[1] = 0x5a;
+    keel_pool_free(p, o);
+  }
+  KT_EQ(init_calls, 3);
+  KT_EQ(fini_calls, 3);
+  /* zalloc zeroes a reused object on the plain fast path too. */
+  keel_pool_t *q = keel_pool_create("plain", 200, 0, NULL);
+  unsigned char *o = keel_pool_alloc(q);
+  memset(o, 0xaa, 200);
+  keel_pool_free(q, o);
+  o = keel_pool_zalloc(q);
+  for (int i = 0; i < 200; i++) KT_EQ(o[i], 0);
+  keel_pool_free(q, o);
+  KT_EQ(keel_pool_destroy(p), 0);
+  KT_EQ(keel_pool_destroy(q), 0);
+}
+
+static void alignment(void) {
+  static const size_t aligns[] = {0, 1, 8, 16, 32, 64, 256, 4096};
+  for (size_t i = 0; i < KEEL_ARRAY_SIZE(aligns); i++) {
+    size_t al = aligns[i] ? aligns[i] : 16;
+    keel_pool_t *p = keel_pool_create("aligned", 24, aligns[i], NULL);
+    KT_REQUIRE(p != NULL);
+    void *o[5];
+    for (int k = 0; k < 5; k++) {
+      o[k] = keel_pool_alloc(p);
+      KT_REQUIRE(o[k] != NULL);
+      KT_EQ((uintptr_t)o[k] % (al < 16 ? 16 : al), 0);
+      memset(o[k], k, 24);
+    }
+    for (int k = 0; k < 5; k++) keel_pool_free(p, o[k]);
+    KT_EQ(keel_pool_destroy(p), 0);
+  }
+}
+
+static void bad_create(void) {
+  errno = 0;
+  KT_CHECK(keel_pool_create("dict", 0, 0, NULL) == NULL && errno == EINVAL);
+  errno = 0;
+  KT_CHECK(keel_pool_create("dict", 64, 3, NULL) == NULL && errno == EINVAL);
+  errno = 0;
+  KT_CHECK(keel_pool_create("dict", 64, 8192, NULL) == NULL && errno == EINVAL);
+  errno = 0;
+  KT_CHECK(keel_pool_create("dict", 64, (size_t)1 << 63, NULL) == NULL && errno == EINVAL);
+  errno = 0;
+  KT_CHECK(keel_pool_create("dict", KEEL_POOL_MAX_OBJ + 1, 0, NULL) == NULL && errno == EINVAL);
+  errno = 0;
+  KT_CHECK(keel_pool_create("dict", SIZE_MAX, 0, NULL) == NULL && errno == EINVAL);
+  errno = 0;
+  KT_CHECK(keel_pool_create(NULL, 64, 0, NULL) == NULL && errno == EINVAL);
+  /* A long name is cut, not rejected. */
+  keel_pool_t *p = keel_pool_create("a-name-that-is-much-longer-than-thirty-one-bytes", 8, 0, NULL);
+  KT_REQUIRE(p != NULL);
+  KT_EQ(strlen(stats(p).name), KEEL_POOL_NAME_MAX);
+  KT_EQ(keel_pool_destroy(p), 0);
+}
+
+static void wrong_pool_child(void *arg) {
+  (void)arg;
+  keel_pool_t *dict = keel_pool_create("dict", 128, 0, NULL);
+  keel_pool_t *stub = keel_pool_create("stub", 128, 0, NULL);
+  keel_pool_free(dict, keel_pool_alloc(stub));
+}
+
+static void double_free_child(void *arg) {
+  keel_pool_t *dict = keel_pool_create("dict", 128, 0, NULL);
+  void *o = keel_pool_alloc(dict);
+  if (arg != NULL) { /* the double free sees a pool other than the first free's */
+    keel_pool_free(dict, keel_pool_alloc(dict));
+  }
+  keel_pool_free(dict, o);
+  keel_pool_free(dict, o);
+}
+
+/* Double free of an object another thread freed first (and still caches). */
+static sem_t freed, never;
+static void *free_in_thread(void *arg) {
+  void **a = arg;
+  keel_pool_free(a[0], a[1]);
+  sem_post(&freed);
+  sem_wait(&never); /* stay alive: exiting would return the object to the heap */
+  return NULL;
+}
+static void double_free_cross_child(void *arg) {
+  (void)arg;
+  keel_pool_t *dict = keel_pool_create("dict", 128, 0, NULL);
+  void *a[2] = {dict, keel_pool_alloc(dict)};
+  sem_init(&freed, 0, 0);
+  sem_init(&never, 0, 0);
+  pthread_t t;
+  pthread_create(&t, NULL, free_in_thread, a);
+  sem_wait(&freed);
+  keel_pool_free(dict, a[1]);
+}
+
+static void after_destroy_child(void *arg) {
+  keel_pool_t *dict = keel_pool_create("dict", 128, 0, NULL);
+  void *o = keel_pool_alloc(dict);
+  keel_pool_free(dict, o);
+  keel_pool_destroy(dict);
+  switch ((int)(intptr_t)arg) {
+    case 0:
+      keel_pool_alloc(dict);
+      break;
+    case 1:
+      keel_pool_free(dict, o);
+      break;
+    case 2:
+      keel_pool_sweep(dict);
+      break;
+    case 3:
+      keel_pool_destroy(dict);
+      break;
+    default:
+      keel_pool_zalloc(dict);
+      break;
+  }
+}
+
+static void scribble_child(void *arg) {
+  (void)arg;
+  keel_pool_t *dict = keel_pool_create("dict", 128, 0, NULL);
+  unsigned char *o = keel_pool_alloc(dict);
+  keel_pool_free(dict, o);
+#if defined(KEEL_ASAN)
+  /* A stray write ASan cannot see (from uninstrumented code, say). */
+  __asan_unpoison_memory_region(o, 128);
+#endif
+  o[77] = 1;
+  keel_pool_alloc(dict);
+}
+
+/* A stray write over a cached object's header, caught by the debug-full
+ * list validator at the next sweep. */
+static void corrupt_header_child(void *arg) {
+  (void)arg;
+  keel_pool_t *dict = keel_pool_create("dict", 128, 0, NULL);
+  void *o = keel_pool_alloc(dict);
+  keel_pool_free(dict, o);
+  ((uintptr_t *)o)[-2] ^= 0x40;
+  keel_pool_sweep(dict);
+}
+
+static void bad_input_aborts(void) {
+  char out[512];
+  /* The children must not start the sweeper: TSan cannot follow a thread
+   * created after a multi-threaded fork (the heap's purge thread runs). */
+  keel_store_relaxed(&_keel_pool_sweeper_manual, 1);
+  KT_CHECK(kt_expect_abort(__FILE__, __LINE__, wrong_pool_child, NULL,
+                           "does not belong to pool 'dict'", out, sizeof(out)));
+  KT_CONTAINS(out, "keel: keel_pool_free: 0x");
+  KT_CHECK(kt_expect_abort(__FILE__, __LINE__, double_free_child, NULL, "in pool 'dict'", out,
+                           sizeof(out)));
+  KT_CONTAINS(out, "keel: keel_pool_free: double free of 0x");
+  KT_EXPECT_ABORT(double_free_child, "x", "keel: keel_pool_free: double free of 0x");
+  KT_EXPECT_ABORT(double_free_cross_child, NULL, "keel: keel_pool_free: double free of 0x");
+  static const char *const calls[] = {"keel_pool_alloc", "keel_pool_free", "keel_pool_sweep",
+                                      "keel_pool_destroy", "keel_pool_zalloc"};
+  for (int i = 0; i < 5; i++) {
+    char want[128];
+    snprintf(want, sizeof(want), "keel: %s: pool 'dict'", calls[i]);
+    KT_CHECK(kt_expect_abort(__FILE__, __LINE__, after_destroy_child, (void *)(intptr_t)i, want,
+                             out, sizeof(out)));
+    KT_CONTAINS(out, "used after keel_pool_destroy");
+  }
+#if KEEL_DEBUG >= 1
+  KT_CHECK(kt_expect_abort(__FILE__, __LINE__, scribble_child, NULL, "modified after free", out,
+                           sizeof(out)));
+  KT_CONTAINS(out, "keel: keel_pool_alloc: 0x");
+  KT_CONTAINS(out, "in pool 'dict' (byte 77 is 0x01)");
+#else
+  (void)scribble_child;
+#endif
+#if KEEL_DEBUG >= 2
+  KT_EXPECT_ABORT(corrupt_header_child, NULL, "keel: keel_pool_sweep: corrupt cached object 0x");
+#else
+  (void)corrupt_header_child;
+#endif
+  keel_store_relaxed(&_keel_pool_sweeper_manual, 0);
+}
+
+static void destroy_busy(void) {
+  keel_pool_t *p = keel_pool_create("busy", 64, 0, NULL);
+  void *a = keel_pool_alloc(p), *b = keel_pool_alloc(p);
+  keel_pool_free(p, b);
+  KT_EQ(keel_pool_destroy(p), KEEL_EBUSY);
+  /* Still fully usable. */
+  keel_pool_stats_t st = stats(p);
+  KT_EQ(st.live, 1);
+  KT_EQ(st.cached, 1);
+  void *c = keel_pool_alloc(p);
+  KT_CHECK(c == b);
+  keel_pool_free(p, c);
+  keel_pool_free(p, a);
+  KT_EQ(keel_pool_destroy(p), 0);
+}
+
+/* Objects freed by another thread count against the pool, not the thread. */
+static void *alloc_in_thread(void *arg) {
+  return keel_pool_alloc(arg);
+}
+static void *churn_in_thread(void *arg) {
+  keel_pool_t *p = arg;
+  void *o[16];
+  for (int i = 0; i < 16; i++) o[i] = keel_pool_alloc(p);
+  for (int i = 0; i < 16; i++) keel_pool_free(p, o[i]);
+  return NULL;
+}
+
+static void thread_exit_releases(void) {
+  sweeper_quiet();
+  keel_pool_t *p = keel_pool_create("exit", 300, 0, NULL);
+  pthread_t t;
+  pthread_create(&t, NULL, churn_in_thread, p);
+  pthread_join(t, NULL);
+  keel_pool_stats_t st = stats(p);
+  KT_EQ(st.threads, 0);
+  KT_EQ(st.cached, 0); /* the exiting thread's 16 went back to the heap */
+  KT_EQ(st.heap_frees, 16);
+  KT_EQ(st.allocs, 16);
+  /* Allocated there, freed here: live goes to zero, destroy succeeds. */
+  void *o;
+  pthread_create(&t, NULL, alloc_in_thread, p);
+  pthread_join(t, &o);
+  KT_EQ(stats(p).live, 1);
+  KT_EQ(keel_pool_destroy(p), KEEL_EBUSY);
+  keel_pool_free(p, o);
+  st = stats(p);
+  KT_EQ(st.live, 0);
+  KT_EQ(st.threads, 1);
+  KT_EQ(keel_pool_destroy(p), 0);
+}
+
+static void reclaim(void) {
+  sweeper_quiet();
+  keel_pool_t *p = keel_pool_create("reclaim-a", 1000, 0, NULL);
+  keel_pool_t *q = keel_pool_create("reclaim-b", 50, 0, NULL);
+  void *o[40];
+  for (int i = 0; i < 40; i++) o[i] = keel_pool_alloc(i < 20 ? p : q);
+  for (int i = 0; i < 40; i++) keel_pool_free(i < 20 ? p : q, o[i]);
+  size_t total = stats(p).cached_bytes + stats(q).cached_bytes;
+  KT_CHECK(total > 0);
+  KT_EQ(keel_pool_reclaim(0), 0);
+  size_t got = keel_pool_reclaim(1);
+  KT_CHECK(got >= 1);
+  size_t rest = stats(p).cached_bytes + stats(q).cached_bytes;
+  KT_EQ(got + rest, total);
+  KT_EQ(keel_pool_reclaim(SIZE_MAX), rest);
+  KT_EQ(stats(p).cached, 0);
+  KT_EQ(stats(q).cached, 0);
+  KT_EQ(keel_pool_reclaim(SIZE_MAX), 0);
+  KT_EQ(keel_pool_destroy(p), 0);
+  KT_EQ(keel_pool_destroy(q), 0);
+}
+
+static void print_stats(void) {
+  keel_pool_t *p = keel_pool_create("dict", 128, 0, NULL);
+  keel_pool_t *q = keel_pool_create("call-stub", 512, 0, NULL);
+  keel_pool_free(p, keel_pool_alloc(p));
+  char *buf = NULL;
+  size_t len = 0;
+  FILE *f = open_memstream(&buf, &len);
+  keel_pool_print_stats(f);
+  fclose(f);
+  KT_CONTAINS(buf, "dict");
+  KT_CONTAINS(buf, "call-stub");
+  KT_CONTAINS(buf, "total");
+  free(buf);
+  KT_EQ(keel_pool_destroy(p), 0);
+  KT_EQ(keel_pool_destroy(q), 0);
+}
+
+/* Descriptors are recycled oldest first, so ids stay bounded under churn
+ * and a thread's stale slot for a recycled id is never reused. */
+static void create_destroy_churn(void) {
+  for (int i = 0; i < 200; i++) {
+    keel_pool_t *p = keel_pool_create("churn", 32 + (size_t)i, 0, NULL);
+    KT_REQUIRE(p != NULL);
+    KT_CHECK(p->id < 8);
+    void *o = keel_pool_alloc(p);
+    keel_pool_free(p, o);
+    KT_EQ(keel_pool_destroy(p), 0);
+  }
+  /* More pools than the inline slots: the slot array grows. */
+  keel_pool_t *ps[80];
+  for (int i = 0; i < 80; i++) ps[i] = keel_pool_create("many", 16, 0, NULL);
+  for (int i = 0; i < 80; i++) keel_pool_free(ps[i], keel_pool_alloc(ps[i]));
+  for (int i = 0; i < 80; i++) KT_EQ(keel_pool_destroy(ps[i]), 0);
+}
+
+/* The sweeper on a 50 ms period: cached bytes reach 0 after two sweeps and
+ * the memory goes back to the OS. */
+static void idle_returns_to_zero(void) {
+  sweeper_quiet();
+  enum { N = 48, SIZE = 1 << 20 };
+  keel_pool_t *p = keel_pool_create("idle", SIZE, 0, NULL);
+  KT_REQUIRE(p != NULL);
+  keel_heap_collect(true);
+  size_t rss0 = kt_rss_kb();
+  void *o[N];
+  for (int i = 0; i < N; i++) {
+    o[i] = keel_pool_alloc(p);
+    KT_REQUIRE(o[i] != NULL);
+    memset(o[i], i, SIZE);
+  }
+  for (int i = 0; i < N; i++) keel_pool_free(p, o[i]);
+  size_t rss_loaded = kt_rss_kb();
+  KT_EQ(stats(p).cached_bytes, (uint64_t)N * stats(p).block_bytes);
+  uint64_t sweeps0 = stats(p).sweeps;
+  _keel_option_set(KEEL_OPT_pool_sweep_s, 50);
+  _keel_pool_sweeper_kick();
+  double t0 = kt_now();
+  /* Two 50 ms periods; the bound only keeps a broken sweeper from hanging
+   * the test (timing is the benchmark's business, not this test's). */
+  while (stats(p).cached_bytes != 0 && kt_now() - t0 < 30) usleep(5000);
+  double took = kt_now() - t0;
+  keel_pool_stats_t st = stats(p);
+  KT_EQ(st.cached_bytes, 0);
+  KT_CHECK(st.sweeps >= sweeps0 + 2);
+  keel_heap_collect(true);
+  size_t rss1 = kt_rss_kb();
+  if (!kt_sanitized()) { /* ASan's quarantine keeps freed memory resident */
+    KT_CHECK(rss_loaded > rss0 + (size_t)N * SIZE / 1024 / 2);
+    KT_CHECK(rss1 < rss_loaded - (size_t)N * SIZE / 1024 / 2);
+  }
+  printf("  idle: rss %zu KiB before, %zu loaded, %zu after two sweeps (%.0f ms)\n", rss0,
+         rss_loaded, rss1, took * 1000);
+  sweeper_quiet();
+  KT_EQ(keel_pool_destroy(p), 0);
+}
+
+KT_MAIN(KT_CASE(state_machine), KT_CASE(owner_services_pending_sweep),
+        KT_CASE(reclaim_keeps_pending_sweep), KT_CASE(hooks_and_zalloc), KT_CASE(alignment),
+        KT_CASE(bad_create), KT_CASE(bad_input_aborts), KT_CASE(destroy_busy),
+        KT_CASE(thread_exit_releases), KT_CASE(reclaim), KT_CASE(print_stats),
+        KT_CASE(create_destroy_churn), KT_CASE(idle_returns_to_zero))
