@@ -58,7 +58,6 @@ KEEL_INLINE void _keel_push_local(keel_page_t *page, keel_block_t *b) {
   KEEL_TRACK_FREE(b, page->bsize);
   b->next = _keel_encode(page, page->local_free);
   page->local_free = b;
-  _keel_counter_add(&page->frees, 1);
 }
 
 KEEL_INLINE void _keel_free_fast(void *p, const char *call) {
@@ -67,17 +66,16 @@ KEEL_INLINE void _keel_free_fast(void *p, const char *call) {
     keel_page_t *page = _keel_page_of(seg, p);
     keel_heap_t *heap = _keel_heap_tls;
     keel_heap_t *owner = keel_load_relaxed(&page->heap);
-    size_t idx;
+    keel_block_t *b = p;
     if (keel_likely(owner == heap &&
                     keel_load_acquire(&page->flags) == 0 && /* pairs with a collector's unfull */
-                    _keel_page_block_index(page, (size_t)((uint8_t *)p - page->start), &idx))) {
-      /* Double free: the block's bit says it is on local_free already. The
-       * bitmap is metadata, usually cached; reading the block itself would
-       * stall on a cache miss for every cold block freed. */
-      uint64_t *w = _keel_page_bits_word(page, idx), bit = (uint64_t)1 << (idx & 63);
-      if (keel_likely((*w & bit) == 0)) {
-        *w |= bit;
-        _keel_push_local(page, p);
+                    _keel_page_is_block_offset(page, (size_t)((uint8_t *)p - page->start)))) {
+      /* Double free: a block on any list of its page (free, local_free,
+       * thread_free) has a link that decodes into its own segment; the slow
+       * path confirms by walking the lists. The first word is read and then
+       * written anyway: reading it adds a load, not a cache line. */
+      if (keel_likely(!_keel_block_maybe_free(page, b))) {
+        _keel_push_local(page, b);
         /* The current page stays when it empties (an alloc/free loop would
          * otherwise return and retake it every time); others are retired. */
         if (keel_unlikely(--page->used == 0) && page != heap->direct[page->cls]) {

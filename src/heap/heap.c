@@ -33,11 +33,13 @@
  * 10,000 short-lived threads use a handful of heaps and no more pages than
  * the live ones need.
  *
- * Double free: a block on its page's local_free has its bit set in the
- * page's bitmap, which the free fast path tests (alloc.h). A block that has
- * moved on to the page's `free` list (the owner collected local_free) is
- * caught when its free takes the slow path, by its first word decoding to a
- * link into its own segment, confirmed by walking the page's lists.
+ * Double free: every list of a page (free, local_free, thread_free) links
+ * its blocks with links encoded by the page key, so a block on one of them
+ * has a first word that decodes into its own segment, which a live block's
+ * almost never does (malloc clears it). Both free paths test that word; the
+ * owner's slow path confirms by walking the page's lists, a remote freer by
+ * the same walk made racily (_keel_page_has_free_block_remote), before it
+ * would push the block a second time.
  *
  * Locks: owner slow paths take no lock (the handshake below); collectors
  * and the fork handler take heap->lock; order: registry_lock > heap (lock
@@ -319,7 +321,6 @@ static void __page_retire(keel_heap_t *heap, keel_page_queue_t *q, keel_page_t *
  * thread owns the heap (it may put pages back in its queues); a collector
  * working for an idle owner keeps pages full and re-arms them instead. */
 static void __free_local(keel_heap_t *heap, keel_page_t *page, keel_block_t *b, bool owner) {
-  if (owner) _keel_page_mark_freed(page, b);
   KEEL_TRACK_FREE(b, page->bsize);
   b->next = _keel_encode(page, page->local_free);
   page->local_free = b;
@@ -370,6 +371,7 @@ static void __drain_delayed(keel_heap_t *heap, bool owner) {
     if (KEEL_TF_STATE(keel_load_acquire(&page->thread_free)) == KEEL_TF_DELAYING) {
       push_delayed(heap, b);
     } else {
+      page->remote_in++; /* counted as a remote free by its freer */
       __free_local(heap, page, b, owner);
     }
     b = next;
@@ -658,10 +660,17 @@ void _keel_heap_page_emptied(keel_heap_t *heap, keel_page_t *page) {
   _keel_purge_schedule();
 }
 
-static void free_remote(keel_heap_t *me, keel_page_t *page, keel_block_t *b) {
+static void free_remote(keel_heap_t *me, keel_page_t *page, keel_block_t *b, const char *call) {
   /* Everything read from the page is read before b is published: once it
    * is, the owner may take it, empty the page and give it to another class. */
   unsigned cls = page->cls;
+  /* Cross-thread double free: a block still on a list of its page (the
+   * owner's free or local_free, or thread_free) has a link into its own
+   * segment; a live block almost never does, and then the walk clears it.
+   * Pushing it again would make the list a cycle. */
+  if (keel_unlikely(_keel_block_maybe_free(page, b)) && _keel_page_has_free_block_remote(page, b)) {
+    _keel_die_double_free(call, b);
+  }
   KEEL_TRACK_FREE(b, page->bsize);
   uintptr_t w = keel_load_relaxed(&page->thread_free), nw;
   unsigned state;
@@ -719,7 +728,7 @@ static shared_shard_t *shard_of(const keel_page_t *page) {
 static void free_foreign(keel_page_t *page, keel_block_t *b, const char *call) {
   shared_shard_t *sh = shard_of(page);
   if (sh == NULL) {
-    free_remote(counting_heap(_keel_heap_tls), page, b);
+    free_remote(counting_heap(_keel_heap_tls), page, b, call);
     return;
   }
   pthread_mutex_lock(&sh->lock);
@@ -728,12 +737,10 @@ static void free_foreign(keel_page_t *page, keel_block_t *b, const char *call) {
     pthread_mutex_unlock(&sh->lock);
     _keel_die_invalid(call, b);
   }
-  if (_keel_page_is_marked_freed(page, b) ||
-      (_keel_block_maybe_free(page, b) && _keel_page_has_free_block(page, b))) {
+  if (_keel_block_maybe_free(page, b) && _keel_page_has_free_block(page, b)) {
     pthread_mutex_unlock(&sh->lock);
     _keel_die_double_free(call, b);
   }
-  _keel_counter_add(&page->frees, 1);
   owner_enter(heap);
   __free_local(heap, page, b, true); /* retires the page if it was its last block */
   owner_exit(heap);
@@ -751,8 +758,7 @@ void _keel_check_not_free(keel_page_t *page, void *p, const char *call) {
     pthread_mutex_lock(&sh->lock);
   }
   keel_block_t *b = p;
-  bool freed = _keel_page_is_marked_freed(page, b) ||
-               (_keel_block_maybe_free(page, b) && _keel_page_has_free_block(page, b));
+  bool freed = _keel_block_maybe_free(page, b) && _keel_page_has_free_block(page, b);
   if (sh != NULL) pthread_mutex_unlock(&sh->lock);
   if (freed) _keel_die_double_free(call, p);
 }
@@ -795,24 +801,49 @@ void _keel_free_generic(void *p, const char *call) {
     return;
   }
   if (off >= (size_t)page->capacity * page->bsize) _keel_die_invalid(call, p);
-  /* On local_free (its bit is set), or on another list of the page (its
-   * first word decodes to a link into this segment: confirmed by a walk). */
-  if (_keel_page_is_marked_freed(page, b) ||
-      (_keel_block_maybe_free(page, b) && _keel_page_has_free_block(page, b))) {
+  /* On a list of the page: its first word decodes to a link into this
+   * segment, confirmed by a walk. */
+  if (_keel_block_maybe_free(page, b) && _keel_page_has_free_block(page, b)) {
     _keel_die_double_free(call, p);
   }
   if (keel_load_relaxed(&page->flags) == 0) {
     /* The fast path's case, reached by a false link hint. */
-    _keel_page_mark_freed(page, b);
     _keel_push_local(page, b);
     if (--page->used == 0 && page != heap->direct[page->cls]) _keel_heap_page_emptied(heap, page);
     return;
   }
-  _keel_counter_add(&page->frees, 1);
   owner_enter(heap);
   __free_local(heap, page, b, true);
   owner_exit(heap);
   _keel_purge_schedule();
+}
+
+/* ---- statistics ---- */
+
+static void __sync_heap_frees(keel_heap_t *heap) {
+  for (unsigned c = 0; c < _keel_class_count; c++) {
+    for (keel_page_t *p = heap->queue[c].first; p != NULL; p = p->next) __keel_page_sync_frees(p);
+  }
+  for (keel_page_t *p = heap->full.first; p != NULL; p = p->next) __keel_page_sync_frees(p);
+}
+
+void _keel_heap_sync_stats(void) {
+  keel_heap_t *heap = _keel_heap_tls;
+  if (heap != &_keel_empty_heap) {
+    owner_enter(heap);
+    __sync_heap_frees(heap);
+    owner_exit(heap);
+  }
+  for (int i = 0; i < SHARED_SHARDS; i++) {
+    pthread_mutex_lock(&shared[i].lock);
+    keel_heap_t *sh = keel_load_relaxed(&shared[i].heap);
+    if (sh != NULL) {
+      owner_enter(sh);
+      __sync_heap_frees(sh);
+      owner_exit(sh);
+    }
+    pthread_mutex_unlock(&shared[i].lock);
+  }
 }
 
 /* ---- collection ---- */

@@ -166,6 +166,7 @@ static void __page_free(keel_page_t *page) {
   unsigned first = (unsigned)(page - seg->pages), n = page->slices;
   uint64_t m = span_mask(first, n);
   class_pages[page->cls]--;
+  __keel_page_sync_frees(page);
   retired_allocs[page->cls] += keel_load_relaxed(&page->allocs);
   retired_requested[page->cls] += keel_load_relaxed(&page->requested);
   retired_frees[page->cls] += keel_load_relaxed(&page->frees);
@@ -200,6 +201,7 @@ void _keel_page_free(keel_page_t *page) {
 }
 
 void _keel_page_abandon(keel_page_t *page) {
+  __keel_page_sync_frees(page); /* its owner's last frees */
   pthread_mutex_lock(&seg_lock);
   keel_page_queue_t *q = &abandoned[page->cls];
   page->abandoned = 1;
