@@ -551,7 +551,10 @@ found:
 
 static void *malloc_class(keel_heap_t *heap, unsigned cls, size_t size) {
   keel_page_t *page = heap->direct[cls];
-  if (keel_likely(!_keel_list_empty(page->free))) return _keel_page_pop(page, size);
+  if (keel_likely(!_keel_list_empty(page->free))) {
+    __keel_page_sample_request(page, size);
+    return _keel_page_pop(page);
+  }
   owner_enter(heap);
   page = __find_page(heap, cls);
   owner_exit(heap);
@@ -559,7 +562,8 @@ static void *malloc_class(keel_heap_t *heap, unsigned cls, size_t size) {
     errno = ENOMEM;
     return NULL;
   }
-  return _keel_page_pop(page, size);
+  __keel_page_sample_request(page, size);
+  return _keel_page_pop(page);
 }
 
 static keel_heap_t *heap_or_init(keel_heap_t *heap) {

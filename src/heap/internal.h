@@ -105,7 +105,7 @@ typedef struct keel_page {
   uint8_t cls;                /* size class */
   uint8_t slices;             /* span length in slices */
   uint8_t abandoned;          /* on the abandoned list (segment lock) */
-  uint32_t pad_;
+  keel_atomic(uint32_t) samples;        /* requests sampled into `requested` (slow paths) */
   keel_atomic(uintptr_t) thread_free;   /* blocks freed by other threads (see above) */
   keel_atomic(struct keel_heap *) heap; /* owner; NULL while abandoned or unused */
   struct keel_page *next, *prev;        /* in the owner's queue / full list, or abandoned */
@@ -119,7 +119,7 @@ typedef struct keel_page {
    * the caller's own heap), so another thread's figure lags by the blocks
    * its owner freed since it last collected that page. */
   keel_atomic(size_t) allocs;    /* blocks handed out */
-  keel_atomic(size_t) requested; /* bytes asked for by them */
+  keel_atomic(size_t) requested; /* bytes asked for by the sampled allocations */
   keel_atomic(size_t) frees;     /* blocks freed by the owner as of the last sync */
   uint64_t remote_in; /* owner: blocks other threads freed that reached this page's lists */
 } keel_page_t;
@@ -214,6 +214,7 @@ typedef struct keel_seg_totals {
   size_t mapped, committed, purged, abandoned_pages;
   size_t pages[KEEL_CLASS_COUNT_MAX];
   size_t allocs[KEEL_CLASS_COUNT_MAX], requested[KEEL_CLASS_COUNT_MAX], frees[KEEL_CLASS_COUNT_MAX];
+  size_t samples[KEEL_CLASS_COUNT_MAX];
 } keel_seg_totals_t;
 void _keel_segments_totals(keel_seg_totals_t *t) KEEL_HIDDEN;
 
@@ -350,6 +351,22 @@ KEEL_INLINE bool _keel_page_block_index(const keel_page_t *page, size_t off, siz
   unsigned __int128 m = (unsigned __int128)off * page->div_magic;
   *idx = (size_t)(m >> 64);
   return (uint64_t)m < page->div_magic;
+}
+
+/* Owner (or lock holder): adds one request to the page's sample. The
+ * requested-bytes statistic is live x the class's mean request; the mean is
+ * taken over the allocations that went through a slow path (at least one
+ * per page refill), which keeps a counter off the malloc fast path. Halved
+ * before the count would overflow (the mean stays). */
+KEEL_INLINE void __keel_page_sample_request(keel_page_t *page, size_t size) {
+  uint32_t n = keel_load_relaxed(&page->samples);
+  size_t req = keel_load_relaxed(&page->requested);
+  if (keel_unlikely(n >= ((uint32_t)1 << 31))) {
+    n /= 2;
+    req /= 2;
+  }
+  keel_store_relaxed(&page->samples, n + 1);
+  keel_store_relaxed(&page->requested, req + size);
 }
 
 /* Owner (or lock holder): publishes the owner's frees (see keel_page_t). */

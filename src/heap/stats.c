@@ -57,9 +57,9 @@ KEEL_API void keel_heap_stats(keel_heap_stats_t *st) {
     cs->live = seg.allocs[c] > frees ? seg.allocs[c] - frees : 0;
     cs->usable_bytes = cs->live * cs->size;
     cs->requested_bytes =
-        seg.allocs[c] == 0
-            ? 0
-            : (size_t)((double)seg.requested[c] / (double)seg.allocs[c] * (double)cs->live);
+        seg.samples[c] == 0
+            ? cs->usable_bytes
+            : (size_t)((double)seg.requested[c] / (double)seg.samples[c] * (double)cs->live);
     cs->pages = seg.pages[c];
     st->live_bytes += cs->usable_bytes;
     st->requested_bytes += cs->requested_bytes;
