@@ -33,11 +33,13 @@
  * 10,000 short-lived threads use a handful of heaps and no more pages than
  * the live ones need.
  *
- * Double free: a block on its page's local_free has its bit set in the
- * page's bitmap, which the free fast path tests (alloc.h). A block that has
- * moved on to the page's `free` list (the owner collected local_free) is
- * caught when its free takes the slow path, by its first word decoding to a
- * link into its own segment, confirmed by walking the page's lists.
+ * Double free: every list of a page (free, local_free, thread_free) links
+ * its blocks with links encoded by the page key, so a block on one of them
+ * has a first word that decodes into its own segment, which a live block's
+ * almost never does (malloc clears it). Both free paths test that word; the
+ * owner's slow path confirms by walking the page's lists, a remote freer by
+ * the same walk made racily (_keel_page_has_free_block_remote), before it
+ * would push the block a second time.
  *
  * Locks: owner slow paths take no lock (the handshake below); collectors
  * and the fork handler take heap->lock; order: registry_lock > heap (lock
@@ -319,7 +321,6 @@ static void __page_retire(keel_heap_t *heap, keel_page_queue_t *q, keel_page_t *
  * thread owns the heap (it may put pages back in its queues); a collector
  * working for an idle owner keeps pages full and re-arms them instead. */
 static void __free_local(keel_heap_t *heap, keel_page_t *page, keel_block_t *b, bool owner) {
-  if (owner) _keel_page_mark_freed(page, b);
   KEEL_TRACK_FREE(b, page->bsize);
   b->next = _keel_encode(page, page->local_free);
   page->local_free = b;
@@ -349,14 +350,30 @@ static void __free_local(keel_heap_t *heap, keel_page_t *page, keel_block_t *b, 
   }
 }
 
+static void push_delayed(keel_heap_t *heap, keel_block_t *b) {
+  keel_block_t *head = keel_load_relaxed(&heap->delayed);
+  do {
+    b->next = (uintptr_t)head;
+    /* Release: the link is written before the block is published. */
+  } while (!keel_cas_weak_acq_rel(&heap->delayed, &head, b));
+}
+
 static void __drain_delayed(keel_heap_t *heap, bool owner) {
   if (keel_load_relaxed(&heap->delayed) == NULL) return;
   /* Acquire: the pushers' link writes happen before their release CAS. */
   keel_block_t *b = keel_xchg_acquire(&heap->delayed, NULL);
   while (b != NULL) {
     keel_block_t *next = (keel_block_t *)b->next;
-    keel_segment_t *seg = _keel_segment_of(b);
-    __free_local(heap, _keel_page_of(seg, b), b, owner);
+    keel_page_t *page = _keel_page_of(_keel_segment_of(b), b);
+    /* Its freer has pushed it but not yet reset the page's DELAYING state:
+     * freeing it now could retire the page under that freer's last CAS.
+     * Leave it for the next drain (a few instructions from now). */
+    if (KEEL_TF_STATE(keel_load_acquire(&page->thread_free)) == KEEL_TF_DELAYING) {
+      push_delayed(heap, b);
+    } else {
+      page->remote_in++; /* counted as a remote free by its freer */
+      __free_local(heap, page, b, owner);
+    }
     b = next;
   }
 }
@@ -414,10 +431,19 @@ keel_heap_t *_keel_heap_init_thread(void) {
 static void __heap_abandon_pages(keel_heap_t *heap) {
   /* First stop remote freers from using the delayed list, then drain it:
    * after this no one will push to heap->delayed again. */
+  /* Every page, not only full ones: a page put back in the queue may still
+   * be DELAYING (its freer has not reset it yet), and the drain would defer
+   * that block forever. */
   for (keel_page_t *p = heap->full.first; p != NULL; p = p->next) {
     tf_set_state(p, KEEL_TF_NEVER_DELAYED);
   }
+  for (unsigned c = 0; c < _keel_class_count; c++) {
+    for (keel_page_t *p = heap->queue[c].first; p != NULL; p = p->next) {
+      tf_set_state(p, KEEL_TF_NEVER_DELAYED);
+    }
+  }
   __drain_delayed(heap, true);
+  KEEL_ASSERT(keel_load_relaxed(&heap->delayed) == NULL);
   for (unsigned c = 0; c <= _keel_class_count; c++) {
     keel_page_queue_t *q = c < _keel_class_count ? &heap->queue[c] : &heap->full;
     keel_page_t *page;
@@ -477,12 +503,25 @@ static void heap_thread_exit(void *arg) {
 static keel_page_t *__find_page(keel_heap_t *heap, unsigned cls) {
   __drain_delayed(heap, true);
   keel_page_queue_t *q = &heap->queue[cls];
-  keel_page_t *page, *next;
+  keel_page_t *page, *next, *uncarved = NULL;
+  /* Blocks freed back to any page of the class are used before fresh memory
+   * is carved: other threads' frees land on older pages while the current
+   * one is still being carved, and carving first grows RSS by what they
+   * freed. */
   for (page = q->first; page != NULL; page = next) {
     next = page->next;
-    __keel_page_collect(page);
+    __keel_page_collect_lists(page);
     if (!_keel_list_empty(page->free)) goto found;
+    if (page->capacity < page->reserved) {
+      if (uncarved == NULL) uncarved = page;
+      continue;
+    }
     if (!__page_to_full(heap, page)) next = page; /* blocks raced in: collect again */
+  }
+  if (uncarved != NULL) {
+    __keel_page_extend(uncarved);
+    page = uncarved;
+    goto found;
   }
   while ((page = _keel_page_adopt(cls, heap)) != NULL) {
     __keel_page_collect(page);
@@ -512,7 +551,10 @@ found:
 
 static void *malloc_class(keel_heap_t *heap, unsigned cls, size_t size) {
   keel_page_t *page = heap->direct[cls];
-  if (keel_likely(!_keel_list_empty(page->free))) return _keel_page_pop(page, size);
+  if (keel_likely(!_keel_list_empty(page->free))) {
+    __keel_page_sample_request(page, size);
+    return _keel_page_pop(page);
+  }
   owner_enter(heap);
   page = __find_page(heap, cls);
   owner_exit(heap);
@@ -520,7 +562,8 @@ static void *malloc_class(keel_heap_t *heap, unsigned cls, size_t size) {
     errno = ENOMEM;
     return NULL;
   }
-  return _keel_page_pop(page, size);
+  __keel_page_sample_request(page, size);
+  return _keel_page_pop(page);
 }
 
 static keel_heap_t *heap_or_init(keel_heap_t *heap) {
@@ -621,7 +664,17 @@ void _keel_heap_page_emptied(keel_heap_t *heap, keel_page_t *page) {
   _keel_purge_schedule();
 }
 
-static void free_remote(keel_heap_t *me, keel_page_t *page, keel_block_t *b) {
+static void free_remote(keel_heap_t *me, keel_page_t *page, keel_block_t *b, const char *call) {
+  /* Everything read from the page is read before b is published: once it
+   * is, the owner may take it, empty the page and give it to another class. */
+  unsigned cls = page->cls;
+  /* Cross-thread double free: a block still on a list of its page (the
+   * owner's free or local_free, or thread_free) has a link into its own
+   * segment; a live block almost never does, and then the walk clears it.
+   * Pushing it again would make the list a cycle. */
+  if (keel_unlikely(_keel_block_maybe_free(page, b)) && _keel_page_has_free_block_remote(page, b)) {
+    _keel_die_double_free(call, b);
+  }
   KEEL_TRACK_FREE(b, page->bsize);
   uintptr_t w = keel_load_relaxed(&page->thread_free), nw;
   unsigned state;
@@ -637,15 +690,12 @@ static void free_remote(keel_heap_t *me, keel_page_t *page, keel_block_t *b) {
     /* Release: b's link is written before the block is published; acquire:
      * on the delayed branch, we read page->heap after claiming DELAYING. */
   } while (!keel_cas_weak_acq_rel(&page->thread_free, &w, nw));
-  unsigned cls = page->cls;
   if (state == KEEL_TF_USE_DELAYED) {
-    /* The owner cannot abandon the page while we hold DELAYING (it waits),
-     * so its heap stays valid until we reset the state. */
+    /* While we hold DELAYING the owner cannot abandon the page (it waits)
+     * nor free b from its delayed list (it defers it), so the page and its
+     * heap stay as they are until we reset the state. */
     keel_heap_t *owner = keel_load_acquire(&page->heap);
-    keel_block_t *head = keel_load_relaxed(&owner->delayed);
-    do {
-      b->next = (uintptr_t)head;
-    } while (!keel_cas_weak_acq_rel(&owner->delayed, &head, b));
+    push_delayed(owner, b);
     w = keel_load_relaxed(&page->thread_free);
     while (!keel_cas_weak_acq_rel(&page->thread_free, &w, (w & ~(uintptr_t)3) | KEEL_TF_NORMAL)) {}
     /* The owner may be idle: the purge thread drains its list if so. */
@@ -682,7 +732,7 @@ static shared_shard_t *shard_of(const keel_page_t *page) {
 static void free_foreign(keel_page_t *page, keel_block_t *b, const char *call) {
   shared_shard_t *sh = shard_of(page);
   if (sh == NULL) {
-    free_remote(counting_heap(_keel_heap_tls), page, b);
+    free_remote(counting_heap(_keel_heap_tls), page, b, call);
     return;
   }
   pthread_mutex_lock(&sh->lock);
@@ -691,17 +741,30 @@ static void free_foreign(keel_page_t *page, keel_block_t *b, const char *call) {
     pthread_mutex_unlock(&sh->lock);
     _keel_die_invalid(call, b);
   }
-  if (_keel_page_is_marked_freed(page, b) ||
-      (_keel_block_maybe_free(page, b) && _keel_page_has_free_block(page, b))) {
+  if (_keel_block_maybe_free(page, b) && _keel_page_has_free_block(page, b)) {
     pthread_mutex_unlock(&sh->lock);
     _keel_die_double_free(call, b);
   }
-  _keel_counter_add(&page->frees, 1);
   owner_enter(heap);
   __free_local(heap, page, b, true); /* retires the page if it was its last block */
   owner_exit(heap);
   pthread_mutex_unlock(&sh->lock);
   _keel_purge_schedule(); /* with no lock held: it may create the purge thread */
+}
+
+void _keel_check_not_free(keel_page_t *page, void *p, const char *call) {
+  /* Only the owner may read its page's lists (a shared heap's, under its
+   * mutex); another thread's block is checked by its own free later, or
+   * not if it sits on another list. */
+  shared_shard_t *sh = NULL;
+  if (keel_load_relaxed(&page->heap) != _keel_heap_tls) {
+    if ((sh = shard_of(page)) == NULL) return;
+    pthread_mutex_lock(&sh->lock);
+  }
+  keel_block_t *b = p;
+  bool freed = _keel_block_maybe_free(page, b) && _keel_page_has_free_block(page, b);
+  if (sh != NULL) pthread_mutex_unlock(&sh->lock);
+  if (freed) _keel_die_double_free(call, p);
 }
 
 void _keel_free_other(keel_page_t *page, void *p, const char *call) {
@@ -713,17 +776,6 @@ void _keel_free_other(keel_page_t *page, void *p, const char *call) {
     return;
   }
   free_foreign(page, p, call);
-}
-
-void _keel_check_not_free(keel_page_t *page, void *p, const char *call) {
-  /* Only the owner may read its page's lists; another thread's block is
-   * checked by its own free later (or not, if it is on another list). */
-  if (keel_load_relaxed(&page->heap) != _keel_heap_tls) return;
-  keel_block_t *b = p;
-  if (_keel_page_is_marked_freed(page, b) ||
-      (_keel_block_maybe_free(page, b) && _keel_page_has_free_block(page, b))) {
-    _keel_die_double_free(call, p);
-  }
 }
 
 void _keel_free_generic(void *p, const char *call) {
@@ -753,24 +805,49 @@ void _keel_free_generic(void *p, const char *call) {
     return;
   }
   if (off >= (size_t)page->capacity * page->bsize) _keel_die_invalid(call, p);
-  /* On local_free (its bit is set), or on another list of the page (its
-   * first word decodes to a link into this segment: confirmed by a walk). */
-  if (_keel_page_is_marked_freed(page, b) ||
-      (_keel_block_maybe_free(page, b) && _keel_page_has_free_block(page, b))) {
+  /* On a list of the page: its first word decodes to a link into this
+   * segment, confirmed by a walk. */
+  if (_keel_block_maybe_free(page, b) && _keel_page_has_free_block(page, b)) {
     _keel_die_double_free(call, p);
   }
   if (keel_load_relaxed(&page->flags) == 0) {
     /* The fast path's case, reached by a false link hint. */
-    _keel_page_mark_freed(page, b);
     _keel_push_local(page, b);
     if (--page->used == 0 && page != heap->direct[page->cls]) _keel_heap_page_emptied(heap, page);
     return;
   }
-  _keel_counter_add(&page->frees, 1);
   owner_enter(heap);
   __free_local(heap, page, b, true);
   owner_exit(heap);
   _keel_purge_schedule();
+}
+
+/* ---- statistics ---- */
+
+static void __sync_heap_frees(keel_heap_t *heap) {
+  for (unsigned c = 0; c < _keel_class_count; c++) {
+    for (keel_page_t *p = heap->queue[c].first; p != NULL; p = p->next) __keel_page_sync_frees(p);
+  }
+  for (keel_page_t *p = heap->full.first; p != NULL; p = p->next) __keel_page_sync_frees(p);
+}
+
+void _keel_heap_sync_stats(void) {
+  keel_heap_t *heap = _keel_heap_tls;
+  if (heap != &_keel_empty_heap) {
+    owner_enter(heap);
+    __sync_heap_frees(heap);
+    owner_exit(heap);
+  }
+  for (int i = 0; i < SHARED_SHARDS; i++) {
+    pthread_mutex_lock(&shared[i].lock);
+    keel_heap_t *sh = keel_load_relaxed(&shared[i].heap);
+    if (sh != NULL) {
+      owner_enter(sh);
+      __sync_heap_frees(sh);
+      owner_exit(sh);
+    }
+    pthread_mutex_unlock(&shared[i].lock);
+  }
 }
 
 /* ---- collection ---- */

@@ -3,7 +3,7 @@
  * Layout (why each choice is made is in the file that owns it):
  *   segment  4 MiB, 4 MiB-aligned, from mmap (segment.c). Slice 0 (the first
  *            64 KiB) holds the segment header and the descriptors of every
- *            page (with slice 1: their double-free bitmaps): metadata lives out of line, so an overflow out of a user
+ *            page: metadata lives out of line, so an overflow out of a user
  *            block can reach other blocks' free-list links but never a page
  *            descriptor, a list head or a counter. Slices 1..63 hold pages.
  *   page     a span of 1, 4 or 16 slices (64 KiB, 256 KiB, 1 MiB) carved
@@ -47,7 +47,7 @@
 #define KEEL_SLICE_SHIFT   16 /* 64 KiB: the small page */
 #define KEEL_SLICE_SIZE    ((size_t)1 << KEEL_SLICE_SHIFT)
 #define KEEL_SLICES        (KEEL_SEGMENT_SIZE / KEEL_SLICE_SIZE)
-#define KEEL_HEADER_SLICES 2 /* the segment header with its bitmaps: 72 KiB */
+#define KEEL_HEADER_SLICES 1 /* the segment header: about 8.3 KiB */
 
 /* Size classes (classes.c). */
 #define KEEL_SMALL_MAX       1024 /* served by the one-table lookup in the fast path */
@@ -105,18 +105,23 @@ typedef struct keel_page {
   uint8_t cls;                /* size class */
   uint8_t slices;             /* span length in slices */
   uint8_t abandoned;          /* on the abandoned list (segment lock) */
-  uint32_t pad_;
+  keel_atomic(uint32_t) samples;        /* requests sampled into `requested` (slow paths) */
   keel_atomic(uintptr_t) thread_free;   /* blocks freed by other threads (see above) */
   keel_atomic(struct keel_heap *) heap; /* owner; NULL while abandoned or unused */
   struct keel_page *next, *prev;        /* in the owner's queue / full list, or abandoned */
   /* Statistics, written by the owner with relaxed load+store (no atomic
    * add), read by keel_heap_stats under the segment lock; folded into the
    * class totals when the page is freed. Kept in the page, not the heap, so
-   * the fast paths reach them without indexing by class. */
+   * the fast paths reach them without indexing by class. The owner's free
+   * fast path counts nothing: its frees are allocs - used - remote_in,
+   * stored in `frees` by __keel_page_sync_frees at the page's slow-path
+   * points (collection, abandonment, retirement, and keel_heap_stats for
+   * the caller's own heap), so another thread's figure lags by the blocks
+   * its owner freed since it last collected that page. */
   keel_atomic(size_t) allocs;    /* blocks handed out */
-  keel_atomic(size_t) requested; /* bytes asked for by them */
-  keel_atomic(size_t) frees;     /* blocks freed by the owner (remote frees: heap counters) */
-  uint64_t *freed_bits; /* owner: bit i set iff block i is on local_free (_keel_page_bits_word) */
+  keel_atomic(size_t) requested; /* bytes asked for by the sampled allocations */
+  keel_atomic(size_t) frees;     /* blocks freed by the owner as of the last sync */
+  uint64_t remote_in; /* owner: blocks other threads freed that reached this page's lists */
 } keel_page_t;
 
 _Static_assert(sizeof(keel_page_t) == 128, "page descriptor is indexed by shift");
@@ -140,10 +145,6 @@ typedef struct keel_segment {
   size_t user_off; /* user pointer - base */
   size_t req;      /* bytes asked for */
   keel_page_t pages[KEEL_SLICES];
-  /* Per slice, a bitmap of the page's blocks that are on its local_free
-   * list: 128 words, enough for 8-byte blocks of a 64 KiB page, stored
-   * column-wise (see _keel_page_bits_word). */
-  uint64_t freed_bits[KEEL_SLICE_SIZE / 8 / 64][KEEL_SLICES];
 } keel_segment_t;
 
 /* Bytes before a large block's user data: the header and pages[0]. */
@@ -213,6 +214,7 @@ typedef struct keel_seg_totals {
   size_t mapped, committed, purged, abandoned_pages;
   size_t pages[KEEL_CLASS_COUNT_MAX];
   size_t allocs[KEEL_CLASS_COUNT_MAX], requested[KEEL_CLASS_COUNT_MAX], frees[KEEL_CLASS_COUNT_MAX];
+  size_t samples[KEEL_CLASS_COUNT_MAX];
 } keel_seg_totals_t;
 void _keel_segments_totals(keel_seg_totals_t *t) KEEL_HIDDEN;
 
@@ -220,6 +222,9 @@ void _keel_segments_totals(keel_seg_totals_t *t) KEEL_HIDDEN;
 void _keel_page_init(keel_page_t *page, unsigned cls, keel_heap_t *heap) KEEL_HIDDEN;
 /* Moves local_free and thread_free onto free; carves more if still empty. */
 void __keel_page_collect(keel_page_t *page) KEEL_HIDDEN;
+/* The two halves: collect only, and carve only (if free is empty). */
+void __keel_page_collect_lists(keel_page_t *page) KEEL_HIDDEN;
+void __keel_page_extend(keel_page_t *page) KEEL_HIDDEN;
 /* Moves local_free and thread_free onto free, then returns to the OS the
  * whole OS pages inside free blocks (all but the page holding each block's
  * link): what malloc_trim can give back from pages that still hold live
@@ -231,6 +236,12 @@ void __keel_page_collect_thread_free(keel_page_t *page) KEEL_HIDDEN;
 KEEL_NORETURN void _keel_die_double_free(const char *call, void *p) KEEL_HIDDEN;
 KEEL_NORETURN void _keel_die_invalid(const char *call, const void *p) KEEL_HIDDEN;
 bool _keel_page_has_free_block(keel_page_t *page, keel_block_t *b) KEEL_HIDDEN;
+/* The same walk made by a thread that does not own the page, for a block
+ * whose link already says it is free (a cross-thread double free). The
+ * owner may change the lists meanwhile: a correct program's block is on no
+ * list at any moment, so the walk cannot find it there; a block freed
+ * twice is found while it stays on a list of its page. */
+bool _keel_page_has_free_block_remote(keel_page_t *page, keel_block_t *b) KEEL_HIDDEN;
 /* Full check of a page (owner, or lock holder): lists well formed and
  * free + local_free + used == capacity. For tests and KEEL_ASSERT_FULL. */
 bool _keel_page_validate(const keel_page_t *page) KEEL_HIDDEN;
@@ -250,6 +261,9 @@ void _keel_free_other(keel_page_t *page, void *p, const char *call) KEEL_HIDDEN;
 void __keel_heap_free_local_slow(keel_heap_t *heap, keel_page_t *page, keel_block_t *b) KEEL_HIDDEN;
 void _keel_heap_page_emptied(keel_heap_t *heap, keel_page_t *page) KEEL_HIDDEN;
 void _keel_heaps_collect(bool force) KEEL_HIDDEN;
+/* Publishes the owner frees of the calling thread's pages and of the shared
+ * heaps' pages (keel_heap_stats: the caller's own figures are exact). */
+void _keel_heap_sync_stats(void) KEEL_HIDDEN;
 typedef void (*keel_heap_visit_fn)(keel_heap_t *heap, void *arg);
 void _keel_heaps_visit(keel_heap_visit_fn fn, void *arg) KEEL_HIDDEN;
 void _keel_heap_fork_prepare(void) KEEL_HIDDEN;
@@ -339,25 +353,25 @@ KEEL_INLINE bool _keel_page_block_index(const keel_page_t *page, size_t off, siz
   return (uint64_t)m < page->div_magic;
 }
 
-/* The double-free bitmap (owner only): bit set iff the block is on local_free.
- * Stored column-wise: word w of the page at slice s is freed_bits[w][s], so
- * pages of classes of 64 bytes or more (at most 16 words) touch only the
- * first 8 KiB of the 64 KiB bitmap area, not a 1 KiB stripe per slice (that
- * cost 1.5% of RSS on the Squid load). Word w is at page->freed_bits +
- * w * KEEL_SLICES, i.e. at index (idx & ~63) for block idx. */
-KEEL_INLINE uint64_t *_keel_page_bits_word(const keel_page_t *page, size_t idx) {
-  return &page->freed_bits[idx & ~(size_t)63];
+/* Owner (or lock holder): adds one request to the page's sample. The
+ * requested-bytes statistic is live x the class's mean request; the mean is
+ * taken over the allocations that went through a slow path (at least one
+ * per page refill), which keeps a counter off the malloc fast path. Halved
+ * before the count would overflow (the mean stays). */
+KEEL_INLINE void __keel_page_sample_request(keel_page_t *page, size_t size) {
+  uint32_t n = keel_load_relaxed(&page->samples);
+  size_t req = keel_load_relaxed(&page->requested);
+  if (keel_unlikely(n >= ((uint32_t)1 << 31))) {
+    n /= 2;
+    req /= 2;
+  }
+  keel_store_relaxed(&page->samples, n + 1);
+  keel_store_relaxed(&page->requested, req + size);
 }
-_Static_assert(KEEL_SLICES == 64, "bitmap word stride is 64 entries");
-KEEL_INLINE void _keel_page_mark_freed(keel_page_t *page, const void *b) {
-  size_t idx;
-  _keel_page_block_index(page, (size_t)((const uint8_t *)b - page->start), &idx);
-  *_keel_page_bits_word(page, idx) |= (uint64_t)1 << (idx & 63);
-}
-KEEL_INLINE bool _keel_page_is_marked_freed(const keel_page_t *page, const void *b) {
-  size_t idx;
-  _keel_page_block_index(page, (size_t)((const uint8_t *)b - page->start), &idx);
-  return (*_keel_page_bits_word(page, idx) >> (idx & 63)) & 1;
+
+/* Owner (or lock holder): publishes the owner's frees (see keel_page_t). */
+KEEL_INLINE void __keel_page_sync_frees(keel_page_t *page) {
+  keel_store_relaxed(&page->frees, keel_load_relaxed(&page->allocs) - page->used - page->remote_in);
 }
 
 /* A freed block's first word decodes to a link into its own segment; a live

@@ -6,7 +6,8 @@
  * them on a timer, so a program cycling 5-25 MiB buffers refaults (and the
  * kernel re-zeroes) every page each cycle: 16-20 s of sys time where glibc,
  * which keeps such chunks in its heap, spends about 1 s. keel keeps up to
- * 16 freed mappings (at most 1 GiB) for heap_purge_ms; a new large request
+ * 16 freed mappings (at most a quarter of the live large bytes, between
+ * 32 MiB and 1 GiB) for heap_purge_ms; a new large request
  * takes the closest one and resizes it with mremap, which moves page tables,
  * not pages: the part that is kept does not fault again, a shrink unmaps the
  * tail at once (RSS falls), a growth faults only the new part. A mapping at
@@ -33,6 +34,7 @@
 
 #define CACHE_SLOTS     16
 #define CACHE_MAX_BYTES ((size_t)1 << 30)
+#define CACHE_MIN_BYTES ((size_t)32 << 20)
 
 typedef struct {
   keel_segment_t *seg;
@@ -228,7 +230,13 @@ void _keel_large_free(keel_segment_t *seg) {
   bool cached = false;
   if (_keel_option(KEEL_OPT_heap_purge_ms) > 0) {
     pthread_mutex_lock(&large_lock);
-    if (cache_n < CACHE_SLOTS && cache_bytes + seg->mapped <= CACHE_MAX_BYTES) {
+    /* At most a quarter of the live large bytes (at least 32 MiB, at most
+     * 1 GiB): enough to turn over the blocks a program cycles through,
+     * not so much that freed mappings dominate its RSS. */
+    size_t limit = keel_load_relaxed(&live_bytes) / 4;
+    if (limit < CACHE_MIN_BYTES) limit = CACHE_MIN_BYTES;
+    if (limit > CACHE_MAX_BYTES) limit = CACHE_MAX_BYTES;
+    if (cache_n < CACHE_SLOTS && cache_bytes + seg->mapped <= limit) {
       cache[cache_n].seg = seg;
       cache[cache_n].freed_at = keel_clock_coarse_ms();
       cache_n++;

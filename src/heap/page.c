@@ -34,11 +34,6 @@ static uint64_t splitmix64(uint64_t *state) {
   return z ^ (z >> 31);
 }
 
-/* Clears the double-free bits of blocks 0 .. n-1. */
-static void bits_clear(keel_page_t *page, size_t n) {
-  for (size_t idx = 0; idx < n; idx += 64) *_keel_page_bits_word(page, idx) = 0;
-}
-
 void _keel_page_init(keel_page_t *page, unsigned cls, keel_heap_t *heap) {
   keel_segment_t *seg = _keel_segment_of(page);
   size_t idx = (size_t)(page - seg->pages);
@@ -49,12 +44,11 @@ void _keel_page_init(keel_page_t *page, unsigned cls, keel_heap_t *heap) {
   page->reserved = (uint32_t)(((size_t)page->slices << KEEL_SLICE_SHIFT) / bsize);
   page->capacity = 0;
   page->used = 0;
+  page->remote_in = 0;
   page->div_magic = UINT64_MAX / bsize + 1;
   /* Bit 63 set: see the encoding argument in internal.h. */
   page->key = (splitmix64(&heap->rng) | ((uint64_t)1 << 63)) & ~(uint64_t)7;
   page->free = page->local_free = _keel_list_end(page);
-  page->freed_bits = &seg->freed_bits[0][idx];
-  bits_clear(page, page->reserved);
   page->abandoned = 0;
   page->next = page->prev = NULL;
   keel_store_relaxed(&page->flags, 0);
@@ -101,19 +95,27 @@ void __keel_page_collect_thread_free(keel_page_t *page) {
   } while (!keel_cas_weak_acq_rel(&page->thread_free, &w, KEEL_TF_MAKE(NULL, 0, KEEL_TF_STATE(w))));
   KEEL_ASSERT(page->used >= KEEL_TF_COUNT(w));
   page->used -= KEEL_TF_COUNT(w);
+  page->remote_in += KEEL_TF_COUNT(w);
   page_append_free(page, KEEL_TF_PTR(w));
+  __keel_page_sync_frees(page);
 }
 
 void __keel_page_collect(keel_page_t *page) {
+  __keel_page_collect_lists(page);
+  if (_keel_list_empty(page->free)) page_extend(page);
+}
+
+void __keel_page_extend(keel_page_t *page) {
+  if (_keel_list_empty(page->free)) page_extend(page);
+}
+
+void __keel_page_collect_lists(keel_page_t *page) {
   if (!_keel_list_empty(page->local_free)) {
     page_append_free(page, page->local_free);
     page->local_free = _keel_list_end(page);
-    /* Their blocks are on `free` now: a second free of one of them is left
-     * to the link check in the slow path. */
-    bits_clear(page, page->capacity);
   }
   __keel_page_collect_thread_free(page);
-  if (_keel_list_empty(page->free)) page_extend(page);
+  __keel_page_sync_frees(page);
 }
 
 size_t __keel_page_purge_free(keel_page_t *page) {
@@ -122,7 +124,6 @@ size_t __keel_page_purge_free(keel_page_t *page) {
   if (!_keel_list_empty(page->local_free)) {
     page_append_free(page, page->local_free);
     page->local_free = _keel_list_end(page);
-    bits_clear(page, page->capacity);
   }
   __keel_page_collect_thread_free(page);
   for (keel_block_t *b = page->free; !_keel_list_empty(b); b = _keel_decode(page, b->next)) {
@@ -150,6 +151,21 @@ bool _keel_page_has_free_block(keel_page_t *page, keel_block_t *b) {
   uintptr_t w = keel_load_acquire(&page->thread_free);
   return list_has(page, page->free, b) || list_has(page, page->local_free, b) ||
          (KEEL_TF_PTR(w) != NULL && list_has(page, KEEL_TF_PTR(w), b));
+}
+
+static keel_block_t *load_racy(keel_block_t *const *field) {
+  return __atomic_load_n(field, __ATOMIC_RELAXED);
+}
+
+bool _keel_page_has_free_block_remote(keel_page_t *page, keel_block_t *b) {
+  /* Bounded walks with every link range-checked (list_has): a link read
+   * from a block the owner has handed out again ends the walk. Only run
+   * for a block whose link looks free, so the relaxed reads of the owner's
+   * list heads race with nothing in a correct program. */
+  uintptr_t w = keel_load_acquire(&page->thread_free);
+  return (KEEL_TF_PTR(w) != NULL && list_has(page, KEEL_TF_PTR(w), b)) ||
+         list_has(page, load_racy(&page->local_free), b) ||
+         list_has(page, load_racy(&page->free), b);
 }
 
 /* Counts a list, checking every block lies on a block boundary inside the

@@ -48,6 +48,7 @@ static size_t n_abandoned;
 static keel_atomic(size_t) abandoned_hint[KEEL_CLASS_COUNT_MAX];
 static size_t class_pages[KEEL_CLASS_COUNT_MAX]; /* pages per class, under the lock */
 /* Counters of freed pages, per class, under the lock (see keel_page_t). */
+static size_t retired_samples[KEEL_CLASS_COUNT_MAX];
 static size_t retired_allocs[KEEL_CLASS_COUNT_MAX], retired_requested[KEEL_CLASS_COUNT_MAX],
     retired_frees[KEEL_CLASS_COUNT_MAX];
 static size_t dirty_slices, used_slices;
@@ -166,11 +167,14 @@ static void __page_free(keel_page_t *page) {
   unsigned first = (unsigned)(page - seg->pages), n = page->slices;
   uint64_t m = span_mask(first, n);
   class_pages[page->cls]--;
+  __keel_page_sync_frees(page);
   retired_allocs[page->cls] += keel_load_relaxed(&page->allocs);
   retired_requested[page->cls] += keel_load_relaxed(&page->requested);
   retired_frees[page->cls] += keel_load_relaxed(&page->frees);
   keel_store_relaxed(&page->allocs, 0);
   keel_store_relaxed(&page->requested, 0);
+  retired_samples[page->cls] += keel_load_relaxed(&page->samples);
+  keel_store_relaxed(&page->samples, 0);
   keel_store_relaxed(&page->frees, 0);
   page->bsize = 0;
   page->div_magic = 0;
@@ -200,6 +204,7 @@ void _keel_page_free(keel_page_t *page) {
 }
 
 void _keel_page_abandon(keel_page_t *page) {
+  __keel_page_sync_frees(page); /* its owner's last frees */
   pthread_mutex_lock(&seg_lock);
   keel_page_queue_t *q = &abandoned[page->cls];
   page->abandoned = 1;
@@ -331,6 +336,7 @@ void _keel_segments_totals(keel_seg_totals_t *t) {
   memcpy(t->allocs, retired_allocs, sizeof(t->allocs));
   memcpy(t->requested, retired_requested, sizeof(t->requested));
   memcpy(t->frees, retired_frees, sizeof(t->frees));
+  memcpy(t->samples, retired_samples, sizeof(t->samples));
   for (keel_segment_t *seg = segments; seg != NULL; seg = seg->next) {
     for (unsigned i = KEEL_HEADER_SLICES; i < KEEL_SLICES; i++) {
       const keel_page_t *p = &seg->pages[i];
@@ -338,6 +344,7 @@ void _keel_segments_totals(keel_seg_totals_t *t) {
       if (!((seg->used_mask >> i) & 1) || seg->slice_head[i] != i || p->bsize == 0) continue;
       t->allocs[p->cls] += keel_load_relaxed(&p->allocs);
       t->requested[p->cls] += keel_load_relaxed(&p->requested);
+      t->samples[p->cls] += keel_load_relaxed(&p->samples);
       t->frees[p->cls] += keel_load_relaxed(&p->frees);
     }
   }

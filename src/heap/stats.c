@@ -2,7 +2,9 @@
  *
  * Each heap counts its own allocations (and requested bytes) and frees,
  * whoever owns the freed block; a class's live count is the difference of
- * the sums. The requested bytes of live blocks are estimated as live x the
+ * the sums. Owners' frees are not counted by the free fast path but derived
+ * per page (keel_page_t); this call publishes the caller's own first, so a
+ * thread's figures about its own blocks are exact. The requested bytes of live blocks are estimated as live x the
  * class's average request since start: free() is not told the size, and
  * keeping it per block would cost a word per block.
  *
@@ -32,6 +34,7 @@ static void sum_heap(keel_heap_t *h, void *arg) {
 KEEL_API void keel_heap_stats(keel_heap_stats_t *st) {
   _keel_classes_init();
   memset(st, 0, sizeof(*st));
+  _keel_heap_sync_stats();
   /* Static (too big for a small thread stack), under a lock of their own. */
   static sums_t sums;
   static keel_seg_totals_t seg;
@@ -54,9 +57,9 @@ KEEL_API void keel_heap_stats(keel_heap_stats_t *st) {
     cs->live = seg.allocs[c] > frees ? seg.allocs[c] - frees : 0;
     cs->usable_bytes = cs->live * cs->size;
     cs->requested_bytes =
-        seg.allocs[c] == 0
-            ? 0
-            : (size_t)((double)seg.requested[c] / (double)seg.allocs[c] * (double)cs->live);
+        seg.samples[c] == 0
+            ? cs->usable_bytes
+            : (size_t)((double)seg.requested[c] / (double)seg.samples[c] * (double)cs->live);
     cs->pages = seg.pages[c];
     st->live_bytes += cs->usable_bytes;
     st->requested_bytes += cs->requested_bytes;

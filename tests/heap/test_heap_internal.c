@@ -446,6 +446,22 @@ static void do_realloc_freed(void *arg) {
   keel_free(keep);
 }
 
+static void do_realloc_freed_shared(void *arg) {
+  (void)arg;
+  void *keep = keel_malloc(20000), *p = keel_malloc(20000); /* a shared-heap class */
+  keel_free(p);
+  keel_realloc(p, 19000);
+  keel_free(keep);
+}
+
+static void do_double_free_shared(void *arg) {
+  (void)arg;
+  void *keep = keel_malloc(100000), *p = keel_malloc(100000);
+  keel_free(p);
+  keel_free(p);
+  keel_free(keep);
+}
+
 static void do_free_stack(void *arg) {
   (void)arg;
   int x;
@@ -488,6 +504,8 @@ static void test_bad_input(void) {
   KT_EXPECT_ABORT(do_double_free, NULL, "keel: free: double free of 0x");
   KT_EXPECT_ABORT(do_double_free_last, NULL, "keel: free: double free of 0x");
   KT_EXPECT_ABORT(do_realloc_freed, NULL, "keel: realloc: double free of 0x");
+  KT_EXPECT_ABORT(do_realloc_freed_shared, NULL, "keel: realloc: double free of 0x");
+  KT_EXPECT_ABORT(do_double_free_shared, NULL, "keel: free: double free of 0x");
   KT_EXPECT_ABORT(do_free_stack, NULL, "keel: free: invalid pointer 0x");
   KT_EXPECT_ABORT(do_free_interior, NULL, "keel: free: invalid pointer 0x");
   KT_EXPECT_ABORT(do_free_mmap, NULL, "keel: free: invalid pointer 0x");
