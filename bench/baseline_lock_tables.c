@@ -204,7 +204,7 @@ int bl_lock(bl_table_t *t, const void *name, size_t len, int mode, unsigned flag
     if (w == 0 &&
         !__atomic_compare_exchange_n(&lkb->wake, &w, 2, false, __ATOMIC_ACQUIRE, __ATOMIC_ACQUIRE))
       continue;
-    _keel_lock_futex_wait(&lkb->wake, 2, -1);
+    keel_futex_wait(&lkb->wake, 2);
   }
   return 0;
 }

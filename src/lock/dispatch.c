@@ -69,7 +69,7 @@ static void deliver(const keel_delivery_t *v, uint32_t n) {
          * which every futex waiter tolerates (glibc's semaphores rely on the
          * same). Doing the system call here keeps it out of the critical
          * section. */
-        _keel_lock_futex_wake(e->fn.wake, 1);
+        keel_futex_wake(e->fn.wake, 1);
         break;
     }
   }

@@ -81,12 +81,11 @@ static KEEL_NOINLINE int wait_blocking(keel_lkb_t *lkb) {
     if (w == 0 &&
         !__atomic_compare_exchange_n(&lkb->wake, &w, 2, false, __ATOMIC_ACQUIRE, __ATOMIC_ACQUIRE))
       continue;
-    int64_t left = timed ? (int64_t)(lkb->deadline_ns - keel_clock_ns()) : -1;
-    if (timed && left <= 0) {
+    if (timed && (int64_t)(lkb->deadline_ns - keel_clock_ns()) <= 0) {
       cancel_timed_out(lkb);
       break;
     }
-    _keel_lock_futex_wait(&lkb->wake, 2, left);
+    keel_futex_wait_until(&lkb->wake, 2, timed ? lkb->deadline_ns : UINT64_MAX);
   }
   __atomic_fetch_sub(&ls->sleepers, 1, __ATOMIC_RELEASE); /* res untouched from here */
   keel_lksb_t *lksb = lkb->lksb;

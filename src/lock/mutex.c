@@ -10,10 +10,6 @@
  * already 2 (someone gave up and sleeps: the mutex is contended beyond what a
  * spin can win).
  */
-#include <linux/futex.h>
-#include <sys/syscall.h>
-#include <time.h>
-#include <unistd.h>
 
 #include "base/atomic.h"
 #include "mutex.h"
@@ -27,23 +23,8 @@
  * longer than the round trip it saves, so the bound follows the argument. */
 #define KEEL_MUTEX_SPIN 32
 
-void _keel_lock_futex_wait(uint32_t *addr, uint32_t val, int64_t timeout_ns) {
-  struct timespec ts, *tsp = NULL;
-  if (timeout_ns >= 0) {
-    ts.tv_sec = timeout_ns / 1000000000;
-    ts.tv_nsec = timeout_ns % 1000000000;
-    tsp = &ts;
-  }
-  /* EAGAIN (value changed), EINTR and ETIMEDOUT all mean "re-check". */
-  syscall(SYS_futex, addr, FUTEX_WAIT_PRIVATE, val, tsp, NULL, 0);
-}
-
-void _keel_lock_futex_wake(uint32_t *addr, int n) {
-  syscall(SYS_futex, addr, FUTEX_WAKE_PRIVATE, n, NULL, NULL, 0);
-}
-
 void _keel_mutex_wake(keel_mutex_t *m) {
-  _keel_lock_futex_wake(&m->state, 1);
+  keel_futex_wake(&m->state, 1);
 }
 
 KEEL_NOINLINE void _keel_mutex_lock_slow(keel_mutex_t *m) {
@@ -58,8 +39,7 @@ KEEL_NOINLINE void _keel_mutex_lock_slow(keel_mutex_t *m) {
   /* Announce a sleeper (2) and sleep until an exchange finds it free. The
    * exchange takes the mutex in state 2 even if nobody else sleeps: at worst
    * one needless FUTEX_WAKE at unlock. Acquire as in the fast path. */
-  while (__atomic_exchange_n(&m->state, 2, __ATOMIC_ACQUIRE) != 0)
-    _keel_lock_futex_wait(&m->state, 2, -1);
+  while (__atomic_exchange_n(&m->state, 2, __ATOMIC_ACQUIRE) != 0) keel_futex_wait(&m->state, 2);
 }
 
 void keel_mutex_init(keel_mutex_t *m) {

@@ -14,6 +14,7 @@
 #include <keel/lock.h>
 
 #include "base/common.h"
+#include "base/futex.h"
 
 void _keel_mutex_lock_slow(keel_mutex_t *m) KEEL_HIDDEN;
 void _keel_mutex_wake(keel_mutex_t *m) KEEL_HIDDEN;
@@ -32,11 +33,5 @@ KEEL_INLINE void __keel_mutex_lock(keel_mutex_t *m) {
 KEEL_INLINE void __keel_mutex_unlock(keel_mutex_t *m) {
   if (keel_unlikely(__atomic_exchange_n(&m->state, 0, __ATOMIC_RELEASE) == 2)) _keel_mutex_wake(m);
 }
-
-/* The futex system calls, shared with the lock manager's sleeping waiters.
- * _keel_lock_futex_wait returns when *addr != val, on a wake, a signal, or after
- * timeout_ns (< 0: no timeout); callers re-check their condition. */
-void _keel_lock_futex_wait(uint32_t *addr, uint32_t val, int64_t timeout_ns) KEEL_HIDDEN;
-void _keel_lock_futex_wake(uint32_t *addr, int n) KEEL_HIDDEN;
 
 #endif /* KEEL_LOCK_MUTEX_H */

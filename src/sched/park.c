@@ -12,7 +12,6 @@
  * sleep. The same argument covers dispatch's chain wake (nlocal, then nidle).
  */
 #define _GNU_SOURCE
-#include <linux/futex.h>
 #include <sched.h>
 #include <sys/syscall.h>
 #include <time.h>
@@ -20,24 +19,6 @@
 
 #include "base/clock.h"
 #include "sched/sched_int.h"
-
-/* Waits while *word == val, until the absolute CLOCK_MONOTONIC deadline
- * (UINT64_MAX: none). Returns 0 or -errno; spurious returns are possible. */
-int _keel_futex_wait(keel_atomic(uint32_t) * word, uint32_t val, uint64_t deadline_ns) {
-  struct timespec ts, *tsp = NULL;
-  if (deadline_ns != UINT64_MAX) {
-    ts.tv_sec = (time_t)(deadline_ns / 1000000000u);
-    ts.tv_nsec = (long)(deadline_ns % 1000000000u);
-    tsp = &ts;
-  }
-  long rc = syscall(SYS_futex, (void *)word, FUTEX_WAIT_BITSET | FUTEX_PRIVATE_FLAG, val, tsp, NULL,
-                    FUTEX_BITSET_MATCH_ANY);
-  return rc == 0 ? 0 : -errno;
-}
-
-void _keel_futex_wake(keel_atomic(uint32_t) * word, int n) {
-  syscall(SYS_futex, (void *)word, FUTEX_WAKE | FUTEX_PRIVATE_FLAG, n, NULL, NULL, 0);
-}
 
 /* Pops the most recently parked worker and wakes it. The futex call comes
  * after the unlock; if the worker has meanwhile returned on its own, the
@@ -56,7 +37,7 @@ void _keel_sched_wake_one(void) {
   keel_fetch_sub_relaxed(&s->nidle, 1); /* idle_lock orders it against parkers */
   atomic_store(&w->word, 1);
   pthread_mutex_unlock(&s->idle_lock);
-  _keel_futex_wake(&w->word, 1);
+  keel_futex_wake(&w->word, 1);
 }
 
 void _keel_sched_wake_all(void) {
@@ -68,7 +49,7 @@ void _keel_sched_wake_all(void) {
     w->parked = false;
     keel_fetch_sub_relaxed(&s->nidle, 1);
     atomic_store(&w->word, 1);
-    _keel_futex_wake(&w->word, 1);
+    keel_futex_wake(&w->word, 1);
   }
   pthread_mutex_unlock(&s->idle_lock);
 }
@@ -78,7 +59,7 @@ void _keel_sched_wake_all(void) {
  * (stored before this) on its way to parking. */
 void _keel_sched_kick_worker(sched_worker_t *w) {
   uint32_t parked = 0;
-  if (atomic_compare_exchange_strong(&w->word, &parked, 2)) _keel_futex_wake(&w->word, 1);
+  if (atomic_compare_exchange_strong(&w->word, &parked, 2)) keel_futex_wake(&w->word, 1);
 }
 
 static void park_push(sched_worker_t *w) {
@@ -161,7 +142,7 @@ bool _keel_sched_park(sched_worker_t *w) {
     park_pop(w);
     return true;
   }
-  _keel_futex_wait(&w->word, 0, deadline);
+  keel_futex_wait_until(&w->word, 0, deadline);
   if (!park_pop(w)) return true; /* woken for work */
   uint64_t now = keel_clock_ns();
   if (!stopping && now >= deadline && try_retire(w, now)) return false;

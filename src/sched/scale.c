@@ -27,7 +27,7 @@ void _keel_sched_poke(void) {
   sched_t *s = &_keel_sched;
   uint32_t inf = MON_INF;
   if (atomic_compare_exchange_strong(&s->mon_mode, &inf, MON_POKED))
-    _keel_futex_wake(&s->mon_mode, 1);
+    keel_futex_wake(&s->mon_mode, 1);
 }
 
 static bool backlog(void) {
@@ -115,12 +115,12 @@ static void *monitor_main(void *arg) {
     uint64_t now = keel_clock_ns();
     uint64_t wait = tick(now);
     if (wait == UINT64_MAX) {
-      if (go_inf()) _keel_futex_wait(&s->mon_mode, MON_INF, UINT64_MAX);
+      if (go_inf()) keel_futex_wait_until(&s->mon_mode, MON_INF, UINT64_MAX);
       continue;
     }
     uint32_t poked = MON_POKED;
     atomic_compare_exchange_strong(&s->mon_mode, &poked, MON_TICK);
-    _keel_futex_wait(&s->mon_mode, MON_TICK, now + wait);
+    keel_futex_wait_until(&s->mon_mode, MON_TICK, now + wait);
   }
   return NULL;
 }
@@ -137,7 +137,7 @@ void _keel_sched_monitor_stop(void) {
   sched_t *s = &_keel_sched;
   if (!s->monitor_started) return;
   atomic_store(&s->mon_mode, MON_EXIT);
-  _keel_futex_wake(&s->mon_mode, 1);
+  keel_futex_wake(&s->mon_mode, 1);
   pthread_join(s->monitor, NULL);
   s->monitor_started = false;
 }

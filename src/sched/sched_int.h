@@ -33,6 +33,7 @@
 
 #include "base/atomic.h"
 #include "base/common.h"
+#include "base/futex.h"
 #include "base/tls.h"
 
 enum { JOB_IDLE, JOB_QUEUED, JOB_LOCAL, JOB_TIMER, JOB_TAKEN, JOB_CANCELLING };
@@ -274,8 +275,6 @@ void _keel_sched_wake_one(void) KEEL_HIDDEN;
 void _keel_sched_wake_all(void) KEEL_HIDDEN;
 void _keel_sched_kick_worker(sched_worker_t *w) KEEL_HIDDEN;
 bool _keel_sched_park(sched_worker_t *w) KEEL_HIDDEN;
-int _keel_futex_wait(keel_atomic(uint32_t) * word, uint32_t val, uint64_t deadline_ns) KEEL_HIDDEN;
-void _keel_futex_wake(keel_atomic(uint32_t) * word, int n) KEEL_HIDDEN;
 
 /* Workers (worker.c). */
 int _keel_sched_spawn(void) KEEL_HIDDEN;
