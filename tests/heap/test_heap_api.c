@@ -942,12 +942,11 @@ static void double_free_small(void) {
 /* Double frees where one free or both come from a thread that does not own
  * the block: the first free puts it on a list of its page (the owner's
  * local free list, or the page's remote list until the owner collects it),
- * which is the issue's detection bound. Bug pinned here: the remote free
- * path pushes without any check, so "owner, remote", "remote, owner" and
- * "remote, remote" all go undetected; the block sits twice on the page's
- * lists and a later malloc from that page dies of SIGSEGV in the fast path
- * (the encoded link decodes to a wild address) instead of keel_die naming
- * the double free at the second free. */
+ * which is the issue's detection bound. Regression test for a bug it
+ * found: the remote free path pushed without any check, so "owner, remote",
+ * "remote, owner" and "remote, remote" went undetected; the block sat twice
+ * on the page's lists and a later malloc from that page died of SIGSEGV in
+ * the fast path instead of keel_die naming the double free. */
 static void *free_in_thread(void *p) {
   keel_free(p);
   return NULL;
@@ -1006,11 +1005,12 @@ static void realloc_after_free_child(void *p) {
   (void)q;
 }
 
-/* Bug pinned here: keel_realloc of a freed block that would stay in place
- * (new size between half the block and the block) returned the freed block
- * unchecked, so it was live for the caller and on the page's free list at
- * once; and a realloc that moves copied from the freed block before the
- * free of it found the double free (ASan reports that read first). */
+/* Regression test for a bug it found: keel_realloc of a freed block that
+ * would stay in place (new size between half the block and the block)
+ * returned the freed block unchecked, live for the caller and on the page's
+ * free list at once (first for every class, then for the shared-heap classes
+ * above 8 KiB); and a realloc that moved copied from the freed block before
+ * the free found the double free (ASan reported that read first). */
 static void realloc_in_place_child(void *p) {
   size_t size = keel_usable_size(p) - 8; /* stays in place: above half the block */
   keel_free(p);

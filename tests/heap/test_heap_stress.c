@@ -883,12 +883,13 @@ static void producer_consumer_burst_then_collect(void) {
 
 /* ---- remote frees racing page reuse ---------------------------------- */
 
-/* Bug pinned here (seen by TSan on every run): free_remote reads page->cls
- * after the CAS that publishes the block on the page's remote list; from
- * then on the owner (or the collector of an abandoned page) may collect it,
- * retire the emptied page and _keel_page_alloc may re-initialise the same
- * descriptor for another class while the read is in flight, so the free is
- * charged to the wrong class. Reading the class before the CAS fixes it.
+/* Regression test for a bug this case found (TSan, every run; fixed in the
+ * heap by reading the page before publishing): free_remote read page->cls
+ * after the CAS that published the block on the page's remote list; from
+ * then on the owner (or the collector of an abandoned page) could collect
+ * it, retire the emptied page, and _keel_page_alloc re-initialise the same
+ * descriptor for another class while the read was in flight, charging the
+ * free to the wrong class.
  *
  * Waves of short-lived producers allocate bursts of blocks from classes that
  * fill a 64 KiB page with a handful of blocks, hand them to four consumers
