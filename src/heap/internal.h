@@ -220,18 +220,21 @@ void _keel_segments_totals(keel_seg_totals_t *t) KEEL_HIDDEN;
 
 /* --- pages (page.c) --- */
 void _keel_page_init(keel_page_t *page, unsigned cls, keel_heap_t *heap) KEEL_HIDDEN;
-/* Moves local_free and thread_free onto free; carves more if still empty. */
+/* Collects local_free and thread_free so that `free` is non-empty if the
+ * page has a free block (some may stay on local_free, which the malloc fast
+ * path takes next); carves more if free is still empty. */
 void __keel_page_collect(keel_page_t *page) KEEL_HIDDEN;
 /* The two halves: collect only, and carve only (if free is empty). */
 void __keel_page_collect_lists(keel_page_t *page) KEEL_HIDDEN;
 void __keel_page_extend(keel_page_t *page) KEEL_HIDDEN;
-/* Moves local_free and thread_free onto free, then returns to the OS the
+/* Collects local_free and thread_free, then returns to the OS the
  * whole OS pages inside free blocks (all but the page holding each block's
  * link): what malloc_trim can give back from pages that still hold live
  * blocks. Only blocks larger than an OS page have such interiors. Owner, or
  * segment lock for an abandoned page. Returns the bytes purged. */
 size_t __keel_page_purge_free(keel_page_t *page) KEEL_HIDDEN;
-/* Subtracts a collected thread_free list from used and appends it to free. */
+/* Subtracts a collected thread_free list from used and gives it to free,
+ * or to local_free when free is not empty (appended only if neither is). */
 void __keel_page_collect_thread_free(keel_page_t *page) KEEL_HIDDEN;
 KEEL_NORETURN void _keel_die_double_free(const char *call, void *p) KEEL_HIDDEN;
 KEEL_NORETURN void _keel_die_invalid(const char *call, const void *p) KEEL_HIDDEN;
