@@ -49,7 +49,6 @@
 #include <errno.h>
 #include <limits.h>
 #include <pthread.h>
-#include <linux/futex.h>
 #include <linux/membarrier.h>
 #include <sched.h>
 #include <sys/syscall.h>
@@ -58,6 +57,7 @@
 
 #include "base/clock.h"
 #include "base/die.h"
+#include "base/futex.h"
 #include "base/options.h"
 #include "base/os.h"
 #include "heap/alloc.h"
@@ -118,11 +118,11 @@ static void asym_init(void) {
  * when owners spun on a fork in progress. Lock words: 0 free, 1 held,
  * 2 held with sleepers (Drepper, "Futexes are tricky", mutex 2). */
 static void futex_wait(keel_atomic(int) * w, int val) {
-  syscall(SYS_futex, w, FUTEX_WAIT_PRIVATE, val, NULL, NULL, 0);
+  keel_futex_wait(w, (uint32_t)val);
 }
 
 static void futex_wake_all(keel_atomic(int) * w) {
-  syscall(SYS_futex, w, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
+  keel_futex_wake(w, INT_MAX);
 }
 
 static bool heap_trylock(keel_heap_t *heap) {
