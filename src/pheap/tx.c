@@ -18,8 +18,10 @@
  * orders them first instead): barrier 1, after which the transaction is
  * committed (recovery finds a commit log for the undo log, with its data
  * intact, and discards the undo log instead of rolling back); (2) apply the
- * entries, flush them and empty the undo log: barrier 2. The commit log stays in the lane's ring
- * until a checkpoint passes it (log.c). A transaction that snapshot nothing
+ * entries, flush them and empty the undo log: barrier 2. The lane stays in
+ * flight until barrier 2, so no checkpoint passes the commit log while the
+ * undo log is still valid, and the log pins the lane's ring until a
+ * checkpoint passes it (log.c). A transaction that snapshot nothing
  * and allocated nothing commits with no barrier.
  * Abort: restore snapshots newest first, barrier, empty the undo log,
  * barrier; reservations go back to the thread cache.
@@ -398,6 +400,9 @@ static int tx_commit_outer(void) {
     uint64_t zero = 0; /* non-temporal: the line is not re-read until the next tx */
     _keel_pm_write_nt(ph, tc, &tx.lane->undo->seq, &zero, 8, PH_S_UNDO_INV);
     _keel_pm_drain(ph, tc);
+    /* Only now may the watermark pass the commit log: recovery finds a
+     * still-valid undo log's commit only above it (log.c). */
+    _keel_ph_log_end(tx.lane);
   }
   tx.undo_started = false;
   _keel_ph_acts_done(ph, tc, tx.acts, tx.na);

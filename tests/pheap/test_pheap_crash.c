@@ -21,6 +21,7 @@
  */
 #define _GNU_SOURCE
 #include <errno.h>
+#include <pthread.h>
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/wait.h>
@@ -514,5 +515,203 @@ static void test_store_outside_tx_detected(void) {
   unlink(p);
 }
 
+/* Regression (kill-test leak "walk == reach: 36 != 35" and its mirror, a slot
+ * naming a block that is not allocated): a transaction's commit log did not
+ * pin its lane's ring, so a lane doing only transactions reused the ring
+ * before any checkpoint covered its commit logs. A wrap can overwrite a
+ * later commit log and leave an earlier one intact further along the ring
+ * (its header line is not rewritten when the next log does not fit there);
+ * recovery then replayed the stale earlier log without the later one that
+ * superseded it. Here, on the real mapping, with no barrier skipped: C1 (tx
+ * alloc or tx free of a block) lands on the last two lines of an 8-line
+ * ring, C2 (the opposite) wraps to line 0, and a 3-line log that does not
+ * fit after line 5 wraps again over C2 only. The child then dies. Replaying
+ * C1 alone sets the freed block's bit (a leak) or clears the bit of the
+ * block the slot names (a dangling slot). */
+static keel_pheap_t *g_wrap_ph;
+static root_t *g_wrap_r;
+
+static unsigned ring_pos(keel_pheap_t *ph) {
+  return ph->lanes[_keel_ph_tcache(ph)->lane_hint].ring_pos;
+}
+
+/* A transaction with `ranges` disjoint 8-byte snapshots and no allocation:
+ * its commit log is 48 + 16 * ranges bytes of CHK entries. */
+static void wrap_transfer(int ranges) {
+  keel_tx_begin(g_wrap_ph);
+  for (int i = 0; i < ranges; i++) {
+    int64_t *w = i == 0 ? &g_wrap_r->c[0] : (int64_t *)&g_wrap_r->slot[NS - i];
+    keel_tx_add_range(w, 8);
+    if (i == 0) *w += 1;
+  }
+  keel_tx_commit();
+  keel_tx_end();
+}
+
+static void wrap_toggle(void) {
+  keel_tx_begin(g_wrap_ph);
+  keel_tx_add_range(&g_wrap_r->slot[0], 8);
+  if (g_wrap_r->slot[0]) {
+    keel_tx_free(g_wrap_r->slot[0]);
+    g_wrap_r->slot[0] = 0;
+  } else {
+    g_wrap_r->slot[0] = keel_tx_alloc(64, TYPE);
+  }
+  keel_tx_commit();
+  keel_tx_end();
+}
+
+static void child_stale_commit_log(const char *p, bool start_full) {
+  _keel_ph_ring_limit = 8;
+  g_wrap_ph = keel_pheap_open(p, LAYOUT);
+  if (g_wrap_ph == NULL) _exit(3);
+  g_wrap_r = keel_pheap_root(g_wrap_ph, sizeof *g_wrap_r);
+  if (start_full) wrap_toggle();
+  /* Retire everything so far, then bring the ring to line 6 with 1-line
+   * commit logs (none of which needs a checkpoint). */
+  _keel_ph_checkpoint(g_wrap_ph, _keel_ph_tcache(g_wrap_ph));
+  while (ring_pos(g_wrap_ph) != 6) wrap_transfer(1);
+  wrap_toggle(); /* C1 on lines 6-7 */
+  if (ring_pos(g_wrap_ph) != 8) _exit(4);
+  wrap_toggle(); /* C2: wraps to lines 0-1 */
+  if (ring_pos(g_wrap_ph) != 2) _exit(5);
+  while (ring_pos(g_wrap_ph) != 6) wrap_transfer(1);
+  wrap_transfer(6); /* 3 lines: wraps over C2, leaves C1's header */
+  if (ring_pos(g_wrap_ph) != 3) _exit(6);
+  _exit(0); /* no close: the next open recovers */
+}
+
+static void fn_stale_empty(void) {
+  child_stale_commit_log(g_trial, false);
+}
+static void fn_stale_full(void) {
+  child_stale_commit_log(g_trial, true);
+}
+
+static void test_stale_commit_log_after_ring_wrap(void) {
+  tp_path(g_trial, sizeof g_trial, "wrap");
+  void (*fns[2])(void) = {fn_stale_empty, fn_stale_full};
+  for (int v = 0; v < 2; v++) {
+    unlink(g_trial);
+    keel_pheap_t *ph = keel_pheap_create(g_trial, LAYOUT, KEEL_PHEAP_MIN_SIZE, 0);
+    KT_REQUIRE(ph != NULL);
+    keel_pheap_root(ph, sizeof(root_t));
+    keel_pheap_close(ph);
+    KT_EQ(run_child(fns[v]), 0);
+    /* The slot ends as it started: empty (the walk must not find C1's
+     * block) or holding the block C2 allocated (which must be live). */
+    ph = keel_pheap_open(g_trial, LAYOUT);
+    KT_REQUIRE(ph != NULL);
+    root_t *r = keel_pheap_root(ph, sizeof *r);
+    offs_t s = {.n = 0};
+    keel_pheap_foreach(ph, KEEL_PHEAP_ANY_TYPE, collect, &s);
+    KT_EQ(r->slot[0] != 0, v == 1);
+    KT_EQ(s.n, v);
+    KT_CHECK(v == 0 || s.o[0] == r->slot[0]); /* the slot's block is the live one */
+    keel_pheap_close(ph);
+    KT_EQ(keel_pheap_check(g_trial), 0);
+  }
+  unlink(g_trial);
+}
+
+/* Regression (the same kill-test symptoms, second cause): a transaction's
+ * commit log left the in-flight set when its entries were applied, before
+ * its undo log was emptied, so a checkpoint by another thread in that window
+ * could raise the watermark past the commit log while the undo log was
+ * still valid. Recovery then ignored the commit log and rolled the undo log
+ * back over allocation state already applied: a tx_alloc'd block stayed
+ * allocated with its slot restored to 0, or a tx_free'd block stayed free
+ * with the slot naming it. Deterministic on simulated media: at the barrier
+ * that would make the undo log's emptying durable, a second thread runs a
+ * checkpoint, then the committing thread crashes with a seeded subset of
+ * its flushed lines written (seeds cover "bitmap line written, undo line
+ * not"). */
+static ph_tcache_t *g_commit_tc;
+
+static void *checkpoint_thread(void *arg) {
+  keel_pheap_t *ph = arg;
+  _keel_ph_checkpoint(ph, _keel_ph_tcache(ph));
+  return NULL;
+}
+
+static void commit_window_hook(keel_pheap_t *ph, ph_tcache_t *tc) {
+  if (tc != g_commit_tc) return; /* the checkpoint thread's own barriers */
+  /* The undo log is emptied in the mapping but not yet on the media. */
+  if (ph->lanes[tc->lane_hint].undo->seq != 0) return;
+  pthread_t t;
+  pthread_create(&t, NULL, checkpoint_thread, ph);
+  pthread_join(t, NULL);
+  _keel_pm_sim_crash(ph, tc, g_seed, false);
+  _exit(77);
+}
+
+static void child_commit_window(const char *p, bool start_full) {
+  _keel_ph_sim_next = true;
+  keel_pheap_t *ph = keel_pheap_open(p, LAYOUT);
+  if (ph == NULL) _exit(3);
+  root_t *r = keel_pheap_root(ph, sizeof *r);
+  for (int j = 0; j < (start_full ? 1 : 2); j++) { /* the run exists before the commit */
+    keel_tx_begin(ph);
+    keel_tx_add_range(&r->slot[0], 8);
+    if (r->slot[0]) {
+      keel_tx_free(r->slot[0]);
+      r->slot[0] = 0;
+    } else
+      r->slot[0] = keel_tx_alloc(64, TYPE);
+    keel_tx_commit();
+    keel_tx_end();
+  }
+  keel_tx_begin(ph);
+  keel_tx_add_range(&r->slot[0], 8);
+  if (r->slot[0]) {
+    keel_tx_free(r->slot[0]);
+    r->slot[0] = 0;
+  } else
+    r->slot[0] = keel_tx_alloc(64, TYPE);
+  g_commit_tc = _keel_ph_tcache(ph);
+  _keel_ph_barrier_hook = commit_window_hook;
+  keel_tx_commit();
+  _exit(4); /* the hook never found the window */
+}
+
+static void fn_commit_window_empty(void) {
+  child_commit_window(g_trial, false);
+}
+static void fn_commit_window_full(void) {
+  child_commit_window(g_trial, true);
+}
+
+static void test_checkpoint_between_commit_and_undo_emptying(void) {
+  tp_path(g_trial, sizeof g_trial, "window");
+  void (*fns[2])(void) = {fn_commit_window_empty, fn_commit_window_full};
+  for (int v = 0; v < 2; v++) {
+    for (uint64_t seed = 0; seed < 16; seed++) {
+      unlink(g_trial);
+      keel_pheap_t *ph = keel_pheap_create(g_trial, LAYOUT, KEEL_PHEAP_MIN_SIZE, 0);
+      KT_REQUIRE(ph != NULL);
+      keel_pheap_root(ph, sizeof(root_t));
+      keel_pheap_close(ph);
+      g_seed = seed;
+      KT_EQ(run_child(fns[v]), 77);
+      /* Committed or not, the slot and the heap agree. */
+      ph = keel_pheap_open(g_trial, LAYOUT);
+      KT_REQUIRE(ph != NULL);
+      root_t *r = keel_pheap_root(ph, sizeof *r);
+      offs_t s = {.n = 0};
+      keel_pheap_foreach(ph, KEEL_PHEAP_ANY_TYPE, collect, &s);
+      int reach = r->slot[0] != 0;
+      if (s.n != reach || (reach && s.o[0] != r->slot[0]))
+        kt_fail(__FILE__, __LINE__, "%s slot, seed %llu: walk %d, slot %llx, walk[0] %llx",
+                v ? "tx free" : "tx alloc", (unsigned long long)seed, s.n,
+                (unsigned long long)r->slot[0], (unsigned long long)(s.n ? s.o[0] : 0));
+      keel_pheap_close(ph);
+      KT_EQ(keel_pheap_check(g_trial), 0);
+    }
+  }
+  unlink(g_trial);
+}
+
 KT_MAIN(KT_CASE(test_crash_points_mmap), KT_CASE(test_crash_points_sim_media),
-        KT_CASE(test_mutation_removing_a_flush_fails), KT_CASE(test_store_outside_tx_detected))
+        KT_CASE(test_mutation_removing_a_flush_fails), KT_CASE(test_store_outside_tx_detected),
+        KT_CASE(test_stale_commit_log_after_ring_wrap),
+        KT_CASE(test_checkpoint_between_commit_and_undo_emptying))
