@@ -366,6 +366,11 @@ const ph_redo_t *_keel_ph_ring_log(const char *ring, unsigned pos, uint64_t abov
 
 /* ---- atomic actions (action.c) ---- */
 enum { PH_ACT_NONE = 0, PH_ACT_RESERVE = 1, PH_ACT_SET = 2, PH_ACT_FREE = 3 };
+/* Writes the entries that publish block `off` into e (its two header words,
+ * then its allocation bit or chunk word); returns PH_PUBLISH_ENTRIES. */
+#define PH_PUBLISH_ENTRIES 3u
+size_t _keel_ph_publish_entries(keel_pheap_t *ph, int cls, keel_poff_t off,
+                                ph_redo_entry_t *e) KEEL_HIDDEN;
 /* Redo entries for n actions into e (capacity cap); -1 if too many. */
 long _keel_ph_acts_entries(keel_pheap_t *ph, const keel_pheap_act_t *acts, size_t n,
                            ph_redo_entry_t *e, size_t cap) KEEL_HIDDEN;

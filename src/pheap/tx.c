@@ -333,9 +333,12 @@ static int tx_commit_outer(void) {
   if (keel_unlikely(_keel_ph_stray_check) && ph->sim) stray_check();
   ph_redo_entry_t e[PH_REDO_MAX];
   size_t k = 0;
-  if (tx.nn > PH_REDO_MAX) return tx_fail(KEEL_ENOSPC);
+  if (tx.nn > PH_REDO_MAX / PH_PUBLISH_ENTRIES) return tx_fail(KEEL_ENOSPC);
+  /* Header words too, not just the bit: an older log of an allocation of the
+   * same block (freed since) may still be above the watermark, and its
+   * replay rewrites the header; ours must come after it. */
   for (size_t i = 0; i < tx.nn; i++)
-    e[k++] = _keel_ph_mark(ph, tx.news[i].cls, tx.news[i].off, true);
+    k += _keel_ph_publish_entries(ph, tx.news[i].cls, tx.news[i].off, e + k);
   long m = _keel_ph_acts_entries(ph, tx.acts, tx.na, e + k, PH_REDO_MAX - k);
   if (m < 0) return tx_fail(KEEL_ENOSPC);
   k += (size_t)m;

@@ -711,7 +711,68 @@ static void test_checkpoint_between_commit_and_undo_emptying(void) {
   unlink(g_trial);
 }
 
+/* Regression (found while reading recovery for the kill-test leak): a
+ * transaction's commit log set only the allocation bit of a new object, so
+ * an older log that allocated the same block (freed since, still above the
+ * watermark) rewrote the header at recovery with that allocation's size and
+ * type. The new object's header was safe only when the commit log's CHK
+ * entries vouched for it (a transaction with snapshots and at most 1 KiB of
+ * new data); here: a 2000-byte object after a snapshot, and a 100-byte one
+ * in a transaction without snapshots. */
+#define HDR_OLD_TYPE 7
+static size_t g_hdr_size;
+static bool g_hdr_undo;
+
+static void fn_tx_header_after_old_log(void) {
+  keel_pheap_t *ph = keel_pheap_open(g_trial, LAYOUT);
+  if (ph == NULL) _exit(3);
+  root_t *r = keel_pheap_root(ph, sizeof *r);
+  keel_pheap_alloc(ph, &r->slot[3], g_hdr_size, HDR_OLD_TYPE); /* the class's run exists */
+  _keel_ph_checkpoint(ph, _keel_ph_tcache(ph));
+  keel_pheap_alloc(ph, &r->slot[0], g_hdr_size, HDR_OLD_TYPE); /* the older log */
+  keel_poff_t old = r->slot[0];
+  keel_pheap_free(ph, &r->slot[0]);
+  keel_tx_begin(ph);
+  if (g_hdr_undo) keel_tx_add_range(&r->slot[1], 8);
+  keel_poff_t o = keel_tx_alloc(g_hdr_size + 8, TYPE);
+  if (g_hdr_undo) r->slot[1] = o;
+  keel_tx_commit();
+  keel_tx_end();
+  if (o != old) _exit(4); /* the thread cache hands the freed block back */
+  r->slot[2] = o;         /* plain store, only for the parent to find it */
+  _exit(0);               /* no close: the next open replays both logs */
+}
+
+static void test_tx_alloc_header_survives_older_alloc_log(void) {
+  tp_path(g_trial, sizeof g_trial, "hdr");
+  static const struct {
+    size_t size;
+    bool undo;
+  } cases[] = {{2000, true}, {100, false}};
+  for (size_t c = 0; c < KEEL_ARRAY_SIZE(cases); c++) {
+    unlink(g_trial);
+    keel_pheap_t *ph = keel_pheap_create(g_trial, LAYOUT, KEEL_PHEAP_MIN_SIZE, 0);
+    KT_REQUIRE(ph != NULL);
+    keel_pheap_root(ph, sizeof(root_t));
+    keel_pheap_close(ph);
+    g_hdr_size = cases[c].size;
+    g_hdr_undo = cases[c].undo;
+    KT_EQ(run_child(fn_tx_header_after_old_log), 0);
+    ph = keel_pheap_open(g_trial, LAYOUT);
+    KT_REQUIRE(ph != NULL);
+    root_t *r = keel_pheap_root(ph, sizeof *r);
+    KT_REQUIRE(r->slot[2] != 0);
+    const ph_objhdr_t *h =
+        (const ph_objhdr_t *)((char *)keel_pheap_ptr(ph, r->slot[2]) - PH_OBJ_HDR);
+    KT_EQ(keel_pheap_type(ph, r->slot[2]), TYPE);
+    KT_EQ(h->size, cases[c].size + 8);
+    keel_pheap_close(ph);
+  }
+  unlink(g_trial);
+}
+
 KT_MAIN(KT_CASE(test_crash_points_mmap), KT_CASE(test_crash_points_sim_media),
         KT_CASE(test_mutation_removing_a_flush_fails), KT_CASE(test_store_outside_tx_detected),
         KT_CASE(test_stale_commit_log_after_ring_wrap),
-        KT_CASE(test_checkpoint_between_commit_and_undo_emptying))
+        KT_CASE(test_checkpoint_between_commit_and_undo_emptying),
+        KT_CASE(test_tx_alloc_header_survives_older_alloc_log))
