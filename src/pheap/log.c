@@ -200,7 +200,7 @@ static void dirty_add(keel_pheap_t *ph, ph_tcache_t *tc, ph_lane_t *l, const uin
 static uint64_t apply_one(keel_pheap_t *ph, ph_tcache_t *tc, const ph_redo_entry_t *e,
                           bool deferred) {
   uint64_t off = e->off_op & ~(uint64_t)7;
-  if ((e->off_op & 7) == PH_OP_CHK) return UINT64_MAX;
+  if ((e->off_op & 7) == PH_OP_CHK || (e->off_op & 7) == PH_OP_COVER) return UINT64_MAX;
   if (off + 8 > keel_load_relaxed(&ph->size)) return UINT64_MAX; /* defensive */
   keel_atomic(uint64_t) *w = ATOMIC64(ph->view.base + off);
   switch (e->off_op & 7) {
@@ -334,16 +334,17 @@ static int rec_cmp(const void *a, const void *b) {
   return x->seq < y->seq ? -1 : x->seq > y->seq;
 }
 
-/* True if a later committed transaction's data (a CHK range of a later log)
- * covers the word at `off`: that data was durable when it committed and is
- * newer than what log `i` would store there, so replaying the store would
- * undo the transaction. */
+/* True if a later committed transaction's data (a CHK or COVER range of a
+ * later log) covers the word at `off`: that data was durable when it
+ * committed and is newer than what log `i` would store there, so replaying
+ * the store would undo the transaction. */
 static bool overwritten_later(const rec_item_t *items, unsigned n, unsigned i, uint64_t off) {
   for (unsigned j = i + 1; j < n; j++) {
     const ph_redo_t *r = items[j].log;
     if (r == NULL || r->tx == 0) continue;
     for (size_t k = 0; k < r->n; k++) {
-      if ((r->e[k].off_op & 7) != PH_OP_CHK) continue;
+      unsigned op = (unsigned)(r->e[k].off_op & 7);
+      if (op != PH_OP_CHK && op != PH_OP_COVER) continue;
       uint64_t lo = r->e[k].off_op & ~(uint64_t)7;
       if (off >= lo && off < lo + r->e[k].val) return true;
     }

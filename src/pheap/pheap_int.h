@@ -87,7 +87,10 @@ typedef struct ph_header {
  * than the log (a transaction's new data): the log's `dsum` covers them, so
  * a log that became durable in the same barrier as data that did not is
  * recognised as never committed (see log.c). */
-enum { PH_OP_SET = 0, PH_OP_OR = 1, PH_OP_ANDNOT = 2, PH_OP_CHK = 3 };
+/* COVER: not applied, not checksummed; (off, len) names bytes a committed
+ * transaction wrote that a barrier made durable before the log (past the CHK
+ * budget). Recovery, like for CHK, replays no older log's store into them. */
+enum { PH_OP_SET = 0, PH_OP_OR = 1, PH_OP_ANDNOT = 2, PH_OP_CHK = 3, PH_OP_COVER = 4 };
 /* Data a log may vouch for by checksum; beyond it a barrier orders the data
  * first. */
 #define PH_CHK_MAX_BYTES                                                                           \
