@@ -60,8 +60,12 @@ static int alloc_common(keel_pheap_t *ph, keel_poff_t *dest, size_t size, uint64
     _keel_pm_drain(ph, tc);
   }
   bool logged = in_pool(ph, dest, 8) || (void *)dest == (void *)&ph->hdr->root_off;
-  ph_redo_entry_t e[4];
+  ph_redo_entry_t e[PH_PUBLISH_ENTRIES + 2];
   size_t n = _keel_ph_publish_entries(ph, cls, off, e);
+  /* The zeroed body is durable before the log; naming it keeps recovery
+   * from replaying an older log's store into it (the block may have held an
+   * object that was some atomic operation's destination). */
+  if (zero) e[n++] = (ph_redo_entry_t){off | PH_OP_COVER, KEEL_ALIGN_UP(size, (size_t)8)};
   if (logged) e[n++] = (ph_redo_entry_t){(uint64_t)((char *)dest - ph->view.base) | PH_OP_SET, off};
   atomic_op(ph, tc, e, n);
   if (!logged) *dest = off;

@@ -334,14 +334,14 @@ static int rec_cmp(const void *a, const void *b) {
   return x->seq < y->seq ? -1 : x->seq > y->seq;
 }
 
-/* True if a later committed transaction's data (a CHK or COVER range of a
- * later log) covers the word at `off`: that data was durable when it
- * committed and is newer than what log `i` would store there, so replaying
- * the store would undo the transaction. */
+/* True if later data (a CHK or COVER range of a later log: a transaction's
+ * stores, a new object's body) covers the word at `off`: that data was
+ * durable when its log was and is newer than what log `i` would store there,
+ * so replaying the store would undo it. */
 static bool overwritten_later(const rec_item_t *items, unsigned n, unsigned i, uint64_t off) {
   for (unsigned j = i + 1; j < n; j++) {
     const ph_redo_t *r = items[j].log;
-    if (r == NULL || r->tx == 0) continue;
+    if (r == NULL) continue;
     for (size_t k = 0; k < r->n; k++) {
       unsigned op = (unsigned)(r->e[k].off_op & 7);
       if (op != PH_OP_CHK && op != PH_OP_COVER) continue;

@@ -362,8 +362,10 @@ static int tx_commit_outer(void) {
   }
   if (!tx.undo_started) {
     /* Nothing snapshot: flush the new objects, order them with a barrier,
-     * then log like an atomic operation (deferred apply, log.c). */
-    bool data = false;
+     * then log like an atomic operation (deferred apply, log.c), naming them
+     * (COVER) so recovery replays no older store into their bodies. */
+    bool data = false, vouched = false, named = true;
+    uint64_t chk = 0;
     for (size_t i = 0; i < tx.nn + tx.na; i++) {
       keel_poff_t off;
       if (i < tx.nn)
@@ -374,9 +376,13 @@ static int tx_commit_outer(void) {
         continue;
       const ph_objhdr_t *h = (const ph_objhdr_t *)(ph->view.base + off - PH_OBJ_HDR);
       _keel_pm_flush(ph, tc, h, PH_OBJ_HDR + h->size, PH_S_TXNEW);
+      if (named) named = name_range(e, &k, off - PH_OBJ_HDR, PH_OBJ_HDR + h->size, &chk, &vouched);
       data = true;
     }
-    if (data) _keel_pm_drain(ph, tc);
+    if (!named)
+      _keel_ph_checkpoint(ph, tc); /* drains our flushes too */
+    else if (data)
+      _keel_pm_drain(ph, tc);
     _keel_ph_log_write(ph, tc, tx.lane, 0, e, k);
     _keel_pm_drain(ph, tc); /* committed */
     _keel_ph_log_apply(ph, tc, tx.lane, e, k, true);

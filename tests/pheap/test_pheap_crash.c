@@ -829,9 +829,67 @@ static void test_tx_past_chk_budget_keeps_its_stores(void) {
   unlink(g_trial);
 }
 
+/* Regression (same family): a new object's body was named in no log when
+ * it came from a transaction without snapshots or from zalloc, so if its
+ * block had held an object that was an atomic operation's destination (log
+ * still above the watermark), recovery replayed that store into the new
+ * body. Here Z is allocated, an atomic alloc stores into Z's first word, Z
+ * is freed and its block comes back from the thread cache for the new
+ * object, whose body must read back as written. */
+static int g_body_variant; /* 0: tx_alloc without snapshots, 1: zalloc */
+
+static void fn_body_after_older_dest_log(void) {
+  keel_pheap_t *ph = keel_pheap_open(g_trial, LAYOUT);
+  if (ph == NULL) _exit(3);
+  root_t *r = keel_pheap_root(ph, sizeof *r);
+  keel_pheap_alloc(ph, &r->slot[0], 64, TYPE);
+  keel_poff_t z = r->slot[0];
+  keel_pheap_alloc(ph, (keel_poff_t *)keel_pheap_ptr(ph, z), 32, TYPE); /* log: Z[0] = Y */
+  keel_pheap_free(ph, &r->slot[0]);
+  if (g_body_variant == 0) {
+    keel_tx_begin(ph);
+    keel_poff_t o = keel_tx_alloc(64, TYPE);
+    memset(keel_pheap_ptr(ph, o), 0xab, 64);
+    keel_pheap_act_t a;
+    keel_pheap_set_value(ph, &a, &r->slot[1], o);
+    keel_tx_publish(&a, 1);
+    keel_tx_commit();
+    keel_tx_end();
+  } else {
+    keel_pheap_zalloc(ph, &r->slot[1], 64, TYPE);
+  }
+  if (r->slot[1] != z) _exit(4); /* the thread cache hands Z's block back */
+  _exit(0);                      /* no close: the next open replays the logs */
+}
+
+static void test_new_object_body_survives_older_dest_log(void) {
+  tp_path(g_trial, sizeof g_trial, "body");
+  for (int v = 0; v < 2; v++) {
+    unlink(g_trial);
+    keel_pheap_t *ph = keel_pheap_create(g_trial, LAYOUT, KEEL_PHEAP_MIN_SIZE, 0);
+    KT_REQUIRE(ph != NULL);
+    keel_pheap_root(ph, sizeof(root_t));
+    keel_pheap_close(ph);
+    g_body_variant = v;
+    KT_EQ(run_child(fn_body_after_older_dest_log), 0);
+    ph = keel_pheap_open(g_trial, LAYOUT);
+    KT_REQUIRE(ph != NULL);
+    root_t *r = keel_pheap_root(ph, sizeof *r);
+    KT_REQUIRE(r->slot[1] != 0);
+    const unsigned char *b = keel_pheap_ptr(ph, r->slot[1]);
+    int bad = 0;
+    for (int i = 0; i < 64; i++) bad += b[i] != (v == 0 ? 0xab : 0);
+    if (bad)
+      kt_fail(__FILE__, __LINE__, "%s: %d body bytes clobbered", v ? "zalloc" : "tx_alloc", bad);
+    keel_pheap_close(ph);
+  }
+  unlink(g_trial);
+}
+
 KT_MAIN(KT_CASE(test_crash_points_mmap), KT_CASE(test_crash_points_sim_media),
         KT_CASE(test_mutation_removing_a_flush_fails), KT_CASE(test_store_outside_tx_detected),
         KT_CASE(test_stale_commit_log_after_ring_wrap),
         KT_CASE(test_checkpoint_between_commit_and_undo_emptying),
         KT_CASE(test_tx_alloc_header_survives_older_alloc_log),
-        KT_CASE(test_tx_past_chk_budget_keeps_its_stores))
+        KT_CASE(test_tx_past_chk_budget_keeps_its_stores),
+        KT_CASE(test_new_object_body_survives_older_dest_log))
