@@ -22,14 +22,16 @@ static inline bool in_pool(keel_pheap_t *ph, const void *p, size_t len) {
 }
 
 /* The log entries that publish a block: its allocation bit (or chunk word)
- * and its header words (replay rewrites the header, so the header needs no
- * flush of its own). */
-static size_t publish_entries(keel_pheap_t *ph, int cls, keel_poff_t off, ph_redo_entry_t *e) {
+ * and its header words. Replay rewrites the header, so the header needs no
+ * flush of its own, and an older log above the watermark that allocated the
+ * same block before it was freed (and whose replay rewrites the header with
+ * that allocation's size and type) is always followed by these. */
+size_t _keel_ph_publish_entries(keel_pheap_t *ph, int cls, keel_poff_t off, ph_redo_entry_t *e) {
   const ph_objhdr_t *h = (const ph_objhdr_t *)(ph->view.base + off - PH_OBJ_HDR);
   e[0] = (ph_redo_entry_t){(off - PH_OBJ_HDR) | PH_OP_SET, h->size};
   e[1] = (ph_redo_entry_t){(off - PH_OBJ_HDR + 8) | PH_OP_SET, h->type};
   e[2] = _keel_ph_mark(ph, cls, off, true);
-  return 3;
+  return PH_PUBLISH_ENTRIES;
 }
 
 /* One atomic operation: log, barrier, apply in cache (flushed by the next
@@ -58,8 +60,12 @@ static int alloc_common(keel_pheap_t *ph, keel_poff_t *dest, size_t size, uint64
     _keel_pm_drain(ph, tc);
   }
   bool logged = in_pool(ph, dest, 8) || (void *)dest == (void *)&ph->hdr->root_off;
-  ph_redo_entry_t e[4];
-  size_t n = publish_entries(ph, cls, off, e);
+  ph_redo_entry_t e[PH_PUBLISH_ENTRIES + 2];
+  size_t n = _keel_ph_publish_entries(ph, cls, off, e);
+  /* The zeroed body is durable before the log; naming it keeps recovery
+   * from replaying an older log's store into it (the block may have held an
+   * object that was some atomic operation's destination). */
+  if (zero) e[n++] = (ph_redo_entry_t){off | PH_OP_COVER, KEEL_ALIGN_UP(size, (size_t)8)};
   if (logged) e[n++] = (ph_redo_entry_t){(uint64_t)((char *)dest - ph->view.base) | PH_OP_SET, off};
   atomic_op(ph, tc, e, n);
   if (!logged) *dest = off;
@@ -132,10 +138,10 @@ long _keel_ph_acts_entries(keel_pheap_t *ph, const keel_pheap_act_t *acts, size_
   size_t k = 0;
   for (size_t i = 0; i < n; i++) {
     if (acts[i].kind == PH_ACT_NONE) continue;
-    if (k + 3 > cap) return -1;
+    if (k + PH_PUBLISH_ENTRIES > cap) return -1;
     switch (acts[i].kind) {
       case PH_ACT_RESERVE:
-        k += publish_entries(ph, (int)acts[i].cls, acts[i].off, e + k);
+        k += _keel_ph_publish_entries(ph, (int)acts[i].cls, acts[i].off, e + k);
         break;
       case PH_ACT_FREE:
         e[k++] = _keel_ph_mark(ph, (int)acts[i].cls, acts[i].off, false);

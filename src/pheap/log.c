@@ -26,13 +26,21 @@
  * The watermark: W = min(counter, oldest in-flight seq - 1). A lane announces
  * a lower bound of its seq before drawing it, so a checkpoint that reads the
  * counter and then sees no lane in flight knows every seq up to the counter
- * belongs to a finished operation whose lines are in a dirty list.
+ * belongs to a finished operation whose lines are in a dirty list. A commit
+ * log stays in flight until its undo log is emptied and that is durable:
+ * recovery keeps a transaction only through a commit log above W, so a W
+ * that passed the log while the undo log was still valid would roll back a
+ * transaction whose allocation state was already applied and flushed (a
+ * tx_alloc'd block left allocated with its destination restored to 0, or a
+ * tx_free'd block left free with the destination still naming it).
  *
  * Transactions commit with a ring log too. One that snapshot nothing orders
  * its new objects' bytes with a barrier and then logs like an atomic
  * operation. One with an undo log writes a commit log (tx = the undo log's
  * seq) whose CHK entries vouch for the new data by checksum, then applies and
- * flushes at once and empties the undo log: 2 barriers, no checkpoint.
+ * flushes at once and empties the undo log: 2 barriers. Its log still pins
+ * the ring until a checkpoint passes it, like every log (see log_write), so
+ * a lane doing only transactions pays a checkpoint per ring wrap.
  *
  * Recovery at open: (1) logs above the watermark, except a commit log that
  * tore (its CHK data does not match while its undo log is still there), and
@@ -153,10 +161,15 @@ uint64_t _keel_ph_log_write(keel_pheap_t *ph, ph_tcache_t *tc, ph_lane_t *l, uin
   _keel_pm_write_nt(ph, tc, l->ring + (size_t)l->ring_pos * PH_LINE, &buf,
                     KEEL_ALIGN_UP(PH_REDO_HDR + n * sizeof *e, (size_t)8), PH_S_REDO);
   l->ring_pos += lines;
-  /* Only logs whose effects wait for a checkpoint pin the ring: a commit
-   * log's effects are flushed before commit returns, and a later operation
-   * that conflicts with it has a later seq. */
-  if (tx == 0) keel_store_release(&l->ring_max_seq, seq);
+  /* Every log pins the ring, a transaction's commit log too although its
+   * effects are flushed before commit returns: recovery replays whatever
+   * valid log above the watermark it finds, and a wrap can overwrite a later
+   * log yet leave an earlier one whole further along the ring (when the next
+   * log does not fit before the end). Replaying that stale log without the
+   * later one that superseded it re-sets a freed block's bit (a leak) or
+   * clears the bit of a block reallocated since (a dangling reference).
+   * Cost: a lane doing only transactions checkpoints once per ring wrap. */
+  keel_store_release(&l->ring_max_seq, seq);
   return seq;
 }
 
@@ -187,7 +200,7 @@ static void dirty_add(keel_pheap_t *ph, ph_tcache_t *tc, ph_lane_t *l, const uin
 static uint64_t apply_one(keel_pheap_t *ph, ph_tcache_t *tc, const ph_redo_entry_t *e,
                           bool deferred) {
   uint64_t off = e->off_op & ~(uint64_t)7;
-  if ((e->off_op & 7) == PH_OP_CHK) return UINT64_MAX;
+  if ((e->off_op & 7) == PH_OP_CHK || (e->off_op & 7) == PH_OP_COVER) return UINT64_MAX;
   if (off + 8 > keel_load_relaxed(&ph->size)) return UINT64_MAX; /* defensive */
   keel_atomic(uint64_t) *w = ATOMIC64(ph->view.base + off);
   switch (e->off_op & 7) {
@@ -221,6 +234,10 @@ void _keel_ph_log_apply(keel_pheap_t *ph, ph_tcache_t *tc, ph_lane_t *l, const p
   }
   if (nl) dirty_add(ph, tc, l, lines, nl);
   /* Release: a checkpoint that sees us done also sees our dirty lines. */
+  if (deferred) keel_store_release(&l->inflight, 0);
+}
+
+void _keel_ph_log_end(ph_lane_t *l) {
   keel_store_release(&l->inflight, 0);
 }
 
@@ -317,16 +334,17 @@ static int rec_cmp(const void *a, const void *b) {
   return x->seq < y->seq ? -1 : x->seq > y->seq;
 }
 
-/* True if a later committed transaction's data (a CHK range of a later log)
- * covers the word at `off`: that data was durable when it committed and is
- * newer than what log `i` would store there, so replaying the store would
- * undo the transaction. */
+/* True if later data (a CHK or COVER range of a later log: a transaction's
+ * stores, a new object's body) covers the word at `off`: that data was
+ * durable when its log was and is newer than what log `i` would store there,
+ * so replaying the store would undo it. */
 static bool overwritten_later(const rec_item_t *items, unsigned n, unsigned i, uint64_t off) {
   for (unsigned j = i + 1; j < n; j++) {
     const ph_redo_t *r = items[j].log;
-    if (r == NULL || r->tx == 0) continue;
+    if (r == NULL) continue;
     for (size_t k = 0; k < r->n; k++) {
-      if ((r->e[k].off_op & 7) != PH_OP_CHK) continue;
+      unsigned op = (unsigned)(r->e[k].off_op & 7);
+      if (op != PH_OP_CHK && op != PH_OP_COVER) continue;
       uint64_t lo = r->e[k].off_op & ~(uint64_t)7;
       if (off >= lo && off < lo + r->e[k].val) return true;
     }

@@ -87,7 +87,10 @@ typedef struct ph_header {
  * than the log (a transaction's new data): the log's `dsum` covers them, so
  * a log that became durable in the same barrier as data that did not is
  * recognised as never committed (see log.c). */
-enum { PH_OP_SET = 0, PH_OP_OR = 1, PH_OP_ANDNOT = 2, PH_OP_CHK = 3 };
+/* COVER: not applied, not checksummed; (off, len) names bytes a committed
+ * transaction wrote that a barrier made durable before the log (past the CHK
+ * budget). Recovery, like for CHK, replays no older log's store into them. */
+enum { PH_OP_SET = 0, PH_OP_OR = 1, PH_OP_ANDNOT = 2, PH_OP_CHK = 3, PH_OP_COVER = 4 };
 /* Data a log may vouch for by checksum; beyond it a barrier orders the data
  * first. */
 #define PH_CHK_MAX_BYTES                                                                           \
@@ -177,7 +180,7 @@ typedef struct ph_lane {
   ph_undo_t *undo;
   unsigned idx;
   unsigned ring_pos;                  /* next free line in the ring */
-  keel_atomic(uint64_t) ring_max_seq; /* highest seq of an atomic operation's log in the ring */
+  keel_atomic(uint64_t) ring_max_seq; /* highest seq of a log in the ring (any kind) */
   keel_atomic(uint64_t) inflight;
   pthread_mutex_t dirty_lock;
   unsigned ndirty;
@@ -330,20 +333,26 @@ void _keel_ph_lane_put(keel_pheap_t *ph, ph_lane_t *l) KEEL_HIDDEN;
 uint64_t _keel_ph_next_seq(keel_pheap_t *ph) KEEL_HIDDEN;
 /* Writes a log of n entries (committing undo seq `tx`, or 0) into the lane's
  * ring and starts its write-back; the caller then drains. Marks the lane in
- * flight until _keel_ph_log_apply. Returns the log's seq. */
+ * flight until _keel_ph_log_apply (deferred) or _keel_ph_log_end. Returns the
+ * log's seq. */
 uint64_t _keel_ph_log_write(keel_pheap_t *ph, ph_tcache_t *tc, ph_lane_t *l, uint64_t tx,
                             const ph_redo_entry_t *e, size_t n) KEEL_HIDDEN;
 /* Applies entries in place. deferred: the touched lines are left for the
- * next checkpoint (atomic operations); otherwise they are flushed now (the
- * caller drains). Ends the lane's in-flight state. */
+ * next checkpoint (atomic operations) and the lane's in-flight state ends;
+ * otherwise they are flushed now (the caller drains) and the caller ends it
+ * with _keel_ph_log_end once nothing of the operation is left to persist. */
 void _keel_ph_log_apply(keel_pheap_t *ph, ph_tcache_t *tc, ph_lane_t *l, const ph_redo_entry_t *e,
                         size_t n, bool deferred) KEEL_HIDDEN;
+/* Ends the in-flight state of a log applied with deferred = false: from here
+ * a checkpoint may raise the watermark past it. */
+void _keel_ph_log_end(ph_lane_t *l) KEEL_HIDDEN;
 /* Lines of the ring a lane uses before it wraps (PH_RING_LINES; tests
  * shrink it to make wraps and checkpoints frequent). */
 extern unsigned _keel_ph_ring_limit KEEL_HIDDEN;
-/* Flushes every deferred line and raises the durable watermark (2 barriers). */
-/* True if some atomic operation's effects still wait for a checkpoint. */
+/* True if some log (atomic or commit) is still above the watermark: recovery
+ * would replay it over a later plain store. */
 bool _keel_ph_deferred(keel_pheap_t *ph) KEEL_HIDDEN;
+/* Flushes every deferred line and raises the durable watermark (2 barriers). */
 void _keel_ph_checkpoint(keel_pheap_t *ph, ph_tcache_t *tc) KEEL_HIDDEN;
 /* True if the data named by a log's CHK entries still matches its dsum. */
 bool _keel_ph_redo_data_ok(keel_pheap_t *ph, const ph_redo_t *r) KEEL_HIDDEN;
@@ -360,6 +369,11 @@ const ph_redo_t *_keel_ph_ring_log(const char *ring, unsigned pos, uint64_t abov
 
 /* ---- atomic actions (action.c) ---- */
 enum { PH_ACT_NONE = 0, PH_ACT_RESERVE = 1, PH_ACT_SET = 2, PH_ACT_FREE = 3 };
+/* Writes the entries that publish block `off` into e (its two header words,
+ * then its allocation bit or chunk word); returns PH_PUBLISH_ENTRIES. */
+#define PH_PUBLISH_ENTRIES 3u
+size_t _keel_ph_publish_entries(keel_pheap_t *ph, int cls, keel_poff_t off,
+                                ph_redo_entry_t *e) KEEL_HIDDEN;
 /* Redo entries for n actions into e (capacity cap); -1 if too many. */
 long _keel_ph_acts_entries(keel_pheap_t *ph, const keel_pheap_act_t *acts, size_t n,
                            ph_redo_entry_t *e, size_t cap) KEEL_HIDDEN;

@@ -15,11 +15,14 @@
  * log (bit sets for allocations, clears for frees, queued value stores; its
  * `tx` names the undo log) with CHK entries whose checksum vouches for those
  * new bytes, so they need no barrier of their own (past 1 KiB a barrier
- * orders them first instead): barrier 1, after which the transaction is
+ * orders them first instead, and COVER entries still name them so recovery
+ * replays no older store over them): barrier 1, after which the transaction is
  * committed (recovery finds a commit log for the undo log, with its data
  * intact, and discards the undo log instead of rolling back); (2) apply the
- * entries, flush them and empty the undo log: barrier 2. The commit log stays in the lane's ring
- * until a checkpoint passes it (log.c). A transaction that snapshot nothing
+ * entries, flush them and empty the undo log: barrier 2. The lane stays in
+ * flight until barrier 2, so no checkpoint passes the commit log while the
+ * undo log is still valid, and the log pins the lane's ring until a
+ * checkpoint passes it (log.c). A transaction that snapshot nothing
  * and allocated nothing commits with no barrier.
  * Abort: restore snapshots newest first, barrier, empty the undo log,
  * barrier; reservations go back to the thread cache.
@@ -325,15 +328,30 @@ static void stray_check(void) {
   }
 }
 
+/* Names [off, off + len) in the commit log: a CHK entry while the checksum
+ * budget lasts, then COVER entries (the caller then orders the data with a
+ * barrier). False once the log has no room left. */
+static bool name_range(ph_redo_entry_t *e, size_t *k, uint64_t off, uint64_t len, uint64_t *chk,
+                       bool *vouched) {
+  if (*vouched && _keel_ph_chk_add(e, k, PH_REDO_MAX, off, len, chk)) return true;
+  *vouched = false;
+  if (*k == PH_REDO_MAX) return false;
+  e[(*k)++] = (ph_redo_entry_t){off | PH_OP_COVER, len};
+  return true;
+}
+
 static int tx_commit_outer(void) {
   keel_pheap_t *ph = tx.ph;
   ph_tcache_t *tc = tx.tc;
   if (keel_unlikely(_keel_ph_stray_check) && ph->sim) stray_check();
   ph_redo_entry_t e[PH_REDO_MAX];
   size_t k = 0;
-  if (tx.nn > PH_REDO_MAX) return tx_fail(KEEL_ENOSPC);
+  if (tx.nn > PH_REDO_MAX / PH_PUBLISH_ENTRIES) return tx_fail(KEEL_ENOSPC);
+  /* Header words too, not just the bit: an older log of an allocation of the
+   * same block (freed since) may still be above the watermark, and its
+   * replay rewrites the header; ours must come after it. */
   for (size_t i = 0; i < tx.nn; i++)
-    e[k++] = _keel_ph_mark(ph, tx.news[i].cls, tx.news[i].off, true);
+    k += _keel_ph_publish_entries(ph, tx.news[i].cls, tx.news[i].off, e + k);
   long m = _keel_ph_acts_entries(ph, tx.acts, tx.na, e + k, PH_REDO_MAX - k);
   if (m < 0) return tx_fail(KEEL_ENOSPC);
   k += (size_t)m;
@@ -344,8 +362,10 @@ static int tx_commit_outer(void) {
   }
   if (!tx.undo_started) {
     /* Nothing snapshot: flush the new objects, order them with a barrier,
-     * then log like an atomic operation (deferred apply, log.c). */
-    bool data = false;
+     * then log like an atomic operation (deferred apply, log.c), naming them
+     * (COVER) so recovery replays no older store into their bodies. */
+    bool data = false, vouched = false, named = true;
+    uint64_t chk = 0;
     for (size_t i = 0; i < tx.nn + tx.na; i++) {
       keel_poff_t off;
       if (i < tx.nn)
@@ -356,24 +376,31 @@ static int tx_commit_outer(void) {
         continue;
       const ph_objhdr_t *h = (const ph_objhdr_t *)(ph->view.base + off - PH_OBJ_HDR);
       _keel_pm_flush(ph, tc, h, PH_OBJ_HDR + h->size, PH_S_TXNEW);
+      if (named) named = name_range(e, &k, off - PH_OBJ_HDR, PH_OBJ_HDR + h->size, &chk, &vouched);
       data = true;
     }
-    if (data) _keel_pm_drain(ph, tc);
+    if (!named)
+      _keel_ph_checkpoint(ph, tc); /* drains our flushes too */
+    else if (data)
+      _keel_pm_drain(ph, tc);
     _keel_ph_log_write(ph, tc, tx.lane, 0, e, k);
     _keel_pm_drain(ph, tc); /* committed */
     _keel_ph_log_apply(ph, tc, tx.lane, e, k, true);
   } else {
     /* The new bytes must be durable no later than the commit log: the log
      * vouches for them by checksum (CHK entries), or past the budget a
-     * barrier orders them first. */
+     * barrier orders them first. Either way the log names every range
+     * (CHK or COVER) so that recovery replays no older log's store over
+     * them; if the log cannot name them all, a checkpoint retires the older
+     * logs instead. */
     uint64_t chk = 0;
-    bool vouched = true;
+    bool vouched = true, named = true;
     for (size_t i = 0; i < tx.nr; i++) {
       uint64_t lo = tx.ranges[i].lo, len = tx.ranges[i].hi - lo;
       _keel_pm_flush(ph, tc, ph->view.base + lo, len, PH_S_TXDATA);
       uint64_t alo = KEEL_ALIGN_DOWN(lo, (uint64_t)8);
       uint64_t alen = KEEL_ALIGN_UP(lo + len, (uint64_t)8) - alo;
-      if (vouched) vouched = _keel_ph_chk_add(e, &k, PH_REDO_MAX, alo, alen, &chk);
+      if (named) named = name_range(e, &k, alo, alen, &chk, &vouched);
     }
     for (size_t i = 0; i < tx.nn + tx.na; i++) {
       keel_poff_t off;
@@ -385,11 +412,12 @@ static int tx_commit_outer(void) {
         continue;
       const ph_objhdr_t *h = (const ph_objhdr_t *)(ph->view.base + off - PH_OBJ_HDR);
       _keel_pm_flush(ph, tc, h, PH_OBJ_HDR + h->size, PH_S_TXNEW);
-      if (vouched)
-        vouched =
-            _keel_ph_chk_add(e, &k, PH_REDO_MAX, off - PH_OBJ_HDR, PH_OBJ_HDR + h->size, &chk);
+      if (named) named = name_range(e, &k, off - PH_OBJ_HDR, PH_OBJ_HDR + h->size, &chk, &vouched);
     }
-    if (!vouched) _keel_pm_drain(ph, tc);
+    if (!named)
+      _keel_ph_checkpoint(ph, tc); /* drains our flushes too */
+    else if (!vouched)
+      _keel_pm_drain(ph, tc);
     _keel_ph_log_write(ph, tc, tx.lane, tx.seq, e, k);
     _keel_pm_drain(ph, tc); /* committed */
     /* Applied, flushed and the undo log emptied before commit returns: from
@@ -398,6 +426,9 @@ static int tx_commit_outer(void) {
     uint64_t zero = 0; /* non-temporal: the line is not re-read until the next tx */
     _keel_pm_write_nt(ph, tc, &tx.lane->undo->seq, &zero, 8, PH_S_UNDO_INV);
     _keel_pm_drain(ph, tc);
+    /* Only now may the watermark pass the commit log: recovery finds a
+     * still-valid undo log's commit only above it (log.c). */
+    _keel_ph_log_end(tx.lane);
   }
   tx.undo_started = false;
   _keel_ph_acts_done(ph, tc, tx.acts, tx.na);

@@ -21,6 +21,7 @@
  */
 #define _GNU_SOURCE
 #include <errno.h>
+#include <pthread.h>
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/wait.h>
@@ -514,5 +515,381 @@ static void test_store_outside_tx_detected(void) {
   unlink(p);
 }
 
+/* Regression (kill-test leak "walk == reach: 36 != 35" and its mirror, a slot
+ * naming a block that is not allocated): a transaction's commit log did not
+ * pin its lane's ring, so a lane doing only transactions reused the ring
+ * before any checkpoint covered its commit logs. A wrap can overwrite a
+ * later commit log and leave an earlier one intact further along the ring
+ * (its header line is not rewritten when the next log does not fit there);
+ * recovery then replayed the stale earlier log without the later one that
+ * superseded it. Here, on the real mapping, with no barrier skipped: C1 (tx
+ * alloc or tx free of a block) lands on the last two lines of an 8-line
+ * ring, C2 (the opposite) wraps to line 0, and a 3-line log that does not
+ * fit after line 5 wraps again over C2 only. The child then dies. Replaying
+ * C1 alone sets the freed block's bit (a leak) or clears the bit of the
+ * block the slot names (a dangling slot). */
+static keel_pheap_t *g_wrap_ph;
+static root_t *g_wrap_r;
+
+static unsigned ring_pos(keel_pheap_t *ph) {
+  return ph->lanes[_keel_ph_tcache(ph)->lane_hint].ring_pos;
+}
+
+/* A transaction with `ranges` disjoint 8-byte snapshots and no allocation:
+ * its commit log is 48 + 16 * ranges bytes of CHK entries. */
+static void wrap_transfer(int ranges) {
+  keel_tx_begin(g_wrap_ph);
+  for (int i = 0; i < ranges; i++) {
+    int64_t *w = i == 0 ? &g_wrap_r->c[0] : (int64_t *)&g_wrap_r->slot[NS - i];
+    keel_tx_add_range(w, 8);
+    if (i == 0) *w += 1;
+  }
+  keel_tx_commit();
+  keel_tx_end();
+}
+
+static void wrap_toggle(void) {
+  keel_tx_begin(g_wrap_ph);
+  keel_tx_add_range(&g_wrap_r->slot[0], 8);
+  if (g_wrap_r->slot[0]) {
+    keel_tx_free(g_wrap_r->slot[0]);
+    g_wrap_r->slot[0] = 0;
+  } else {
+    g_wrap_r->slot[0] = keel_tx_alloc(64, TYPE);
+  }
+  keel_tx_commit();
+  keel_tx_end();
+}
+
+static void child_stale_commit_log(const char *p, bool start_full) {
+  _keel_ph_ring_limit = 8;
+  g_wrap_ph = keel_pheap_open(p, LAYOUT);
+  if (g_wrap_ph == NULL) _exit(3);
+  g_wrap_r = keel_pheap_root(g_wrap_ph, sizeof *g_wrap_r);
+  if (start_full) wrap_toggle();
+  /* Retire everything so far, then bring the ring to line 6 with 1-line
+   * commit logs (none of which needs a checkpoint). */
+  _keel_ph_checkpoint(g_wrap_ph, _keel_ph_tcache(g_wrap_ph));
+  while (ring_pos(g_wrap_ph) != 6) wrap_transfer(1);
+  wrap_toggle(); /* C1 on lines 6-7 */
+  if (ring_pos(g_wrap_ph) != 8) _exit(4);
+  wrap_toggle(); /* C2: wraps to lines 0-1 */
+  if (ring_pos(g_wrap_ph) != 2) _exit(5);
+  while (ring_pos(g_wrap_ph) != 6) wrap_transfer(1);
+  wrap_transfer(6); /* 3 lines: wraps over C2, leaves C1's header */
+  if (ring_pos(g_wrap_ph) != 3) _exit(6);
+  _exit(0); /* no close: the next open recovers */
+}
+
+static void fn_stale_empty(void) {
+  child_stale_commit_log(g_trial, false);
+}
+static void fn_stale_full(void) {
+  child_stale_commit_log(g_trial, true);
+}
+
+static void test_stale_commit_log_after_ring_wrap(void) {
+  tp_path(g_trial, sizeof g_trial, "wrap");
+  void (*fns[2])(void) = {fn_stale_empty, fn_stale_full};
+  for (int v = 0; v < 2; v++) {
+    unlink(g_trial);
+    keel_pheap_t *ph = keel_pheap_create(g_trial, LAYOUT, KEEL_PHEAP_MIN_SIZE, 0);
+    KT_REQUIRE(ph != NULL);
+    keel_pheap_root(ph, sizeof(root_t));
+    keel_pheap_close(ph);
+    KT_EQ(run_child(fns[v]), 0);
+    /* The slot ends as it started: empty (the walk must not find C1's
+     * block) or holding the block C2 allocated (which must be live). */
+    ph = keel_pheap_open(g_trial, LAYOUT);
+    KT_REQUIRE(ph != NULL);
+    root_t *r = keel_pheap_root(ph, sizeof *r);
+    offs_t s = {.n = 0};
+    keel_pheap_foreach(ph, KEEL_PHEAP_ANY_TYPE, collect, &s);
+    KT_EQ(r->slot[0] != 0, v == 1);
+    KT_EQ(s.n, v);
+    KT_CHECK(v == 0 || s.o[0] == r->slot[0]); /* the slot's block is the live one */
+    keel_pheap_close(ph);
+    KT_EQ(keel_pheap_check(g_trial), 0);
+  }
+  unlink(g_trial);
+}
+
+/* Regression (the same kill-test symptoms, second cause): a transaction's
+ * commit log left the in-flight set when its entries were applied, before
+ * its undo log was emptied, so a checkpoint by another thread in that window
+ * could raise the watermark past the commit log while the undo log was
+ * still valid. Recovery then ignored the commit log and rolled the undo log
+ * back over allocation state already applied: a tx_alloc'd block stayed
+ * allocated with its slot restored to 0, or a tx_free'd block stayed free
+ * with the slot naming it. Deterministic on simulated media: at the barrier
+ * that would make the undo log's emptying durable, a second thread runs a
+ * checkpoint, then the committing thread crashes with a seeded subset of
+ * its flushed lines written (seeds cover "bitmap line written, undo line
+ * not"). */
+static ph_tcache_t *g_commit_tc;
+
+static void *checkpoint_thread(void *arg) {
+  keel_pheap_t *ph = arg;
+  _keel_ph_checkpoint(ph, _keel_ph_tcache(ph));
+  return NULL;
+}
+
+static void commit_window_hook(keel_pheap_t *ph, ph_tcache_t *tc) {
+  if (tc != g_commit_tc) return; /* the checkpoint thread's own barriers */
+  /* The undo log is emptied in the mapping but not yet on the media. */
+  if (ph->lanes[tc->lane_hint].undo->seq != 0) return;
+  pthread_t t;
+  pthread_create(&t, NULL, checkpoint_thread, ph);
+  pthread_join(t, NULL);
+  _keel_pm_sim_crash(ph, tc, g_seed, false);
+  _exit(77);
+}
+
+static void child_commit_window(const char *p, bool start_full) {
+  _keel_ph_sim_next = true;
+  keel_pheap_t *ph = keel_pheap_open(p, LAYOUT);
+  if (ph == NULL) _exit(3);
+  root_t *r = keel_pheap_root(ph, sizeof *r);
+  for (int j = 0; j < (start_full ? 1 : 2); j++) { /* the run exists before the commit */
+    keel_tx_begin(ph);
+    keel_tx_add_range(&r->slot[0], 8);
+    if (r->slot[0]) {
+      keel_tx_free(r->slot[0]);
+      r->slot[0] = 0;
+    } else
+      r->slot[0] = keel_tx_alloc(64, TYPE);
+    keel_tx_commit();
+    keel_tx_end();
+  }
+  keel_tx_begin(ph);
+  keel_tx_add_range(&r->slot[0], 8);
+  if (r->slot[0]) {
+    keel_tx_free(r->slot[0]);
+    r->slot[0] = 0;
+  } else
+    r->slot[0] = keel_tx_alloc(64, TYPE);
+  g_commit_tc = _keel_ph_tcache(ph);
+  _keel_ph_barrier_hook = commit_window_hook;
+  keel_tx_commit();
+  _exit(4); /* the hook never found the window */
+}
+
+static void fn_commit_window_empty(void) {
+  child_commit_window(g_trial, false);
+}
+static void fn_commit_window_full(void) {
+  child_commit_window(g_trial, true);
+}
+
+static void test_checkpoint_between_commit_and_undo_emptying(void) {
+  tp_path(g_trial, sizeof g_trial, "window");
+  void (*fns[2])(void) = {fn_commit_window_empty, fn_commit_window_full};
+  for (int v = 0; v < 2; v++) {
+    for (uint64_t seed = 0; seed < 16; seed++) {
+      unlink(g_trial);
+      keel_pheap_t *ph = keel_pheap_create(g_trial, LAYOUT, KEEL_PHEAP_MIN_SIZE, 0);
+      KT_REQUIRE(ph != NULL);
+      keel_pheap_root(ph, sizeof(root_t));
+      keel_pheap_close(ph);
+      g_seed = seed;
+      KT_EQ(run_child(fns[v]), 77);
+      /* Committed or not, the slot and the heap agree. */
+      ph = keel_pheap_open(g_trial, LAYOUT);
+      KT_REQUIRE(ph != NULL);
+      root_t *r = keel_pheap_root(ph, sizeof *r);
+      offs_t s = {.n = 0};
+      keel_pheap_foreach(ph, KEEL_PHEAP_ANY_TYPE, collect, &s);
+      int reach = r->slot[0] != 0;
+      if (s.n != reach || (reach && s.o[0] != r->slot[0]))
+        kt_fail(__FILE__, __LINE__, "%s slot, seed %llu: walk %d, slot %llx, walk[0] %llx",
+                v ? "tx free" : "tx alloc", (unsigned long long)seed, s.n,
+                (unsigned long long)r->slot[0], (unsigned long long)(s.n ? s.o[0] : 0));
+      keel_pheap_close(ph);
+      KT_EQ(keel_pheap_check(g_trial), 0);
+    }
+  }
+  unlink(g_trial);
+}
+
+/* Regression (found while reading recovery for the kill-test leak): a
+ * transaction's commit log set only the allocation bit of a new object, so
+ * an older log that allocated the same block (freed since, still above the
+ * watermark) rewrote the header at recovery with that allocation's size and
+ * type. The new object's header was safe only when the commit log's CHK
+ * entries vouched for it (a transaction with snapshots and at most 1 KiB of
+ * new data); here: a 2000-byte object after a snapshot, and a 100-byte one
+ * in a transaction without snapshots. */
+#define HDR_OLD_TYPE 7
+static size_t g_hdr_size;
+static bool g_hdr_undo;
+
+static void fn_tx_header_after_old_log(void) {
+  keel_pheap_t *ph = keel_pheap_open(g_trial, LAYOUT);
+  if (ph == NULL) _exit(3);
+  root_t *r = keel_pheap_root(ph, sizeof *r);
+  keel_pheap_alloc(ph, &r->slot[3], g_hdr_size, HDR_OLD_TYPE); /* the class's run exists */
+  _keel_ph_checkpoint(ph, _keel_ph_tcache(ph));
+  keel_pheap_alloc(ph, &r->slot[0], g_hdr_size, HDR_OLD_TYPE); /* the older log */
+  keel_poff_t old = r->slot[0];
+  keel_pheap_free(ph, &r->slot[0]);
+  keel_tx_begin(ph);
+  if (g_hdr_undo) keel_tx_add_range(&r->slot[1], 8);
+  keel_poff_t o = keel_tx_alloc(g_hdr_size + 8, TYPE);
+  if (g_hdr_undo) r->slot[1] = o;
+  keel_tx_commit();
+  keel_tx_end();
+  if (o != old) _exit(4); /* the thread cache hands the freed block back */
+  r->slot[2] = o;         /* plain store, only for the parent to find it */
+  _exit(0);               /* no close: the next open replays both logs */
+}
+
+static void test_tx_alloc_header_survives_older_alloc_log(void) {
+  tp_path(g_trial, sizeof g_trial, "hdr");
+  static const struct {
+    size_t size;
+    bool undo;
+  } cases[] = {{2000, true}, {100, false}};
+  for (size_t c = 0; c < KEEL_ARRAY_SIZE(cases); c++) {
+    unlink(g_trial);
+    keel_pheap_t *ph = keel_pheap_create(g_trial, LAYOUT, KEEL_PHEAP_MIN_SIZE, 0);
+    KT_REQUIRE(ph != NULL);
+    keel_pheap_root(ph, sizeof(root_t));
+    keel_pheap_close(ph);
+    g_hdr_size = cases[c].size;
+    g_hdr_undo = cases[c].undo;
+    KT_EQ(run_child(fn_tx_header_after_old_log), 0);
+    ph = keel_pheap_open(g_trial, LAYOUT);
+    KT_REQUIRE(ph != NULL);
+    root_t *r = keel_pheap_root(ph, sizeof *r);
+    KT_REQUIRE(r->slot[2] != 0);
+    const ph_objhdr_t *h =
+        (const ph_objhdr_t *)((char *)keel_pheap_ptr(ph, r->slot[2]) - PH_OBJ_HDR);
+    KT_EQ(keel_pheap_type(ph, r->slot[2]), TYPE);
+    KT_EQ(h->size, cases[c].size + 8);
+    keel_pheap_close(ph);
+  }
+  unlink(g_trial);
+}
+
+/* Regression (also found reading recovery): a transaction whose snapshot
+ * data passed the 1 KiB checksum budget committed a log that named none of
+ * the ranges it wrote, so recovery replayed an older atomic log's store to
+ * the same word over the committed value: a slot the transaction cleared
+ * (tx_free) came back naming the freed block, or a slot it filled
+ * (tx_alloc) came back empty with the block allocated. The 2 KiB range sits
+ * below the slot, so it uses up the budget first. */
+typedef struct cover_root {
+  char buf[2048];
+  keel_poff_t slot;
+} cover_root_t;
+static bool g_cover_alloc;
+
+static void fn_tx_big_range_after_atomic(void) {
+  keel_pheap_t *ph = keel_pheap_open(g_trial, LAYOUT);
+  if (ph == NULL) _exit(3);
+  cover_root_t *r = keel_pheap_root(ph, sizeof *r);
+  keel_pheap_alloc(ph, &r->slot, 64, TYPE);         /* log: slot = X */
+  if (g_cover_alloc) keel_pheap_free(ph, &r->slot); /* log: slot = 0 */
+  keel_tx_begin(ph);
+  keel_tx_add_range(r->buf, sizeof r->buf);
+  keel_tx_add_range(&r->slot, 8);
+  memset(r->buf, 1, sizeof r->buf);
+  if (g_cover_alloc)
+    r->slot = keel_tx_alloc(64, TYPE);
+  else {
+    keel_tx_free(r->slot);
+    r->slot = 0;
+  }
+  keel_tx_commit();
+  keel_tx_end();
+  _exit(0); /* no close: the next open replays the logs */
+}
+
+static void test_tx_past_chk_budget_keeps_its_stores(void) {
+  tp_path(g_trial, sizeof g_trial, "cover");
+  for (int v = 0; v < 2; v++) {
+    unlink(g_trial);
+    keel_pheap_t *ph = keel_pheap_create(g_trial, LAYOUT, KEEL_PHEAP_MIN_SIZE, 0);
+    KT_REQUIRE(ph != NULL);
+    keel_pheap_root(ph, sizeof(cover_root_t));
+    keel_pheap_close(ph);
+    g_cover_alloc = v == 1;
+    KT_EQ(run_child(fn_tx_big_range_after_atomic), 0);
+    ph = keel_pheap_open(g_trial, LAYOUT);
+    KT_REQUIRE(ph != NULL);
+    cover_root_t *r = keel_pheap_root(ph, sizeof *r);
+    offs_t s = {.n = 0};
+    keel_pheap_foreach(ph, KEEL_PHEAP_ANY_TYPE, collect, &s); /* skips the root */
+    KT_EQ(r->slot != 0, v == 1);
+    KT_EQ(s.n, v);
+    KT_CHECK(v == 0 || s.o[0] == r->slot);
+    KT_EQ(r->buf[0], 1);
+    keel_pheap_close(ph);
+  }
+  unlink(g_trial);
+}
+
+/* Regression (same family): a new object's body was named in no log when
+ * it came from a transaction without snapshots or from zalloc, so if its
+ * block had held an object that was an atomic operation's destination (log
+ * still above the watermark), recovery replayed that store into the new
+ * body. Here Z is allocated, an atomic alloc stores into Z's first word, Z
+ * is freed and its block comes back from the thread cache for the new
+ * object, whose body must read back as written. */
+static int g_body_variant; /* 0: tx_alloc without snapshots, 1: zalloc */
+
+static void fn_body_after_older_dest_log(void) {
+  keel_pheap_t *ph = keel_pheap_open(g_trial, LAYOUT);
+  if (ph == NULL) _exit(3);
+  root_t *r = keel_pheap_root(ph, sizeof *r);
+  keel_pheap_alloc(ph, &r->slot[0], 64, TYPE);
+  keel_poff_t z = r->slot[0];
+  keel_pheap_alloc(ph, (keel_poff_t *)keel_pheap_ptr(ph, z), 32, TYPE); /* log: Z[0] = Y */
+  keel_pheap_free(ph, &r->slot[0]);
+  if (g_body_variant == 0) {
+    keel_tx_begin(ph);
+    keel_poff_t o = keel_tx_alloc(64, TYPE);
+    memset(keel_pheap_ptr(ph, o), 0xab, 64);
+    keel_pheap_act_t a;
+    keel_pheap_set_value(ph, &a, &r->slot[1], o);
+    keel_tx_publish(&a, 1);
+    keel_tx_commit();
+    keel_tx_end();
+  } else {
+    keel_pheap_zalloc(ph, &r->slot[1], 64, TYPE);
+  }
+  if (r->slot[1] != z) _exit(4); /* the thread cache hands Z's block back */
+  _exit(0);                      /* no close: the next open replays the logs */
+}
+
+static void test_new_object_body_survives_older_dest_log(void) {
+  tp_path(g_trial, sizeof g_trial, "body");
+  for (int v = 0; v < 2; v++) {
+    unlink(g_trial);
+    keel_pheap_t *ph = keel_pheap_create(g_trial, LAYOUT, KEEL_PHEAP_MIN_SIZE, 0);
+    KT_REQUIRE(ph != NULL);
+    keel_pheap_root(ph, sizeof(root_t));
+    keel_pheap_close(ph);
+    g_body_variant = v;
+    KT_EQ(run_child(fn_body_after_older_dest_log), 0);
+    ph = keel_pheap_open(g_trial, LAYOUT);
+    KT_REQUIRE(ph != NULL);
+    root_t *r = keel_pheap_root(ph, sizeof *r);
+    KT_REQUIRE(r->slot[1] != 0);
+    const unsigned char *b = keel_pheap_ptr(ph, r->slot[1]);
+    int bad = 0;
+    for (int i = 0; i < 64; i++) bad += b[i] != (v == 0 ? 0xab : 0);
+    if (bad)
+      kt_fail(__FILE__, __LINE__, "%s: %d body bytes clobbered", v ? "zalloc" : "tx_alloc", bad);
+    keel_pheap_close(ph);
+  }
+  unlink(g_trial);
+}
+
 KT_MAIN(KT_CASE(test_crash_points_mmap), KT_CASE(test_crash_points_sim_media),
-        KT_CASE(test_mutation_removing_a_flush_fails), KT_CASE(test_store_outside_tx_detected))
+        KT_CASE(test_mutation_removing_a_flush_fails), KT_CASE(test_store_outside_tx_detected),
+        KT_CASE(test_stale_commit_log_after_ring_wrap),
+        KT_CASE(test_checkpoint_between_commit_and_undo_emptying),
+        KT_CASE(test_tx_alloc_header_survives_older_alloc_log),
+        KT_CASE(test_tx_past_chk_budget_keeps_its_stores),
+        KT_CASE(test_new_object_body_survives_older_dest_log))
