@@ -105,7 +105,11 @@ void kb_suite_register(kb_suite_t *s);
   }
 
 /* Helpers for case functions. */
-double kb_now(void);           /* monotonic seconds */
+double kb_now(void); /* monotonic seconds */
+/* CPU time of the calling thread in ns: on a machine shared with other work
+ * the wall clock measures how much CPU a run was given as much as the code
+ * under test; a thread's CPU time per operation does not. */
+uint64_t kb_thread_cpu_ns(void);
 size_t kb_rss_kb(void);        /* current RSS of this process in KiB */
 uint64_t kb_rand(uint64_t *s); /* xorshift64*: deterministic per seed */
 

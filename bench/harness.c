@@ -86,6 +86,12 @@ double kb_now(void) {
 
 /* /proc/self/statm with read(2): no stdio buffer, so measuring RSS does not
  * itself allocate through the allocator under test. */
+uint64_t kb_thread_cpu_ns(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
 size_t kb_rss_kb(void) {
   char buf[128];
   int fd = open("/proc/self/statm", O_RDONLY | O_CLOEXEC);

@@ -26,24 +26,10 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "base/clock.h"
 #include "bench.h"
 
 #define HB_MIN_SIZE 16 /* room for the link word the cases keep in objects */
-
-/* CPU time of the calling thread: on a machine shared with other work the
- * wall clock measures how much CPU the run was given as much as the
- * allocator; the thread's CPU time per operation does not. */
-static uint64_t hb_cpu_ns(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
-  return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
-}
-
-static uint64_t hb_now_ns(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
-}
 
 /* A shared time window: the first worker to start opens it, so thread
  * creation (256 threads take several ms) is not charged to the window. */
@@ -58,7 +44,7 @@ static void hb_window_init(hb_window_t *w, const kb_params_t *p) {
 }
 
 static uint64_t hb_deadline(hb_window_t *w) {
-  uint64_t zero = 0, now = hb_now_ns();
+  uint64_t zero = 0, now = keel_clock_ns();
   if (!atomic_compare_exchange_strong(&w->start_ns, &zero, now)) now = zero;
   return now + w->length_ns;
 }
@@ -145,7 +131,7 @@ static void hb_pairs_thread(int i, void *arg) {
   uint64_t seed = (uint64_t)i * 7919 + 1, n = 0;
   size_t sizes[256];
   for (int k = 0; k < 256; k++) sizes[k] = hb_size(&seed, 8, 1024);
-  uint64_t deadline = hb_deadline(&a->win), cpu0 = hb_cpu_ns();
+  uint64_t deadline = hb_deadline(&a->win), cpu0 = kb_thread_cpu_ns();
   do {
     for (int k = 0; k < 256; k++) {
       char *p = malloc(sizes[k]);
@@ -154,8 +140,8 @@ static void hb_pairs_thread(int i, void *arg) {
       free(p);
     }
     n += 256;
-  } while (hb_now_ns() < deadline);
-  atomic_fetch_add(&a->cpu_ns, hb_cpu_ns() - cpu0);
+  } while (keel_clock_ns() < deadline);
+  atomic_fetch_add(&a->cpu_ns, kb_thread_cpu_ns() - cpu0);
   atomic_fetch_add(&a->ops, n);
 }
 
@@ -192,7 +178,7 @@ static void hb_churn_thread(int i, void *arg) {
   void **slot = hb_calloc_or_die((size_t)nslots, sizeof(*slot));
   uint64_t seed = (uint64_t)i * 104729 + 7, n = 0, remote = 0;
   for (int k = 0; k < nslots; k++) slot[k] = hb_alloc(hb_size(&seed, HB_MIN_SIZE, 1024));
-  uint64_t deadline = hb_deadline(&a->win), cpu0 = hb_cpu_ns();
+  uint64_t deadline = hb_deadline(&a->win), cpu0 = kb_thread_cpu_ns();
   do {
     for (int k = 0; k < 64; k++) {
       uint64_t x = kb_rand(&seed);
@@ -208,8 +194,8 @@ static void hb_churn_thread(int i, void *arg) {
     }
     hb_inbox_free_all(&a->inbox[i]);
     n += 64;
-  } while (hb_now_ns() < deadline);
-  atomic_fetch_add(&a->cpu_ns, hb_cpu_ns() - cpu0);
+  } while (keel_clock_ns() < deadline);
+  atomic_fetch_add(&a->cpu_ns, kb_thread_cpu_ns() - cpu0);
   atomic_fetch_add(&a->ops, n);
   atomic_fetch_add(&a->remote, remote);
   pthread_barrier_wait(&a->done);
@@ -265,7 +251,7 @@ static void hb_produce(hb_prodcons_t *a, hb_ring_t *q, uint64_t seed) {
       q->slot[tail % HB_RING] = o;
       atomic_store_explicit(&q->tail, ++tail, memory_order_release);
     }
-  } while (hb_now_ns() < deadline);
+  } while (keel_clock_ns() < deadline);
   atomic_store_explicit(&q->done, 1, memory_order_release);
 }
 
@@ -356,7 +342,7 @@ static void hb_spawner(int i, void *arg) {
       o = next;
     }
     n++;
-  } while (hb_now_ns() < deadline);
+  } while (keel_clock_ns() < deadline);
   atomic_fetch_add(&a->ops, n);
 }
 

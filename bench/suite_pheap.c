@@ -30,6 +30,7 @@
 
 #include <keel/pheap.h>
 
+#include "base/clock.h"
 #include "bench.h"
 #include "pheap/pheap_int.h"
 
@@ -65,12 +66,6 @@ typedef struct pb {
   _Atomic uint64_t ops, timed_ns, flushes, barriers;
   uint64_t start_ns;
 } pb_t;
-
-static uint64_t pb_now(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
-}
 
 /* ---- libpmemobj flush counting by interposition ---- */
 static __thread uint64_t pm_flushes, pm_barriers;
@@ -269,7 +264,7 @@ static void pb_worker(int t, void *arg) {
     int nl = 0;
     uint64_t f0, d0, f1, d1;
     counters(b, &f0, &d0);
-    uint64_t t0 = pb_now();
+    uint64_t t0 = keel_clock_ns();
     int per = b->op == PB_PUBLISH ? PB_BATCH / b->batch + 1 : PB_BATCH;
     for (int i = 0; i < per; i++) {
       if (b->impl == PB_KEEL) op_keel(b, t, left->k, &nl);
@@ -278,7 +273,7 @@ static void pb_worker(int t, void *arg) {
         op_pmdk(b, t, left->p, &nl);
 #endif
     }
-    uint64_t t1 = pb_now();
+    uint64_t t1 = keel_clock_ns();
     counters(b, &f1, &d1);
     ns += t1 - t0;
     fl += f1 - f0;
@@ -308,7 +303,7 @@ static int pb_run(const kb_params_t *p, kb_result_t *r, bool force, int op, size
   b->op = op;
   b->size = size;
   b->batch = batch;
-  b->start_ns = pb_now();
+  b->start_ns = keel_clock_ns();
   kb_run_threads(p->threads, pb_worker, b);
   double sec = (double)b->timed_ns / 1e9 / p->threads;
   r->ops = (double)b->ops;
@@ -371,7 +366,7 @@ static int pb_frag(const kb_params_t *p, kb_result_t *r) {
   }
   double s132 = 0, s4m = 0, b132 = 0;
   int n132 = 0, n4m = 0;
-  uint64_t t0 = pb_now();
+  uint64_t t0 = keel_clock_ns();
   for (size_t sz = 100; sz <= ((size_t)4 << 20); sz += 100) {
     double media, block = 0;
     if (b->impl == PB_KEEL) {
@@ -399,7 +394,7 @@ static int pb_frag(const kb_params_t *p, kb_result_t *r) {
     s4m += f, n4m++;
   }
   r->ops = n4m;
-  r->seconds = (double)(pb_now() - t0) / 1e9;
+  r->seconds = (double)(keel_clock_ns() - t0) / 1e9;
   kb_extra(r, "avg_frag_100B_132K", s132 / n132);
   kb_extra(r, "avg_frag_100B_4M", s4m / n4m);
   /* Block (or usable + header) only, without run tails: what libpmemobj's
@@ -436,21 +431,21 @@ static int pb_open_time(const kb_params_t *p, kb_result_t *r) {
   uint64_t t0 = 0, t1 = 0;
   if (b->impl == PB_KEEL) {
     keel_pheap_close(b->kp);
-    t0 = pb_now();
+    t0 = keel_clock_ns();
     b->kp = keel_pheap_open(b->path, "bench");
     /* keel rebuilds eagerly at open; touch one allocation so both pay it. */
     keel_poff_t o;
     keel_pheap_alloc(b->kp, &o, 64, 1);
-    t1 = pb_now();
+    t1 = keel_clock_ns();
   }
 #ifdef KEEL_HAVE_PMEMOBJ
   else {
     pmemobj_close(b->pop);
-    t0 = pb_now();
+    t0 = keel_clock_ns();
     b->pop = pmemobj_open(b->path, "bench");
     PMEMoid o;
     pmemobj_alloc(b->pop, &o, 64, 1, NULL, NULL);
-    t1 = pb_now();
+    t1 = keel_clock_ns();
   }
 #endif
   r->ops = 1;

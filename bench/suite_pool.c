@@ -56,6 +56,7 @@
 #include <keel/pool.h>
 
 #include "baseline_locked_pools.h"
+#include "base/clock.h"
 #include "bench.h"
 
 enum { GL_DICT, GL_STUB, GL_FRAME, GL_TYPES };
@@ -100,12 +101,6 @@ static double gl_cpu_s(void) {
   getrusage(RUSAGE_SELF, &ru);
   return (double)(ru.ru_utime.tv_sec + ru.ru_stime.tv_sec) +
          (double)(ru.ru_utime.tv_usec + ru.ru_stime.tv_usec) * 1e-6;
-}
-
-static uint64_t gl_now_ns(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
 }
 
 static inline void *gl_alloc(gl_ctx_t *c, int t) {
@@ -198,7 +193,7 @@ static void gl_worker(int i, void *arg) {
   if (pthread_barrier_wait(&c->bar) == PTHREAD_BARRIER_SERIAL_THREAD) {
     c->rss_pre_kb = kb_rss_kb();
     c->cpu_start_s = gl_cpu_s();
-    atomic_store(&c->start_ns, gl_now_ns());
+    atomic_store(&c->start_ns, keel_clock_ns());
   }
   pthread_barrier_wait(&c->bar);
   uint64_t deadline = atomic_load(&c->start_ns) + (uint64_t)(c->deadline_s * 1e9);
@@ -209,10 +204,10 @@ static void gl_worker(int i, void *arg) {
       gl_fop(c, to, op, f);
     }
     done += 3;
-    if ((f & 63) == 63 && gl_now_ns() > deadline) break;
+    if ((f & 63) == 63 && keel_clock_ns() > deadline) break;
   }
   /* The end of the timed region is the last worker's finish. */
-  uint64_t now = gl_now_ns(), prev = atomic_load(&c->end_ns);
+  uint64_t now = keel_clock_ns(), prev = atomic_load(&c->end_ns);
   while (now > prev && !atomic_compare_exchange_weak(&c->end_ns, &prev, now)) {}
   atomic_fetch_add(&c->ops, done);
   /* Nobody sends any more; CPU time of the load, on a machine whose other
@@ -330,7 +325,7 @@ static int gl_idle_case(const kb_params_t *p, kb_result_t *r) {
 static int hot_case(const kb_params_t *p, kb_result_t *r) {
   gl_ctx_t *c = malloc(sizeof(*c));
   if (c == NULL || gl_setup(c, p, 1) != 0) return 1;
-  uint64_t len = (uint64_t)(0.3e9 * p->scale), t0 = gl_now_ns(), t1;
+  uint64_t len = (uint64_t)(0.3e9 * p->scale), t0 = keel_clock_ns(), t1;
   double ops = 0;
   keel_pool_t *kp = c->pool[GL_FRAME];
   kb_locked_pool_t *lp = c->lp[GL_FRAME];
@@ -359,7 +354,7 @@ static int hot_case(const kb_params_t *p, kb_result_t *r) {
         break;
     }
     ops += 1024;
-    t1 = gl_now_ns();
+    t1 = keel_clock_ns();
   } while (t1 - t0 < len);
   r->ops = ops;
   r->seconds = (double)(t1 - t0) * 1e-9;

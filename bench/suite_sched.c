@@ -41,6 +41,7 @@
 #include <keel/sched.h>
 
 #include "baseline_mutex_pool.h"
+#include "base/clock.h"
 #include "bench.h"
 
 #ifdef KEEL_HAVE_GLIB
@@ -48,12 +49,6 @@
 #endif
 
 #define SB_BLOCK 32 /* submits per timed block (clock cost < 1 ns/submit) */
-
-static uint64_t sb_ns(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
-}
 
 typedef struct sb_job {
   union {
@@ -87,7 +82,7 @@ static int imin(int a, int b) {
 /* --- job bodies: empty, or stamp the start latency --- */
 
 static void sb_record(sb_job_t *j) {
-  uint64_t d = sb_ns() - j->submit_ns;
+  uint64_t d = keel_clock_ns() - j->submit_ns;
   uint32_t v = d > UINT32_MAX ? UINT32_MAX : (d == 0 ? 1 : (uint32_t)d);
   atomic_store_explicit(&j->lat_ns, v, memory_order_relaxed);
 }
@@ -255,9 +250,9 @@ static void flood_producer(int i, void *arg) {
   size_t b = 0;
   for (size_t k = 0; k < run->per; k += SB_BLOCK) {
     size_t end = k + SB_BLOCK < run->per ? k + SB_BLOCK : run->per;
-    uint64_t t0 = sb_ns();
+    uint64_t t0 = keel_clock_ns();
     for (size_t x = k; x < end; x++) pool_submit(run->pool, i, &mine[x]);
-    uint64_t t1 = sb_ns();
+    uint64_t t1 = keel_clock_ns();
     if (end - k == SB_BLOCK && b < run->blocks_per) bns[b++] = (float)(t1 - t0) / SB_BLOCK;
   }
   for (; b < run->blocks_per; b++) bns[b] = -1;
@@ -320,15 +315,15 @@ static void paced_producer(int i, void *arg) {
   sb_paced_t *pc = arg;
   prctl(PR_SET_TIMERSLACK, 1000UL); /* 1 us, not 50 us: pacing precision */
   sb_job_t *mine = pc->jobs + (size_t)i * pc->per;
-  uint64_t start = sb_ns();
+  uint64_t start = keel_clock_ns();
   size_t done = 0;
   /* Stagger the producers over the first millisecond. */
   struct timespec ts = {0, (long)(1000000.0 * i / 64) % 1000000};
   nanosleep(&ts, NULL);
   while (done < pc->per) {
-    double due = (double)(sb_ns() - start) / 1e9 * pc->rate_per_producer;
+    double due = (double)(keel_clock_ns() - start) / 1e9 * pc->rate_per_producer;
     while (done < pc->per && (double)done < due) {
-      mine[done].submit_ns = sb_ns();
+      mine[done].submit_ns = keel_clock_ns();
       pool_submit(pc->pool, i, &mine[done]);
       done++;
     }
@@ -362,7 +357,7 @@ static void burst_producer(int i, void *arg) {
   sb_run_t *run = arg;
   sb_job_t *mine = run->jobs + (size_t)i * run->per;
   for (size_t k = 0; k < run->per; k++) {
-    mine[k].submit_ns = sb_ns();
+    mine[k].submit_ns = keel_clock_ns();
     pool_submit(run->pool, i, &mine[k]);
   }
 }

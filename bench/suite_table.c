@@ -39,6 +39,7 @@
 #include <keel/table.h>
 
 #include "baseline_table.h"
+#include "base/clock.h"
 #include "bench.h"
 
 #define TB_WINDOW_S 0.2
@@ -97,18 +98,6 @@ typedef struct tb_run {
   _Atomic uint64_t cpu_ns; /* workers' CPU time in the window, summed */
 } tb_run_t;
 
-static uint64_t now_ns(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
-}
-
-static uint64_t thread_cpu_ns(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
-  return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
-}
-
 static void *slab_at(tb_run_t *r, size_t i) {
   return r->slab + i * r->impl->node_size;
 }
@@ -130,13 +119,13 @@ static void build_worker(int i, void *arg) {
 }
 
 static uint64_t window_deadline(tb_run_t *r) {
-  uint64_t zero = 0, now = now_ns();
+  uint64_t zero = 0, now = keel_clock_ns();
   if (!atomic_compare_exchange_strong(&r->start_ns, &zero, now)) now = zero;
   return now + (uint64_t)(TB_WINDOW_S * 1e9);
 }
 
 static void note_end(tb_run_t *r) {
-  uint64_t now = now_ns(), cur = atomic_load(&r->end_ns);
+  uint64_t now = keel_clock_ns(), cur = atomic_load(&r->end_ns);
   while (now > cur && !atomic_compare_exchange_weak(&r->end_ns, &cur, now)) {}
 }
 
@@ -206,14 +195,14 @@ static void measure_worker(int i, void *arg) {
     w.stride = (size_t)(kb_rand(&w.seed) % w.stripe) | 1;
     while (gcd(w.stride, w.stripe) != 1) w.stride += 2;
   }
-  uint64_t deadline = window_deadline(r), cpu0 = thread_cpu_ns();
+  uint64_t deadline = window_deadline(r), cpu0 = kb_thread_cpu_ns();
   long ops = 0;
   for (bool more = true; more;) {
     for (int j = 0; j < 64 && (more = one_op(&w)); j++) ops++;
-    if (now_ns() >= deadline) more = false;
+    if (keel_clock_ns() >= deadline) more = false;
   }
   note_end(r);
-  atomic_fetch_add(&r->cpu_ns, thread_cpu_ns() - cpu0);
+  atomic_fetch_add(&r->cpu_ns, kb_thread_cpu_ns() - cpu0);
   atomic_fetch_add(&r->ops, ops);
   if (w.bad) fprintf(stderr, "table bench: %s: %ld unexpected results\n", r->impl->name, w.bad);
   if (r->impl->thread_end) r->impl->thread_end();
