@@ -228,38 +228,6 @@ static void collector_exit(keel_heap_t *heap) {
 
 /* ---- queues (caller holds heap->lock) ---- */
 
-static void queue_remove(keel_page_queue_t *q, keel_page_t *page) {
-  if (page->prev != NULL)
-    page->prev->next = page->next;
-  else
-    q->first = page->next;
-  if (page->next != NULL)
-    page->next->prev = page->prev;
-  else
-    q->last = page->prev;
-  page->next = page->prev = NULL;
-}
-
-static void queue_push_back(keel_page_queue_t *q, keel_page_t *page) {
-  page->next = NULL;
-  page->prev = q->last;
-  if (q->last != NULL)
-    q->last->next = page;
-  else
-    q->first = page;
-  q->last = page;
-}
-
-static void queue_push_front(keel_page_queue_t *q, keel_page_t *page) {
-  page->prev = NULL;
-  page->next = q->first;
-  if (q->first != NULL)
-    q->first->prev = page;
-  else
-    q->last = page;
-  q->first = page;
-}
-
 /* ---- thread_free state changes by the owner ---- */
 
 /* Sets the page's delayed-free state, waiting out a remote freer that is in
@@ -287,16 +255,16 @@ static bool tf_set_state(keel_page_t *page, unsigned state) {
 
 static bool __page_to_full(keel_heap_t *heap, keel_page_t *page) {
   if (!tf_set_state(page, KEEL_TF_USE_DELAYED)) return false;
-  queue_remove(&heap->queue[page->cls], page);
+  __keel_page_queue_remove(&heap->queue[page->cls], page);
   if (heap->direct[page->cls] == page) heap->direct[page->cls] = &_keel_empty_page;
   keel_store_relaxed(&page->flags, KEEL_PAGE_IN_FULL);
-  queue_push_back(&heap->full, page);
+  __keel_page_queue_push_back(&heap->full, page);
   return true;
 }
 
 static void __page_unfull(keel_heap_t *heap, keel_page_t *page) {
-  queue_remove(&heap->full, page);
-  queue_push_back(&heap->queue[page->cls], page);
+  __keel_page_queue_remove(&heap->full, page);
+  __keel_page_queue_push_back(&heap->queue[page->cls], page);
   uintptr_t w = keel_load_relaxed(&page->thread_free);
   while (KEEL_TF_STATE(w) == KEEL_TF_USE_DELAYED &&
          !keel_cas_weak_acq_rel(&page->thread_free, &w, (w & ~(uintptr_t)3) | KEEL_TF_NORMAL)) {}
@@ -307,7 +275,7 @@ static void __page_unfull(keel_heap_t *heap, keel_page_t *page) {
 
 /* Frees a page whose blocks are all back; it is on `q`. */
 static void __page_retire(keel_heap_t *heap, keel_page_queue_t *q, keel_page_t *page) {
-  queue_remove(q, page);
+  __keel_page_queue_remove(q, page);
   if (heap->direct[page->cls] == page) {
     keel_page_t *first = heap->queue[page->cls].first;
     heap->direct[page->cls] = first != NULL ? first : &_keel_empty_page;
@@ -448,7 +416,7 @@ static void __heap_abandon_pages(keel_heap_t *heap) {
     keel_page_queue_t *q = c < _keel_class_count ? &heap->queue[c] : &heap->full;
     keel_page_t *page;
     while ((page = q->first) != NULL) {
-      queue_remove(q, page);
+      __keel_page_queue_remove(q, page);
       tf_set_state(page, KEEL_TF_NEVER_DELAYED);
       __keel_page_collect_thread_free(page);
       keel_store_relaxed(&page->flags, 0);
@@ -526,10 +494,10 @@ static keel_page_t *__find_page(keel_heap_t *heap, unsigned cls) {
   while ((page = _keel_page_adopt(cls, heap)) != NULL) {
     __keel_page_collect(page);
     if (!_keel_list_empty(page->free)) {
-      queue_push_front(q, page);
+      __keel_page_queue_push_front(q, page);
       goto found;
     }
-    queue_push_front(q, page);
+    __keel_page_queue_push_front(q, page);
     if (!__page_to_full(heap, page)) {
       __keel_page_collect(page);
       goto found;
@@ -538,12 +506,12 @@ static keel_page_t *__find_page(keel_heap_t *heap, unsigned cls) {
   page = _keel_page_alloc(cls, heap);
   if (page == NULL) return NULL;
   __keel_page_collect(page);
-  queue_push_front(q, page);
+  __keel_page_queue_push_front(q, page);
 found:
   KEEL_ASSERT_FULL(_keel_page_validate(page)); /* debug-full builds: walk the page */
   if (q->first != page) {
-    queue_remove(q, page);
-    queue_push_front(q, page);
+    __keel_page_queue_remove(q, page);
+    __keel_page_queue_push_front(q, page);
   }
   heap->direct[cls] = page;
   return page;

@@ -156,6 +156,41 @@ typedef struct keel_page_queue {
   keel_page_t *first, *last;
 } keel_page_queue_t;
 
+/* Page queue links (next/prev). The caller holds the lock of the queue's
+ * owner: the heap lock for a heap's queues, the segment lock for the
+ * abandoned lists. */
+KEEL_INLINE void __keel_page_queue_remove(keel_page_queue_t *q, keel_page_t *page) {
+  if (page->prev != NULL)
+    page->prev->next = page->next;
+  else
+    q->first = page->next;
+  if (page->next != NULL)
+    page->next->prev = page->prev;
+  else
+    q->last = page->prev;
+  page->next = page->prev = NULL;
+}
+
+KEEL_INLINE void __keel_page_queue_push_back(keel_page_queue_t *q, keel_page_t *page) {
+  page->next = NULL;
+  page->prev = q->last;
+  if (q->last != NULL)
+    q->last->next = page;
+  else
+    q->first = page;
+  q->last = page;
+}
+
+KEEL_INLINE void __keel_page_queue_push_front(keel_page_queue_t *q, keel_page_t *page) {
+  page->prev = NULL;
+  page->next = q->first;
+  if (q->first != NULL)
+    q->first->prev = page;
+  else
+    q->last = page;
+  q->first = page;
+}
+
 /* A thread heap. `direct` is the fast path's; queues, the full list and
  * full pages are changed by the owner in its slow paths or by a collector
  * working on the owner's full pages, never both at once (heap.c: the

@@ -208,13 +208,7 @@ void _keel_page_abandon(keel_page_t *page) {
   pthread_mutex_lock(&seg_lock);
   keel_page_queue_t *q = &abandoned[page->cls];
   page->abandoned = 1;
-  page->next = NULL;
-  page->prev = q->last;
-  if (q->last != NULL)
-    q->last->next = page;
-  else
-    q->first = page;
-  q->last = page;
+  __keel_page_queue_push_back(q, page);
   n_abandoned++;
   _keel_purge_note_work();
   keel_store_relaxed(&abandoned_hint[page->cls], keel_load_relaxed(&abandoned_hint[page->cls]) + 1);
@@ -222,16 +216,7 @@ void _keel_page_abandon(keel_page_t *page) {
 }
 
 static void __abandoned_unlink(keel_page_t *page) {
-  keel_page_queue_t *q = &abandoned[page->cls];
-  if (page->prev != NULL)
-    page->prev->next = page->next;
-  else
-    q->first = page->next;
-  if (page->next != NULL)
-    page->next->prev = page->prev;
-  else
-    q->last = page->prev;
-  page->next = page->prev = NULL;
+  __keel_page_queue_remove(&abandoned[page->cls], page);
   page->abandoned = 0;
   n_abandoned--;
   keel_store_relaxed(&abandoned_hint[page->cls], keel_load_relaxed(&abandoned_hint[page->cls]) - 1);
