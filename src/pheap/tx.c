@@ -340,6 +340,29 @@ static bool name_range(ph_redo_entry_t *e, size_t *k, uint64_t off, uint64_t len
   return true;
 }
 
+/* Flushes every object this transaction created (tx_alloc'ed, or reserved
+ * and published with it) and names it in the commit log, so recovery
+ * replays no older log's store into its body. Returns whether there was
+ * one; *named turns false once the log has no room left. */
+static bool flush_new_objects(keel_pheap_t *ph, ph_tcache_t *tc, ph_redo_entry_t *e, size_t *k,
+                              uint64_t *chk, bool *vouched, bool *named) {
+  bool any = false;
+  for (size_t i = 0; i < tx.nn + tx.na; i++) {
+    keel_poff_t off;
+    if (i < tx.nn)
+      off = tx.news[i].off;
+    else if (tx.acts[i - tx.nn].kind == PH_ACT_RESERVE)
+      off = tx.acts[i - tx.nn].off;
+    else
+      continue;
+    const ph_objhdr_t *h = (const ph_objhdr_t *)(ph->view.base + off - PH_OBJ_HDR);
+    _keel_pm_flush(ph, tc, h, PH_OBJ_HDR + h->size, PH_S_TXNEW);
+    if (*named) *named = name_range(e, k, off - PH_OBJ_HDR, PH_OBJ_HDR + h->size, chk, vouched);
+    any = true;
+  }
+  return any;
+}
+
 static int tx_commit_outer(void) {
   keel_pheap_t *ph = tx.ph;
   ph_tcache_t *tc = tx.tc;
@@ -364,21 +387,9 @@ static int tx_commit_outer(void) {
     /* Nothing snapshot: flush the new objects, order them with a barrier,
      * then log like an atomic operation (deferred apply, log.c), naming them
      * (COVER) so recovery replays no older store into their bodies. */
-    bool data = false, vouched = false, named = true;
+    bool vouched = false, named = true;
     uint64_t chk = 0;
-    for (size_t i = 0; i < tx.nn + tx.na; i++) {
-      keel_poff_t off;
-      if (i < tx.nn)
-        off = tx.news[i].off;
-      else if (tx.acts[i - tx.nn].kind == PH_ACT_RESERVE)
-        off = tx.acts[i - tx.nn].off;
-      else
-        continue;
-      const ph_objhdr_t *h = (const ph_objhdr_t *)(ph->view.base + off - PH_OBJ_HDR);
-      _keel_pm_flush(ph, tc, h, PH_OBJ_HDR + h->size, PH_S_TXNEW);
-      if (named) named = name_range(e, &k, off - PH_OBJ_HDR, PH_OBJ_HDR + h->size, &chk, &vouched);
-      data = true;
-    }
+    bool data = flush_new_objects(ph, tc, e, &k, &chk, &vouched, &named);
     if (!named)
       _keel_ph_checkpoint(ph, tc); /* drains our flushes too */
     else if (data)
@@ -402,18 +413,7 @@ static int tx_commit_outer(void) {
       uint64_t alen = KEEL_ALIGN_UP(lo + len, (uint64_t)8) - alo;
       if (named) named = name_range(e, &k, alo, alen, &chk, &vouched);
     }
-    for (size_t i = 0; i < tx.nn + tx.na; i++) {
-      keel_poff_t off;
-      if (i < tx.nn)
-        off = tx.news[i].off;
-      else if (tx.acts[i - tx.nn].kind == PH_ACT_RESERVE)
-        off = tx.acts[i - tx.nn].off;
-      else
-        continue;
-      const ph_objhdr_t *h = (const ph_objhdr_t *)(ph->view.base + off - PH_OBJ_HDR);
-      _keel_pm_flush(ph, tc, h, PH_OBJ_HDR + h->size, PH_S_TXNEW);
-      if (named) named = name_range(e, &k, off - PH_OBJ_HDR, PH_OBJ_HDR + h->size, &chk, &vouched);
-    }
+    flush_new_objects(ph, tc, e, &k, &chk, &vouched, &named);
     if (!named)
       _keel_ph_checkpoint(ph, tc); /* drains our flushes too */
     else if (!vouched)
