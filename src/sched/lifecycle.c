@@ -66,6 +66,9 @@ static void reset(const keel_sched_config_t *cfg) {
   CDS_INIT_LIST_HEAD(&s->idle);
   atomic_store(&s->nthreads, 0);
   atomic_store(&s->nidle, 0);
+  atomic_store(&s->waking, 0);
+  atomic_store(&s->nyielding, 0);
+  s->mon_saw_work = false;
   s->cfg = *cfg;
   long ncpu = sysconf(_SC_NPROCESSORS_ONLN);
   s->ncpu = ncpu < 1 ? 1 : (int)ncpu;

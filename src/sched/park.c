@@ -33,6 +33,8 @@ void _keel_sched_wake_one(void) {
   sched_worker_t *w = cds_list_first_entry(&s->idle, sched_worker_t, idle_link);
   cds_list_del(&w->idle_link);
   w->parked = false;
+  w->wake_pending = true;
+  keel_fetch_add_relaxed(&s->waking, 1);
   s->wakeups++;
   keel_fetch_sub_relaxed(&s->nidle, 1); /* idle_lock orders it against parkers */
   atomic_store(&w->word, 1);
@@ -72,7 +74,8 @@ static void park_push(sched_worker_t *w) {
   pthread_mutex_unlock(&s->idle_lock);
 }
 
-/* Takes w off the idle stack if a waker has not; true if it was still on. */
+/* Takes w off the idle stack if a waker has not; true if it was still on.
+ * A worker a waker took off checks in here (sched.waking). */
 static bool park_pop(sched_worker_t *w) {
   sched_t *s = &_keel_sched;
   pthread_mutex_lock(&s->idle_lock);
@@ -81,6 +84,9 @@ static bool park_pop(sched_worker_t *w) {
     cds_list_del(&w->idle_link);
     w->parked = false;
     keel_fetch_sub_relaxed(&s->nidle, 1);
+  } else if (w->wake_pending) {
+    w->wake_pending = false;
+    keel_fetch_sub_relaxed(&s->waking, 1);
   }
   pthread_mutex_unlock(&s->idle_lock);
   return was;

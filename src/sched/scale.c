@@ -72,10 +72,15 @@ static uint64_t tick(uint64_t now) {
   if (work && !waiting) {
     /* Work waits while a worker is parked: the worker that left it chose not
      * to chain-wake (a batch of one) and may now be in a long job. Only on
-     * the second tick in a row, so that work a waking worker is about to
-     * take does not cost a second wake-up. */
-    if (s->mon_saw_work) _keel_sched_wake_one();
-    s->mon_saw_work = true;
+     * the second tick in a row with no worker on its way to that work (woken
+     * and not yet back, spinning, or yielding to a preempted producer), so
+     * that work an awake worker is about to take costs no second wake-up
+     * however long the scheduler keeps that worker or the producer off a
+     * CPU. */
+    bool in_flight = keel_load_relaxed(&s->waking) > 0 || keel_load_relaxed(&s->nyielding) > 0 ||
+                     keel_load_relaxed(&s->nspinning) > 0;
+    if (s->mon_saw_work && !in_flight) _keel_sched_wake_one();
+    s->mon_saw_work = !in_flight;
     return SPAWN_INTERVAL_NS;
   }
   s->mon_saw_work = false;

@@ -65,6 +65,7 @@ typedef struct sched_worker {
   struct cds_list_head link;      /* sched.workers or sched.zombies (lock) */
   struct cds_list_head idle_link; /* sched.idle while parked (idle) */
   bool parked;                    /* on sched.idle (idle) */
+  bool wake_pending;              /* woken by wake_one, not yet back (idle) */
   pthread_t thread;
   keel_atomic(uint32_t) word;             /* futex: 0 parked, 1 woken, 2 kicked */
   keel_atomic(uint64_t) seq;              /* (own) odd while inside fn; +2 per job */
@@ -156,6 +157,15 @@ typedef struct sched {
   pthread_mutex_t idle_lock KEEL_CACHE_ALIGNED;
   struct cds_list_head idle;
   uint64_t wakeups; /* (idle_lock) */
+  /* Workers woken by wake_one that have not yet returned from their wait.
+   * The monitor's backstop wake waits for this to reach 0: on a loaded
+   * machine a woken worker can wait milliseconds for a CPU, and waking a
+   * second one for the same work would only add a runnable thread. */
+  keel_atomic(int) waking;
+  /* Workers that found a half-linked enqueue and yield until its producer
+   * runs again: awake and about to take that work, so the monitor must not
+   * wake another for it (one more thread polling the same stuck shard). */
+  keel_atomic(int) nyielding;
   /* The monitor thread (scale.c). */
   pthread_t monitor;
   bool monitor_started;

@@ -131,11 +131,17 @@ static void *worker_main(void *arg) {
   sched_worker_t *w = arg;
   _keel_sched_self = w;
   w->busy_ns = keel_clock_ns();
+  sched_t *s = &_keel_sched;
+  bool yielding = false; /* counted in sched.nyielding */
   for (;;) {
     uint64_t due = atomic_load(&w->next_deadline);
     if (due != UINT64_MAX && due <= keel_clock_ns()) _keel_sched_timers_fire(w, keel_clock_ns());
     bool stuck;
     unsigned n = take(w, &stuck);
+    if (yielding != (n == 0 && stuck)) {
+      yielding = !yielding;
+      keel_fetch_add_relaxed(&s->nyielding, yielding ? 1 : -1);
+    }
     if (n > 0) {
       run_batch(w, n);
       continue;
