@@ -157,8 +157,7 @@ typedef struct keel_sched_stats {
   unsigned idle;           /* workers parked */
   uint64_t wakeups;        /* parked workers woken for work (one per burst) */
   uint64_t run_prio[3];    /* run, by priority: high, normal, low */
-  uint64_t queued_prio[3]; /* on client lists by priority (the default client's normal
-                            * jobs in its fast FIFO are not counted) */
+  uint64_t queued_prio[3]; /* queued, by priority (fast lane included) */
 } keel_sched_stats_t;
 
 /* A snapshot of the counters (each exact, the set not atomic). Takes the

@@ -16,7 +16,7 @@
  * Where membarrier is missing (and under TSan, which cannot see it),
  * producers raise `active` with a seq_cst exchange instead.
  *
- * `submitted` is written only by its owner (load+store, no lock prefix);
+ * `submitted` (per priority) is written only by its owner (load+store, no lock prefix);
  * readers sum the registry under prod_lock; a record folds its count into
  * `exited` when its thread ends.
  */
@@ -33,13 +33,13 @@ __thread sched_producer_t _keel_sched_me;
 
 static pthread_mutex_t prod_lock = PTHREAD_MUTEX_INITIALIZER;
 static CDS_LIST_HEAD(producers);
-static int64_t exited; /* submits counted by threads that have ended (prod_lock) */
+static int64_t exited[PRIO_COUNT]; /* submits counted by threads that have ended (prod_lock) */
 int _keel_sched_fence_needed = 1;
 
 static void producer_exit(void *arg) {
   sched_producer_t *me = arg;
   pthread_mutex_lock(&prod_lock);
-  exited += keel_load_relaxed(&me->submitted);
+  for (int p = 0; p < PRIO_COUNT; p++) exited[p] += keel_load_relaxed(&me->submitted[p]);
   cds_list_del(&me->link);
   me->registered = false;
   pthread_mutex_unlock(&prod_lock);
@@ -87,11 +87,16 @@ void _keel_sched_gate_close(void) {
   pthread_mutex_unlock(&prod_lock);
 }
 
-int64_t _keel_sched_submitted(void) {
+/* The total; by_prio (may be NULL) gets the counts per priority. */
+int64_t _keel_sched_submitted(int64_t by_prio[PRIO_COUNT]) {
+  int64_t n[PRIO_COUNT];
   pthread_mutex_lock(&prod_lock);
-  int64_t n = exited;
+  for (int i = 0; i < PRIO_COUNT; i++) n[i] = exited[i];
   sched_producer_t *p;
-  cds_list_for_each_entry(p, &producers, link) n += keel_load_relaxed(&p->submitted);
+  cds_list_for_each_entry(p, &producers, link) for (int i = 0; i < PRIO_COUNT; i++) n[i] +=
+      keel_load_relaxed(&p->submitted[i]);
   pthread_mutex_unlock(&prod_lock);
-  return n;
+  if (by_prio != NULL)
+    for (int i = 0; i < PRIO_COUNT; i++) by_prio[i] = n[i];
+  return n[0] + n[1] + n[2];
 }

@@ -124,21 +124,22 @@ int _keel_sched_lazy_init(void) {
  * then final and `done` can only lag); the caller holds sched.lock. */
 int64_t _keel_sched_pending(void) {
   sched_t *s = &_keel_sched;
-  int64_t done = atomic_load(&s->cancelled);
-  for (int p = 0; p < PRIO_COUNT; p++) done += (int64_t)s->run_retired[p];
+  int64_t done = 0;
+  for (int p = 0; p < PRIO_COUNT; p++)
+    done += atomic_load(&s->cancelled[p]) + (int64_t)s->run_retired[p];
   sched_worker_t *w;
   cds_list_for_each_entry(w, &s->workers, link) for (int p = 0; p < PRIO_COUNT; p++) done +=
       (int64_t)atomic_load(&w->nrun[p]);
   cds_list_for_each_entry(w, &s->zombies, link) for (int p = 0; p < PRIO_COUNT; p++) done +=
       (int64_t)atomic_load(&w->nrun[p]);
-  return _keel_sched_submitted() - done;
+  return _keel_sched_submitted(NULL) - done;
 }
 
 /* Hands a CANCELLING or TAKEN job back: counted, then IDLE (release: the
  * last keel access to it), then on_cancel. */
 void _keel_sched_notify_cancel(keel_job_t *job) {
   keel_job_fn cb = job->on_cancel;
-  atomic_fetch_add(&_keel_sched.cancelled, 1);
+  atomic_fetch_add(&_keel_sched.cancelled[_keel_job_prio(job)], 1);
   _keel_job_set_state(job, JOB_IDLE);
   if (cb != NULL) cb(job);
 }
@@ -178,9 +179,16 @@ static void stop(int how) {
   _keel_sched_gate_close();         /* no submit is half done after this */
   atomic_store(&s->gate_closed, 1); /* release: the counts are final */
   notify_all(&notices);             /* outside the lock: callbacks may call keel */
-  _keel_sched_monitor_stop();
+  /* A drain keeps the monitor, which grows the pool while queued jobs wait
+   * behind blocked workers (it may sleep with work waiting: poke it). */
+  if (how == KEEL_SCHED_CANCEL)
+    _keel_sched_monitor_stop();
+  else
+    _keel_sched_poke();
   _keel_sched_wake_all();
   _keel_sched_join_workers(); /* each exits once nothing is pending */
+  _keel_sched_monitor_stop();
+  _keel_sched_join_zombies();
   pthread_mutex_lock(&s->lock);
   KEEL_ASSERT(_keel_sched_pending() == 0);
   pthread_mutex_unlock(&s->lock);
@@ -275,17 +283,26 @@ int keel_sched_client_destroy(keel_sched_client_t *c) {
   return 0;
 }
 
-static void stats_workers(keel_sched_stats_t *st, struct cds_list_head *list) {
+/* Adds list's workers to *st; running and timers also by priority. */
+static void stats_workers(keel_sched_stats_t *st, struct cds_list_head *list,
+                          uint64_t running[PRIO_COUNT], uint64_t timers[PRIO_COUNT]) {
   sched_worker_t *w;
   cds_list_for_each_entry(w, list, link) {
     for (int p = 0; p < PRIO_COUNT; p++) st->run_prio[p] += atomic_load(&w->nrun[p]);
-    st->running += keel_load_acquire(&w->seq) & 1;
+    if (keel_load_acquire(&w->seq) & 1) {
+      st->running++;
+      running[keel_load_relaxed(&w->cur_prio)]++; /* may be the next job's: a snapshot */
+    }
     pthread_mutex_lock(&w->tlock);
     st->timers += w->nheap;
+    for (int p = 0; p < PRIO_COUNT; p++) timers[p] += w->ntimer[p];
     pthread_mutex_unlock(&w->tlock);
   }
 }
 
+/* queued_prio is derived like queued (submitted - run - cancelled - running
+ * - timers, per priority), so it covers every place a job can wait, the fast
+ * lane and the unsorted staging queues included, at no cost to submit. */
 int keel_sched_stats(keel_sched_stats_t *st) {
   if (st == NULL) return KEEL_EINVAL;
   sched_t *s = &_keel_sched;
@@ -294,15 +311,18 @@ int keel_sched_stats(keel_sched_stats_t *st) {
     if (rc != 0 && rc != KEEL_EBUSY) return rc;
   }
   *st = (keel_sched_stats_t){0};
+  uint64_t running[PRIO_COUNT] = {0}, timers[PRIO_COUNT] = {0};
+  int64_t sub[PRIO_COUNT], cancelled[PRIO_COUNT];
   pthread_mutex_lock(&s->lock);
+  for (int p = 0; p < PRIO_COUNT; p++) st->run_prio[p] = s->run_retired[p];
+  stats_workers(st, &s->workers, running, timers);
+  stats_workers(st, &s->zombies, running, timers);
+  /* After the runs: a job counted run here was counted submitted below. */
   for (int p = 0; p < PRIO_COUNT; p++) {
-    st->run_prio[p] = s->run_retired[p];
-    st->queued_prio[p] = s->levels[p].n;
+    cancelled[p] = atomic_load(&s->cancelled[p]);
+    st->cancelled += (uint64_t)cancelled[p];
   }
-  stats_workers(st, &s->workers);
-  stats_workers(st, &s->zombies);
-  st->cancelled = (uint64_t)atomic_load(&s->cancelled);
-  int64_t sub = _keel_sched_submitted();
+  int64_t total = _keel_sched_submitted(sub);
   st->threads = (unsigned)keel_load_relaxed(&s->nthreads);
   st->spawned = s->spawned;
   st->retired = s->retired;
@@ -311,9 +331,13 @@ int keel_sched_stats(keel_sched_stats_t *st) {
   pthread_mutex_lock(&s->idle_lock);
   st->wakeups = s->wakeups;
   pthread_mutex_unlock(&s->idle_lock);
-  st->submitted = (uint64_t)sub;
+  st->submitted = (uint64_t)total;
   st->run = st->run_prio[0] + st->run_prio[1] + st->run_prio[2];
-  int64_t q = sub - (int64_t)(st->run + st->cancelled + st->running + st->timers);
+  int64_t q = total - (int64_t)(st->run + st->cancelled + st->running + st->timers);
   st->queued = q > 0 ? (uint64_t)q : 0;
+  for (int p = 0; p < PRIO_COUNT; p++) {
+    q = sub[p] - cancelled[p] - (int64_t)(st->run_prio[p] + running[p] + timers[p]);
+    st->queued_prio[p] = q > 0 ? (uint64_t)q : 0;
+  }
   return 0;
 }

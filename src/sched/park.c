@@ -92,24 +92,51 @@ static bool park_pop(sched_worker_t *w) {
   return was;
 }
 
-/* Leaves the pool if it is above min, idle long enough and owns no timer.
- * Under sched.lock, which keel_sched_after holds while it picks a worker. */
+/* The worker that inherits a retiring w's timers: the next timer owner in
+ * line (the head of sched.workers, like keel_sched_after's pick), which then
+ * moves to the tail. Caller holds sched.lock; some other worker exists. */
+static sched_worker_t *__timer_heir(sched_worker_t *w) {
+  sched_t *s = &_keel_sched;
+  sched_worker_t *h;
+  cds_list_for_each_entry(h, &s->workers, link) {
+    if (h == w) continue;
+    _keel_list_move_tail(&h->link, &s->workers);
+    return h;
+  }
+  return NULL;
+}
+
+/* Leaves the pool if it is above min and idle long enough, handing its
+ * timers to another worker first (if they cannot move, for want of memory,
+ * it stays). Under sched.lock, which keel_sched_after holds while it picks a
+ * worker, so no timer can be armed on w meanwhile. */
 static bool try_retire(sched_worker_t *w, uint64_t now) {
   sched_t *s = &_keel_sched;
   bool retire = false;
+  sched_worker_t *heir = NULL;
   pthread_mutex_lock(&s->lock);
   if (atomic_load(&s->state) == SCHED_RUNNING &&
       keel_load_relaxed(&s->nthreads) > (int)s->cfg.min_threads &&
-      now - w->busy_ns >= (uint64_t)s->cfg.idle_ms * 1000000u &&
-      atomic_load(&w->next_deadline) == UINT64_MAX) {
+      now - w->busy_ns >= (uint64_t)s->cfg.idle_ms * 1000000u) {
+    retire = true;
+    if (atomic_load(&w->next_deadline) != UINT64_MAX) {
+      heir = __timer_heir(w); /* not NULL: nthreads > min >= 1 counts w and another */
+      KEEL_ASSERT(heir != NULL);
+      retire = __keel_sched_timers_hand_over(w, heir) == 0;
+    }
+  }
+  if (retire) {
     cds_list_del(&w->link);
     cds_list_add_tail(&w->link, &s->zombies);
     keel_fetch_sub_relaxed(&s->nthreads, 1);
     s->retired++;
-    retire = true;
+    /* The heir may be parked with a later deadline than the timers it got
+     * (its next_deadline was stored, seq_cst, before this). Under the lock:
+     * once it is released the heir may retire in turn and be freed. */
+    if (heir != NULL) _keel_sched_kick_worker(heir);
   }
   pthread_mutex_unlock(&s->lock);
-  if (retire) _keel_sched_poke(); /* the monitor joins it */
+  if (retire) _keel_sched_poke(); /* the monitor joins w */
   return retire;
 }
 
@@ -117,8 +144,8 @@ static uint64_t park_deadline(sched_worker_t *w, bool stopping) {
   sched_t *s = &_keel_sched;
   uint64_t d = atomic_load(&w->next_deadline);
   if (stopping) return keel_clock_ns() + 1000000u; /* re-check pending each ms */
-  /* A worker with timers never retires, so it must not wake for that. */
-  if (d == UINT64_MAX && keel_load_relaxed(&s->nthreads) > (int)s->cfg.min_threads) {
+  /* Above min it wakes to retire too (timers or not: they would move). */
+  if (keel_load_relaxed(&s->nthreads) > (int)s->cfg.min_threads) {
     uint64_t retire_at = w->busy_ns + (uint64_t)s->cfg.idle_ms * 1000000u;
     if (retire_at < d) d = retire_at;
   }

@@ -7,6 +7,9 @@
  * than block_ms (seen as the same odd seq on two looks block_ms apart), so
  * sleeping jobs let the pool pass the CPU count, up to max.
  *
+ * The rule holds during a drain too (shutdown keeps the monitor until every
+ * worker has been joined; _keel_sched_spawn refuses once nothing is pending).
+ *
  * It also wakes a parked worker when work has waited a tick while one was
  * parked (workers chain-wake a sibling only when they fill a batch).
  *
@@ -33,6 +36,16 @@ void _keel_sched_poke(void) {
 static bool backlog(void) {
   sched_t *s = &_keel_sched;
   return _keel_sched_work_visible() || (s->stage_mask | s->stage2_mask) != 0;
+}
+
+/* Growth is allowed while running and while draining (jobs queued before a
+ * drain must not wait behind blocked workers), never while cancelling.
+ * Caller holds sched.lock. */
+static bool __may_grow(void) {
+  sched_t *s = &_keel_sched;
+  int st = atomic_load(&s->state); /* seq_cst: `how` was stored before it */
+  return st == SCHED_RUNNING ||
+         (st == SCHED_STOPPING && keel_load_relaxed(&s->how) == KEEL_SCHED_DRAIN);
 }
 
 /* Looks at one worker; true if it counts as blocked. Fires its due timers if
@@ -66,8 +79,7 @@ static uint64_t tick(uint64_t now) {
   int cap = s->ncpu > (int)s->cfg.min_threads ? s->ncpu : (int)s->cfg.min_threads;
   bool work = backlog();
   bool waiting = work && atomic_load(&s->nidle) == 0;
-  bool grow = waiting && n < (int)s->cfg.max_threads && n - blocked < cap &&
-              atomic_load(&s->state) == SCHED_RUNNING;
+  bool grow = waiting && n < (int)s->cfg.max_threads && n - blocked < cap && __may_grow();
   pthread_mutex_unlock(&s->lock);
   if (work && !waiting) {
     /* Work waits while a worker is parked: the worker that left it chose not

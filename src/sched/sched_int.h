@@ -71,6 +71,7 @@ typedef struct sched_worker {
   keel_atomic(uint64_t) seq;              /* (own) odd while inside fn; +2 per job */
   uint64_t mon_seq, mon_since;            /* monitor's last sight of seq, and when */
   keel_atomic(int) blocking;              /* (own) running a KEEL_JOB_BLOCKING job */
+  keel_atomic(unsigned) cur_prio;         /* (own) priority of the job inside fn */
   keel_atomic(keel_job_t *) current;      /* (own) the job inside fn, for cancel */
   keel_atomic(uint64_t) nrun[PRIO_COUNT]; /* (own) fn calls returned */
   uint64_t busy_ns;                       /* (own) when it last ran a job */
@@ -79,6 +80,7 @@ typedef struct sched_worker {
   pthread_mutex_t tlock;
   keel_job_t **heap; /* (tlock) */
   uint32_t nheap, capheap;
+  uint32_t ntimer[PRIO_COUNT];         /* (tlock) heap entries by priority; sum == nheap */
   keel_atomic(uint64_t) next_deadline; /* heap[0]->_t, UINT64_MAX if empty */
   keel_job_t *batch[KEEL_SCHED_BATCH]; /* (own) taken jobs */
 } sched_worker_t;
@@ -107,12 +109,14 @@ typedef struct sched_q {
 
 /* A submitting thread's record (gate.c), in its TLS. */
 typedef struct sched_producer {
-  keel_atomic(uint32_t) active;   /* (own) 1 between the gate check and the count */
-  bool registered;                /* (own) on the registry */
-  unsigned shard;                 /* (own) its shard of the fast queue */
-  keel_atomic(int64_t) submitted; /* (own) accepted submits and timers */
-  struct cds_list_head link;      /* registry (prod_lock) */
-  keel_thread_hook_t hook;        /* unregisters at thread exit */
+  keel_atomic(uint32_t) active; /* (own) 1 between the gate check and the count */
+  bool registered;              /* (own) on the registry */
+  unsigned shard;               /* (own) its shard of the fast queue */
+  /* (own) accepted submits and timers, by priority: the fast lane adds to
+   * [PRIO_NORMAL] only, so per-priority counts cost a submit nothing more. */
+  keel_atomic(int64_t) submitted[PRIO_COUNT];
+  struct cds_list_head link; /* registry (prod_lock) */
+  keel_thread_hook_t hook;   /* unregisters at thread exit */
 } sched_producer_t;
 
 typedef struct sched {
@@ -149,8 +153,8 @@ typedef struct sched {
   struct cds_list_head zombies;     /* retired, not yet joined */
   keel_atomic(int) nthreads;        /* workers counted, started or starting */
   uint64_t spawned, retired;
-  uint64_t run_retired[PRIO_COUNT]; /* nrun of joined workers */
-  keel_atomic(int64_t) cancelled;
+  uint64_t run_retired[PRIO_COUNT];           /* nrun of joined workers */
+  keel_atomic(int64_t) cancelled[PRIO_COUNT]; /* notices, by priority */
   keel_sched_config_t cfg;
   int ncpu;
   /* Parked workers, LIFO so the coldest ones time out and retire. */
@@ -233,7 +237,7 @@ extern int _keel_sched_fence_needed KEEL_HIDDEN;
 int _keel_sched_register(void) KEEL_HIDDEN;
 void _keel_sched_gate_init(void) KEEL_HIDDEN;
 void _keel_sched_gate_close(void) KEEL_HIDDEN;
-int64_t _keel_sched_submitted(void) KEEL_HIDDEN;
+int64_t _keel_sched_submitted(int64_t by_prio[PRIO_COUNT]) KEEL_HIDDEN;
 
 /* Opens the gate for one submit: 0, or KEEL_EAGAIN (no exit hook). */
 KEEL_INLINE int _keel_sched_gate_enter(sched_producer_t *me) {
@@ -254,9 +258,9 @@ KEEL_INLINE int _keel_sched_gate_enter(sched_producer_t *me) {
   return 0;
 }
 
-/* Counts one accepted submit (owner-only: no lock prefix). */
-KEEL_INLINE void _keel_sched_count_submit(sched_producer_t *me) {
-  keel_store_relaxed(&me->submitted, keel_load_relaxed(&me->submitted) + 1);
+/* Counts one accepted submit of priority p (owner-only: no lock prefix). */
+KEEL_INLINE void _keel_sched_count_submit(sched_producer_t *me, unsigned p) {
+  keel_store_relaxed(&me->submitted[p], keel_load_relaxed(&me->submitted[p]) + 1);
 }
 
 /* Release: the count and the enqueue are visible to whoever sees 0. */
@@ -295,6 +299,7 @@ void _keel_sched_join_workers(void) KEEL_HIDDEN;
 void _keel_sched_timers_fire(sched_worker_t *w, uint64_t now) KEEL_HIDDEN;
 unsigned _keel_sched_timers_cancel_all(sched_worker_t *w, struct cds_list_head *out) KEEL_HIDDEN;
 int _keel_sched_timer_cancel(keel_job_t *job) KEEL_HIDDEN;
+int __keel_sched_timers_hand_over(sched_worker_t *w, sched_worker_t *heir) KEEL_HIDDEN;
 
 /* Monitor (scale.c). */
 int _keel_sched_monitor_start(void) KEEL_HIDDEN;

@@ -66,6 +66,7 @@ int keel_sched_submit(keel_job_t *job) {
     return submit_slow(job);
   }
   bool fast = _keel_sched_fast_lane(job);
+  unsigned prio = _keel_job_prio(job); /* read now: after the enqueue the job is a worker's */
   unsigned idle = JOB_IDLE;
   /* Acq_rel: acquire pairs with the worker's release of IDLE before it ran
    * fn (the job's last use by keel); release publishes the caller's fields. */
@@ -75,7 +76,7 @@ int keel_sched_submit(keel_job_t *job) {
     return KEEL_EBUSY;
   }
   _keel_sched_enqueue(job, fast);
-  _keel_sched_count_submit(me);
+  _keel_sched_count_submit(me, prio);
   _keel_sched_gate_leave(me);
   return 0;
 }

@@ -7,7 +7,11 @@
  * longer than it, so a timer fires within the futex wake-up latency of its
  * deadline (well under the millisecond resolution promised), never before.
  * If the owner is stuck in one job longer than sched_block_ms, the monitor
- * fires its due timers for it. A worker with timers never retires.
+ * fires its due timers for it. A worker that retires (idle past idle_ms,
+ * above min) first hands its whole heap to the next worker in line
+ * (__keel_sched_timers_hand_over), so owning timers never keeps an idle
+ * thread alive; there is always such a worker, since retiring needs more
+ * than min_threads >= 1 alive.
  *
  * The heap slot lives in job->_l[1] so cancel removes in O(log n); the heap
  * array grows by doubling (the only allocation in sched besides threads,
@@ -53,6 +57,7 @@ static void sift_down(sched_worker_t *w, uint32_t i) {
 
 static void heap_remove(sched_worker_t *w, uint32_t i) {
   KEEL_ASSERT(i < w->nheap);
+  w->ntimer[_keel_job_prio(w->heap[i])]--;
   keel_job_t *last = w->heap[--w->nheap];
   if (i == w->nheap) return;
   heap_set(w, i, last);
@@ -60,14 +65,22 @@ static void heap_remove(sched_worker_t *w, uint32_t i) {
   sift_down(w, slot_of(last));
 }
 
+/* Makes room for `more` entries: 0 or KEEL_ENOMEM (the heap unchanged). */
+static int heap_reserve(sched_worker_t *w, uint32_t more) {
+  if (w->capheap - w->nheap >= more) return 0;
+  uint32_t cap = w->capheap ? w->capheap : 16;
+  while (cap - w->nheap < more) cap *= 2;
+  keel_job_t **h = realloc(w->heap, cap * sizeof(*h));
+  if (h == NULL) return KEEL_ENOMEM;
+  w->heap = h;
+  w->capheap = cap;
+  return 0;
+}
+
 static int heap_push(sched_worker_t *w, keel_job_t *job) {
-  if (w->nheap == w->capheap) {
-    uint32_t cap = w->capheap ? 2 * w->capheap : 16;
-    keel_job_t **h = realloc(w->heap, cap * sizeof(*h));
-    if (h == NULL) return KEEL_ENOMEM;
-    w->heap = h;
-    w->capheap = cap;
-  }
+  int rc = heap_reserve(w, 1);
+  if (rc != 0) return rc;
+  w->ntimer[_keel_job_prio(job)]++;
   heap_set(w, w->nheap++, job);
   sift_up(w, w->nheap - 1);
   return 0;
@@ -102,9 +115,38 @@ unsigned _keel_sched_timers_cancel_all(sched_worker_t *w, struct cds_list_head *
     cds_list_add_tail(_keel_job_link(w->heap[i]), out);
   }
   w->nheap = 0;
+  for (int p = 0; p < PRIO_COUNT; p++) w->ntimer[p] = 0;
   publish_min(w);
   pthread_mutex_unlock(&w->tlock);
   return n;
+}
+
+/* A retiring worker's heap goes to `heir`: each entry keeps its deadline and
+ * is re-pushed, so the heir fires them with its own in one deadline order
+ * (the entries of one heap never split: timers armed together stay in
+ * order). Caller holds sched.lock, which keel_sched_after and cancel also
+ * hold while they pick or follow an owner (job->_l[0]), so neither sees a
+ * timer between heaps. Only this path holds two tlocks; sched.lock
+ * serialises it, so their order (w's first) cannot deadlock. 0, or
+ * KEEL_ENOMEM with both heaps unchanged (w then stays). */
+int __keel_sched_timers_hand_over(sched_worker_t *w, sched_worker_t *heir) {
+  KEEL_ASSERT(w != heir);
+  pthread_mutex_lock(&w->tlock);
+  pthread_mutex_lock(&heir->tlock);
+  int rc = heap_reserve(heir, w->nheap);
+  if (rc == 0) {
+    for (uint32_t i = 0; i < w->nheap; i++) {
+      w->heap[i]->_l[0] = heir;
+      heap_push(heir, w->heap[i]); /* cannot fail: reserved */
+    }
+    w->nheap = 0;
+    for (int p = 0; p < PRIO_COUNT; p++) w->ntimer[p] = 0;
+    publish_min(w);
+    publish_min(heir);
+  }
+  pthread_mutex_unlock(&heir->tlock);
+  pthread_mutex_unlock(&w->tlock);
+  return rc;
 }
 
 /* Removes a TIMER job; caller holds sched.lock (so its owner cannot be
@@ -149,7 +191,7 @@ static int arm(keel_job_t *job, uint64_t deadline, sched_worker_t **owner, bool 
     *earliest = w->heap[0] == job;
     publish_min(w);
     /* Counted under sched.lock, which orders it before shutdown's look. */
-    _keel_sched_count_submit(&_keel_sched_me);
+    _keel_sched_count_submit(&_keel_sched_me, _keel_job_prio(job));
   } else {
     _keel_job_set_state(job, JOB_IDLE);
   }
@@ -175,14 +217,14 @@ int keel_sched_after(keel_job_t *job, uint64_t ms) {
   bool earliest = false;
   pthread_mutex_lock(&_keel_sched.lock);
   int rc = arm(job, deadline, &w, &earliest);
+  /* Under the lock: once it is released, w may retire (handing the timer
+   * on) and be freed. */
+  if (rc == 0 && earliest && w != _keel_sched_self) _keel_sched_kick_worker(w);
   pthread_mutex_unlock(&_keel_sched.lock);
   if (rc != 0) return rc;
-  if (w == _keel_sched_self) {
-    /* Armed from inside a job: if that job runs long, the monitor is the one
-     * who fires this timer on time. */
-    if (keel_load_relaxed(&_keel_sched.mon_mode) == MON_INF) _keel_sched_poke();
-  } else if (earliest) {
-    _keel_sched_kick_worker(w);
-  }
+  /* Armed from inside a job: if that job runs long, the monitor is the one
+   * who fires this timer on time. */
+  if (w == _keel_sched_self && keel_load_relaxed(&_keel_sched.mon_mode) == MON_INF)
+    _keel_sched_poke();
   return 0;
 }

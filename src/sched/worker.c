@@ -36,6 +36,7 @@ static void run_one(sched_worker_t *w, keel_job_t *job) {
     if (_keel_sched_work_visible()) _keel_sched_poke();
   }
   keel_store_relaxed(&w->current, job);
+  keel_store_relaxed(&w->cur_prio, p); /* for stats: published by the seq store */
   keel_store_release(&w->seq, keel_load_relaxed(&w->seq) + 1); /* odd: inside fn */
   /* Release: the worker's reads of the job happen before a resubmitter's
    * writes (its CAS from IDLE acquires this). From here the job is the
@@ -172,15 +173,29 @@ static void worker_free(sched_worker_t *w) {
   free(w);
 }
 
-/* Adds one worker unless the pool is at max or stopping. Called by init and
- * the monitor only (never by producers: thread creation is a slow syscall). */
+/* Whether a new worker may start; caller holds sched.lock. While draining,
+ * only until nothing is pending: after the gate closed, pending never grows
+ * again, and workers exit only once they see it at 0 (under sched.lock), so
+ * a worker added here is on sched.workers before shutdown's join loop can
+ * find that list empty, and none is added after. */
+static bool __may_spawn(void) {
+  sched_t *s = &_keel_sched;
+  if (keel_load_relaxed(&s->nthreads) >= (int)s->cfg.max_threads) return false;
+  int st = atomic_load(&s->state);
+  if (st == SCHED_RUNNING) return true;
+  if (st != SCHED_STOPPING || keel_load_relaxed(&s->how) != KEEL_SCHED_DRAIN) return false;
+  return !atomic_load(&s->gate_closed) || _keel_sched_pending() > 0;
+}
+
+/* Adds one worker unless the pool is at max, cancelling or drained. Called by
+ * init and the monitor only (never by producers: thread creation is a slow
+ * syscall). */
 int _keel_sched_spawn(void) {
   sched_t *s = &_keel_sched;
   sched_worker_t *w = worker_new();
   if (w == NULL) return KEEL_ENOMEM;
   pthread_mutex_lock(&s->lock);
-  if (keel_load_relaxed(&s->nthreads) >= (int)s->cfg.max_threads ||
-      atomic_load(&s->state) != SCHED_RUNNING) {
+  if (!__may_spawn()) {
     pthread_mutex_unlock(&s->lock);
     worker_free(w);
     return KEEL_EAGAIN;
@@ -203,8 +218,9 @@ int _keel_sched_spawn(void) {
 }
 
 /* Joins a worker that is on `list` and has exited or is exiting, folds its
- * counts into run_retired and frees it. Only the monitor and shutdown call
- * this, never both at once (shutdown stops the monitor first). */
+ * counts into run_retired and frees it. The monitor reaps zombies and
+ * shutdown live workers, each its own list, so no worker is joined twice
+ * (shutdown reaps zombies only after it has stopped the monitor). */
 static void reap(sched_worker_t *w, bool live) {
   sched_t *s = &_keel_sched;
   pthread_join(w->thread, NULL);
@@ -232,7 +248,8 @@ void _keel_sched_join_zombies(void) {
   }
 }
 
-/* Shutdown: every worker exits once nothing is pending; join them all. */
+/* Shutdown: every live worker exits once nothing is pending; join them (the
+ * monitor may still add one meanwhile during a drain: the loop finds it). */
 void _keel_sched_join_workers(void) {
   sched_t *s = &_keel_sched;
   for (;;) {
@@ -244,5 +261,4 @@ void _keel_sched_join_workers(void) {
     if (w == NULL) break;
     reap(w, true);
   }
-  _keel_sched_join_zombies();
 }
