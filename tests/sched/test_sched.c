@@ -601,10 +601,185 @@ static void stats_counts(void) {
   KT_EQ(keel_sched_shutdown(KEEL_SCHED_DRAIN), 0);
 }
 
+/* Jobs queued before a drain must not wait behind blocked workers: the pool
+ * grows during keel_sched_shutdown(KEEL_SCHED_DRAIN) (issue 6: the monitor
+ * grew it only while running, so these jobs, which release each other only
+ * once all of them run at the same time, hung the drain). */
+static atomic_int meet_in, meet_open;
+static void meet_fn(keel_job_t *j) {
+  atomic_fetch_add(&meet_in, 1);
+  while (!atomic_load(&meet_open)) sleep_ms(0.2);
+  tjob_fn(j);
+}
+static bool meet_count(void *a) {
+  return atomic_load(&meet_in) >= *(int *)a;
+}
+static atomic_int drain_rc;
+static void *drain_thread(void *a) {
+  (void)a;
+  atomic_store(&drain_rc, keel_sched_shutdown(KEEL_SCHED_DRAIN));
+  return NULL;
+}
+
+static void drain_grows_pool(void) {
+  enum { MAX = 4 };
+  start(1, MAX, 60000, 60000); /* only KEEL_JOB_BLOCKING makes a worker blocked */
+  atomic_store(&meet_in, 0);
+  atomic_store(&meet_open, 0);
+  static tjob_t t[MAX];
+  for (int i = 0; i < MAX; i++) {
+    tjob_init(&t[i], i, KEEL_JOB_BLOCKING);
+    t[i].job.fn = meet_fn;
+  }
+  KT_EQ(keel_sched_submit(&t[0].job), 0);
+  int one = 1;
+  KT_REQUIRE(wait_for(meet_count, &one, 10)); /* the one worker is taken */
+  keel_sched_stats_t a, b;
+  keel_sched_stats(&a);
+  KT_EQ(a.threads, 1);
+  for (int i = 1; i < MAX; i++) KT_EQ(keel_sched_submit(&t[i].job), 0);
+  pthread_t th;
+  KT_REQUIRE(pthread_create(&th, NULL, drain_thread, NULL) == 0);
+  int all = MAX;
+  KT_CHECK(wait_for(meet_count, &all, 60)); /* needs MAX workers at once */
+  atomic_store(&meet_open, 1);              /* also lets a failed run end */
+  pthread_join(th, NULL);
+  KT_EQ(atomic_load(&drain_rc), 0);
+  for (int i = 0; i < MAX; i++) {
+    KT_EQ(atomic_load(&t[i].runs), 1);
+    KT_EQ(atomic_load(&t[i].cancels), 0);
+  }
+  keel_sched_stats(&b);
+  KT_CHECK(b.spawned - a.spawned >= MAX - 1);
+  KT_EQ(b.threads, 0); /* every worker joined, the ones added while draining too */
+  KT_EQ(b.queued, 0);
+}
+
+/* Workers that own timers retire like the others, handing their heap to a
+ * live worker (issue 6: they never retired). Each of NW workers arms a
+ * sentinel that never fires during the test, so the pool can only shrink to
+ * min if the timers move; then every timer fires exactly once, never early,
+ * and the timers one worker armed fire in deadline order (a heap moves
+ * whole). Their deadlines are 500 ms apart: two of them could only start out
+ * of order if a worker stalled that long between taking one and calling it. */
+enum { HO_W = 4, HO_T = 3 };
+static tjob_t ho_arm[HO_W], ho_sentinel[HO_W], ho_timer[HO_W][HO_T];
+static double ho_deadline[HO_W][HO_T];
+static atomic_int ho_in;
+static void ho_arm_fn(keel_job_t *j) {
+  int w = container_of(j, tjob_t, job)->id;
+  atomic_fetch_add(&ho_in, 1);
+  while (atomic_load(&ho_in) < HO_W) sleep_ms(0.2); /* one job per worker */
+  KT_EQ(keel_sched_after(&ho_sentinel[w].job, 600000), 0);
+  for (int k = 0; k < HO_T; k++) {
+    int ms = 300 + 500 * k + 10 * w;
+    ho_deadline[w][k] = kt_now() + ms / 1000.0;
+    KT_EQ(keel_sched_after(&ho_timer[w][k].job, (uint64_t)ms), 0);
+  }
+  tjob_fn(j);
+}
+static bool ho_all_fired(void *a) {
+  (void)a;
+  for (int w = 0; w < HO_W; w++)
+    for (int k = 0; k < HO_T; k++)
+      if (atomic_load(&ho_timer[w][k].runs) == 0) return false;
+  return true;
+}
+
+static bool ho_armed(void *a) {
+  (void)a;
+  for (int w = 0; w < HO_W; w++)
+    if (atomic_load(&ho_arm[w].runs) == 0) return false;
+  return true;
+}
+
+static void timers_move_on_retire(void) {
+  unsigned min = 1;
+  start(min, HO_W, 20, 60000);
+  atomic_store(&ho_in, 0);
+  for (int w = 0; w < HO_W; w++) {
+    tjob_init(&ho_arm[w], w, KEEL_JOB_BLOCKING);
+    ho_arm[w].job.fn = ho_arm_fn;
+    tjob_init(&ho_sentinel[w], w, 0);
+    for (int k = 0; k < HO_T; k++) tjob_init(&ho_timer[w][k], k, 0);
+  }
+  keel_sched_stats_t a, st;
+  keel_sched_stats(&a);
+  for (int w = 0; w < HO_W; w++) KT_EQ(keel_sched_submit(&ho_arm[w].job), 0);
+  KT_REQUIRE(wait_for(ho_armed, NULL, 60));
+  KT_CHECK(wait_for(threads_at_min, &min, 60)); /* back to min, timers pending */
+  keel_sched_stats(&st);
+  KT_CHECK(st.spawned - a.spawned >= HO_W - 1);
+  KT_CHECK(st.timers >= HO_W); /* the sentinels at least: none lost */
+  KT_CHECK(wait_for(ho_all_fired, NULL, 60));
+  for (int w = 0; w < HO_W; w++) {
+    KT_EQ(atomic_load(&ho_arm[w].runs), 1);
+    for (int k = 0; k < HO_T; k++) {
+      tjob_t *x = &ho_timer[w][k];
+      KT_EQ(atomic_load(&x->runs), 1);
+      KT_EQ(atomic_load(&x->cancels), 0);
+      KT_CHECK(x->ran_at >= ho_deadline[w][k] - 1e-4); /* never early */
+      if (k > 0) KT_CHECK(x->ran_at > ho_timer[w][k - 1].ran_at);
+    }
+  }
+  keel_sched_stats(&st);
+  KT_EQ(st.timers, HO_W);
+  /* Cancel follows a moved timer to its new heap. */
+  for (int w = 0; w < HO_W; w++) {
+    KT_EQ(keel_sched_cancel(&ho_sentinel[w].job), 0);
+    KT_EQ(atomic_load(&ho_sentinel[w].cancels), 1);
+    KT_EQ(atomic_load(&ho_sentinel[w].runs), 0);
+  }
+  keel_sched_stats(&st);
+  KT_EQ(st.timers, 0);
+  KT_EQ(keel_sched_shutdown(KEEL_SCHED_DRAIN), 0);
+}
+
+/* queued_prio counts every queued job by level, the default client's normal
+ * jobs on the fast lane included (issue 6: it counted only client lists);
+ * running jobs and timers are not queued. */
+static void queued_prio_counts(void) {
+  start(1, 1, 1000, 20);
+  gate_close(); /* the one worker is held: nothing is dispatched */
+  keel_sched_client_t *c = keel_sched_client_create();
+  KT_REQUIRE(c != NULL);
+  enum { N = 60 };
+  static tjob_t t[N];
+  uint64_t want[3] = {0};
+  for (int i = 0; i < N; i++) {
+    static const unsigned flags[4] = {KEEL_JOB_HIGH, 0, KEEL_JOB_LOW, 0};
+    tjob_init(&t[i], i, flags[i % 4]);
+    if (i % 4 == 3) t[i].job.client = c; /* normal, but not on the fast lane */
+    want[i % 4 == 0 ? 0 : (i % 4 == 2 ? 2 : 1)]++;
+    KT_EQ(keel_sched_submit(&t[i].job), 0);
+  }
+  tjob_t timer;
+  tjob_init(&timer, 0, KEEL_JOB_HIGH);
+  KT_EQ(keel_sched_after(&timer.job, 600000), 0);
+  keel_sched_stats_t st;
+  keel_sched_stats(&st);
+  for (int p = 0; p < 3; p++) KT_EQ(st.queued_prio[p], want[p]);
+  KT_EQ(st.queued, N);
+  KT_EQ(st.running, 1);
+  KT_EQ(st.timers, 1);
+  KT_EQ(keel_sched_cancel(&timer.job), 0);
+  KT_EQ(keel_sched_cancel(&t[1].job), 0); /* a fast-lane job, cancelled */
+  keel_sched_stats(&st);
+  KT_EQ(st.queued_prio[1], want[1] - 1);
+  atomic_store(&gate_open, 1);
+  KT_CHECK(wait_for(all_done, NULL, 10));
+  keel_sched_stats(&st);
+  for (int p = 0; p < 3; p++) KT_EQ(st.queued_prio[p], 0);
+  for (int i = 0; i < N; i++) KT_EQ(atomic_load(&t[i].runs), i == 1 ? 0 : 1);
+  KT_EQ(keel_sched_client_destroy(c), 0);
+  KT_EQ(keel_sched_shutdown(KEEL_SCHED_DRAIN), 0);
+}
+
 KT_MAIN(KT_CASE(lazy_init), KT_CASE(bad_input), KT_CASE(submit_after_shutdown),
         KT_CASE(resubmit_queued), KT_CASE(shutdown_from_job), KT_CASE(shutdown_from_cancel),
         KT_CASE(cancel_queued_and_running), KT_CASE(cancel_timer), KT_CASE(shutdown_drains),
         KT_CASE(shutdown_cancels), KT_CASE(priority_bounds), KT_CASE(fairness_bound),
         KT_CASE(timers_in_order), KT_CASE(grow_long_jobs), KT_CASE(grow_blocking_jobs),
         KT_CASE(run_convenience), KT_CASE(resubmit_from_inside), KT_CASE(timer_of_stuck_worker),
-        KT_CASE(one_wakeup_per_burst), KT_CASE(stats_counts))
+        KT_CASE(one_wakeup_per_burst), KT_CASE(stats_counts), KT_CASE(drain_grows_pool),
+        KT_CASE(timers_move_on_retire), KT_CASE(queued_prio_counts))
