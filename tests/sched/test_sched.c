@@ -635,8 +635,7 @@ static void drain_grows_pool(void) {
   int one = 1;
   KT_REQUIRE(wait_for(meet_count, &one, 10)); /* the one worker is taken */
   keel_sched_stats_t a, b;
-  keel_sched_stats(&a);
-  KT_EQ(a.threads, 1);
+  keel_sched_stats(&a); /* 1 or 2 threads: the monitor may have seen job 0 queued */
   for (int i = 1; i < MAX; i++) KT_EQ(keel_sched_submit(&t[i].job), 0);
   pthread_t th;
   KT_REQUIRE(pthread_create(&th, NULL, drain_thread, NULL) == 0);
@@ -650,7 +649,7 @@ static void drain_grows_pool(void) {
     KT_EQ(atomic_load(&t[i].cancels), 0);
   }
   keel_sched_stats(&b);
-  KT_CHECK(b.spawned - a.spawned >= MAX - 1);
+  KT_CHECK(b.spawned - a.spawned >= MAX - a.threads);
   KT_EQ(b.threads, 0); /* every worker joined, the ones added while draining too */
   KT_EQ(b.queued, 0);
 }
