@@ -131,11 +131,12 @@ KEEL_API int keel_sched_cancel(keel_job_t *job);
 #define KEEL_SCHED_CANCEL 1 /* call on_cancel for everything queued, then stop */
 
 /* Stops the pool: new submits fail with KEEL_ESHUTDOWN; pending timers are
- * cancelled with notice in both modes; queued jobs run (DRAIN) or are
- * cancelled (CANCEL); returns after every worker has exited and been joined.
- * Blocks. KEEL_EDEADLK from inside a job or from an on_cancel that shutdown
- * itself runs; KEEL_EINVAL for a bad mode; 0 if already shut down.
- * Serialised with keel_sched_init. */
+ * cancelled with notice in both modes; queued jobs run (DRAIN, the pool still
+ * growing up to max while they wait behind blocked workers) or are cancelled
+ * (CANCEL); returns after every worker has exited and been joined. Blocks.
+ * KEEL_EDEADLK from inside a job or from an on_cancel that shutdown itself
+ * runs; KEEL_EINVAL for a bad mode; 0 if already shut down. Serialised with
+ * keel_sched_init. */
 KEEL_API int keel_sched_shutdown(int how);
 
 /* A fairness domain (e.g. one per connection). create: NULL + errno ENOMEM

@@ -655,7 +655,7 @@ static void drain_grows_pool(void) {
 }
 
 /* Workers that own timers retire like the others, handing their heap to a
- * live worker (issue 6: they never retired). Each of NW workers arms a
+ * live worker (issue 6: they never retired). Each of HO_W workers arms a
  * sentinel that never fires during the test, so the pool can only shrink to
  * min if the timers move; then every timer fires exactly once, never early,
  * and the timers one worker armed fire in deadline order (a heap moves
