@@ -92,18 +92,24 @@ static bool park_pop(sched_worker_t *w) {
   return was;
 }
 
-/* The worker that inherits a retiring w's timers: the next timer owner in
- * line (the head of sched.workers, like keel_sched_after's pick), which then
- * moves to the tail. Caller holds sched.lock; some other worker exists. */
+/* The worker that inherits a retiring w's timers: the first in timer-owner
+ * order (from the head of sched.workers, like keel_sched_after's pick) that
+ * is not inside a job, else the first at all; it then moves to the tail. One
+ * inside a long job fires late until the monitor sees it stuck, so an idle
+ * one is worth the walk (retiring is rare). Caller holds sched.lock. */
 static sched_worker_t *__timer_heir(sched_worker_t *w) {
   sched_t *s = &_keel_sched;
-  sched_worker_t *h;
+  sched_worker_t *h, *heir = NULL;
   cds_list_for_each_entry(h, &s->workers, link) {
     if (h == w) continue;
-    _keel_list_move_tail(&h->link, &s->workers);
-    return h;
+    if (heir == NULL) heir = h;
+    if (!(keel_load_relaxed(&h->seq) & 1)) {
+      heir = h;
+      break;
+    }
   }
-  return NULL;
+  if (heir != NULL) _keel_list_move_tail(&heir->link, &s->workers);
+  return heir;
 }
 
 /* Leaves the pool if it is above min and idle long enough, handing its

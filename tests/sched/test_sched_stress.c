@@ -205,4 +205,107 @@ static void shutdown_race(void) {
   free(ps);
 }
 
-KT_MAIN(KT_CASE(stress_drain), KT_CASE(stress_cancel), KT_CASE(shutdown_race))
+/* Timers armed from inside blocking jobs (so in the heaps of workers the
+ * pool keeps adding) while idle_ms is 1 ms (so workers retire all the time,
+ * handing their heaps on) and producers cancel the timed jobs at random:
+ * cancel, fire and hand-over race on every timer. Same invariant per job. */
+enum { ARMERS = 8 };
+typedef struct armer {
+  sjob_t s;      /* its own accounting */
+  sjob_t target; /* the job it times, from inside its fn */
+  atomic_uint n; /* runs so far: picks the next delay */
+} armer_t;
+
+static void armer_fn(keel_job_t *j) {
+  armer_t *a = container_of(j, armer_t, s.job);
+  atomic_fetch_add(&a->s.runs, 1);
+  struct timespec ts = {0, 50000};
+  nanosleep(&ts, NULL); /* KEEL_JOB_BLOCKING: the pool grows past the CPUs */
+  unsigned ms = 1 + atomic_fetch_add(&a->n, 1) * 7 % 20;
+  atomic_fetch_add(&a->target.accepted, 1);
+  int rc = keel_sched_after(&a->target.job, ms);
+  if (rc != 0) atomic_fetch_sub(&a->target.accepted, 1);
+  KT_CHECK(rc == 0 || rc == KEEL_EBUSY || rc == KEEL_ESHUTDOWN);
+}
+
+typedef struct tproducer {
+  pthread_t th;
+  int index;
+  long iters;
+  armer_t a[ARMERS];
+} tproducer_t;
+
+static void *tproducer_main(void *arg) {
+  tproducer_t *p = arg;
+  uint64_t seed = 0x2545F4914F6CDD1Dull * (uint64_t)(p->index + 1);
+  for (long i = 0; i < p->iters; i++) {
+    uint64_t r = xs(&seed);
+    armer_t *a = &p->a[r % ARMERS];
+    if ((r >> 8) % 4 == 0) {
+      int rc = keel_sched_cancel(&a->target.job);
+      KT_CHECK(rc == 0 || rc == KEEL_EBUSY || rc == KEEL_ENOENT);
+    } else {
+      atomic_fetch_add(&a->s.accepted, 1);
+      int rc = keel_sched_submit(&a->s.job);
+      if (rc != 0) atomic_fetch_sub(&a->s.accepted, 1);
+      KT_CHECK(rc == 0 || rc == KEEL_EBUSY);
+    }
+    if (i % 64 == 0) {
+      struct timespec ts = {0, 2000000};
+      nanosleep(&ts, NULL); /* idle gaps: let workers retire */
+    }
+  }
+  return NULL;
+}
+
+static void timers_retire_churn(void) {
+  int nprod = (int)kt_env_int("KEEL_TEST_THREADS", 64) / 8 + 1;
+  long iters = kt_scale(kt_env_int("KEEL_TEST_ITERS", 30000)) / 10 + 1;
+  keel_sched_shutdown(KEEL_SCHED_DRAIN);
+  keel_sched_config_t cfg = {1, 8, 1, 5};
+  KT_REQUIRE(keel_sched_init(&cfg) == 0);
+  tproducer_t *ps = calloc((size_t)nprod, sizeof(*ps));
+  KT_REQUIRE(ps != NULL);
+  keel_sched_stats_t before, after;
+  keel_sched_stats(&before);
+  for (int i = 0; i < nprod; i++) {
+    ps[i].index = i;
+    ps[i].iters = iters;
+    for (int k = 0; k < ARMERS; k++) {
+      keel_job_init(&ps[i].a[k].s.job, armer_fn, KEEL_JOB_BLOCKING);
+      ps[i].a[k].s.job.on_cancel = sjob_cancel;
+      keel_job_init(&ps[i].a[k].target.job, sjob_fn, k % 3 == 0 ? KEEL_JOB_LOW : 0);
+      ps[i].a[k].target.job.on_cancel = sjob_cancel;
+    }
+    pthread_create(&ps[i].th, NULL, tproducer_main, &ps[i]);
+  }
+  for (int i = 0; i < nprod; i++) pthread_join(ps[i].th, NULL);
+  /* Let the timers fire (a drain would cancel them), however loaded. */
+  double end = kt_now() + 60;
+  do {
+    keel_sched_stats(&after);
+    struct timespec ts = {0, 1000000};
+    nanosleep(&ts, NULL);
+  } while ((after.timers | after.queued | after.running) != 0 && kt_now() < end);
+  KT_EQ(keel_sched_shutdown(KEEL_SCHED_DRAIN), 0);
+  long bad = 0, timed = 0, runs = 0;
+  for (int i = 0; i < nprod; i++)
+    for (int k = 0; k < ARMERS; k++) {
+      sjob_t *x[2] = {&ps[i].a[k].s, &ps[i].a[k].target};
+      for (int m = 0; m < 2; m++)
+        bad +=
+            atomic_load(&x[m]->accepted) != atomic_load(&x[m]->runs) + atomic_load(&x[m]->cancels);
+      timed += atomic_load(&ps[i].a[k].target.accepted);
+      runs += atomic_load(&ps[i].a[k].target.runs);
+    }
+  KT_EQ(bad, 0);
+  KT_CHECK(timed > 0);
+  keel_sched_stats(&after);
+  KT_EQ(after.threads, 0);
+  printf("  %ld timers armed in workers, %ld fired; %llu workers retired\n", timed, runs,
+         (unsigned long long)(after.retired - before.retired));
+  free(ps);
+}
+
+KT_MAIN(KT_CASE(stress_drain), KT_CASE(stress_cancel), KT_CASE(shutdown_race),
+        KT_CASE(timers_retire_churn))
