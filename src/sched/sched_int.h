@@ -63,11 +63,12 @@ typedef struct sched_level {
 /* A worker thread. Fields marked (own) are written only by the worker;
  * (lock), (tlock), (idle) name the mutex that guards them. */
 typedef struct sched_worker {
-  struct cds_list_head link;      /* sched.workers or sched.zombies (lock) */
-  struct cds_list_head idle_link; /* sched.idle while parked (idle) */
-  bool parked;                    /* on sched.idle (idle) */
-  bool wake_pending;              /* woken by wake_one, not yet back (idle) */
-  pthread_t thread;
+  struct cds_list_head link;              /* sched.workers or sched.zombies (lock) */
+  struct cds_list_head idle_link;         /* sched.idle while parked (idle) */
+  bool parked;                            /* on sched.idle (idle) */
+  bool wake_pending;                      /* woken by wake_one, not yet back (idle) */
+  pthread_t thread;                       /* valid once `started` */
+  bool started;                           /* (lock) pthread_create returned: joinable */
   keel_atomic(uint32_t) word;             /* futex: 0 parked, 1 woken, 2 kicked */
   keel_atomic(uint64_t) seq;              /* (own) odd while inside fn; +2 per job */
   uint64_t mon_seq, mon_since;            /* monitor's last sight of seq, and when */

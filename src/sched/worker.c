@@ -205,16 +205,17 @@ int _keel_sched_spawn(void) {
   cds_list_add_tail(&w->link, &s->workers);
   pthread_mutex_unlock(&s->lock);
   int rc = pthread_create(&w->thread, NULL, worker_main, w);
-  if (rc != 0) {
-    pthread_mutex_lock(&s->lock);
+  pthread_mutex_lock(&s->lock);
+  if (rc == 0) {
+    w->started = true; /* w->thread is set: a reaper may join it now */
+  } else {
     cds_list_del(&w->link);
     keel_fetch_sub_relaxed(&s->nthreads, 1);
     s->spawned--;
-    pthread_mutex_unlock(&s->lock);
-    worker_free(w);
-    return -rc;
   }
-  return 0;
+  pthread_mutex_unlock(&s->lock);
+  if (rc != 0) worker_free(w);
+  return -rc;
 }
 
 /* Joins a worker that is on `list` and has exited or is exiting, folds its
@@ -235,30 +236,46 @@ static void reap(sched_worker_t *w, bool live) {
   worker_free(w);
 }
 
-void _keel_sched_join_zombies(void) {
+/* The first worker on `list` that can be joined (its spawner has returned
+ * from pthread_create: during a drain the monitor may still be spawning
+ * while shutdown joins); *unstarted if the list holds others. */
+static sched_worker_t *__first_started(struct cds_list_head *list, bool *unstarted) {
+  sched_worker_t *w;
+  *unstarted = false;
+  cds_list_for_each_entry(w, list, link) {
+    if (w->started) return w;
+    *unstarted = true;
+  }
+  return NULL;
+}
+
+/* Reaps every worker on `list`; with `wait`, also those still being
+ * started (they are about to be, or to be taken off on failure). */
+static void reap_list(struct cds_list_head *list, bool live, bool wait) {
   sched_t *s = &_keel_sched;
   for (;;) {
+    bool unstarted;
     pthread_mutex_lock(&s->lock);
-    sched_worker_t *w = cds_list_empty(&s->zombies)
-                            ? NULL
-                            : cds_list_first_entry(&s->zombies, sched_worker_t, link);
+    sched_worker_t *w = __first_started(list, &unstarted);
     pthread_mutex_unlock(&s->lock);
-    if (w == NULL) return;
-    reap(w, false);
+    if (w != NULL) {
+      reap(w, live);
+    } else if (unstarted && wait) {
+      sched_yield(); /* the spawner is between its list add and the flag */
+    } else {
+      return;
+    }
   }
+}
+
+void _keel_sched_join_zombies(void) {
+  /* Its callers are the monitor, the only spawner after init, and shutdown
+   * once the monitor has exited: no spawn is in flight, all are started. */
+  reap_list(&_keel_sched.zombies, false, false);
 }
 
 /* Shutdown: every live worker exits once nothing is pending; join them (the
  * monitor may still add one meanwhile during a drain: the loop finds it). */
 void _keel_sched_join_workers(void) {
-  sched_t *s = &_keel_sched;
-  for (;;) {
-    pthread_mutex_lock(&s->lock);
-    sched_worker_t *w = cds_list_empty(&s->workers)
-                            ? NULL
-                            : cds_list_first_entry(&s->workers, sched_worker_t, link);
-    pthread_mutex_unlock(&s->lock);
-    if (w == NULL) break;
-    reap(w, true);
-  }
+  reap_list(&_keel_sched.workers, true, true);
 }
