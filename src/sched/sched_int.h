@@ -78,6 +78,8 @@ typedef struct sched_worker {
   keel_atomic(uint64_t) nrun[PRIO_COUNT]; /* (own) fn calls returned */
   uint64_t busy_ns;                       /* (own) when it last ran a job */
   unsigned fast_max;                      /* (own) next batch size, 1..KEEL_SCHED_BATCH */
+  unsigned shard; /* where its heap's timers are enqueued when they fire, by it or by the
+                   * monitor: one shard per heap keeps their deadline order */
   /* Timers: a binary min-heap on job->_t; job->_l[1] is the slot. */
   pthread_mutex_t tlock;
   keel_job_t **heap; /* (tlock) */
@@ -224,7 +226,7 @@ int64_t _keel_sched_pending(void) KEEL_HIDDEN;
 void _keel_sched_notify_cancel(keel_job_t *job) KEEL_HIDDEN;
 
 /* Producer side (submit.c). */
-void _keel_sched_enqueue(keel_job_t *job, bool fast) KEEL_HIDDEN;
+void _keel_sched_enqueue(keel_job_t *job, bool fast, unsigned shard) KEEL_HIDDEN;
 
 /* Normal jobs of the default client go to the fast lane, the rest to the
  * other queue of the producer's shard. */

@@ -17,23 +17,22 @@
 
 #include "sched/sched_int.h"
 
-/* Publishes a job whose state is already QUEUED; `fast` comes from
+/* Publishes a job whose state is already QUEUED into `shard` (the
+ * submitting thread's, or a timer heap's owner's); `fast` comes from
  * _keel_sched_fast_lane(), read before that state store (whose release is
  * all that orders the caller's accesses to the job before a worker's: after
  * it, keel reads nothing of the job but the link). wfcqueue's xchg is a full
  * barrier (uatomic_xchg), which the nidle load of the kick relies on (see
  * park.c for the other half). */
-void _keel_sched_enqueue(keel_job_t *job, bool fast) {
+void _keel_sched_enqueue(keel_job_t *job, bool fast, unsigned shard) {
   sched_t *s = &_keel_sched;
   struct cds_wfcq_node *node = _keel_job_node(job);
   cds_wfcq_node_init(node);
   bool was_empty;
   if (keel_likely(fast))
-    was_empty = !cds_wfcq_enqueue(&s->in[_keel_sched_me.shard].head,
-                                  &s->in[_keel_sched_me.shard].tail, node);
+    was_empty = !cds_wfcq_enqueue(&s->in[shard].head, &s->in[shard].tail, node);
   else
-    was_empty = !cds_wfcq_enqueue(&s->in[_keel_sched_me.shard].head2,
-                                  &s->in[_keel_sched_me.shard].tail2, node);
+    was_empty = !cds_wfcq_enqueue(&s->in[shard].head2, &s->in[shard].tail2, node);
   if (keel_unlikely(was_empty)) _keel_sched_kick();
 }
 
@@ -75,7 +74,7 @@ int keel_sched_submit(keel_job_t *job) {
     _keel_sched_gate_leave(me);
     return KEEL_EBUSY;
   }
-  _keel_sched_enqueue(job, fast);
+  _keel_sched_enqueue(job, fast, me->shard);
   _keel_sched_count_submit(me, prio);
   _keel_sched_gate_leave(me);
   return 0;

@@ -99,8 +99,8 @@ void _keel_sched_timers_fire(sched_worker_t *w, uint64_t now) {
     keel_job_t *job = w->heap[0];
     heap_remove(w, 0);
     bool fast = _keel_sched_fast_lane(job);
-    _keel_job_set_state(job, JOB_QUEUED); /* counted as submitted when armed */
-    _keel_sched_enqueue(job, fast);
+    _keel_job_set_state(job, JOB_QUEUED);     /* counted as submitted when armed */
+    _keel_sched_enqueue(job, fast, w->shard); /* not the caller's: see sched_worker_t */
   }
   publish_min(w);
   pthread_mutex_unlock(&w->tlock);

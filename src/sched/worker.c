@@ -201,7 +201,7 @@ int _keel_sched_spawn(void) {
     return KEEL_EAGAIN;
   }
   keel_fetch_add_relaxed(&s->nthreads, 1);
-  s->spawned++;
+  w->shard = (unsigned)(s->spawned++ % SCHED_SHARDS);
   cds_list_add_tail(&w->link, &s->workers);
   pthread_mutex_unlock(&s->lock);
   int rc = pthread_create(&w->thread, NULL, worker_main, w);
