@@ -96,12 +96,13 @@ static bool park_pop(sched_worker_t *w) {
  * order (from the head of sched.workers, like keel_sched_after's pick) that
  * is not inside a job, else the first at all; it then moves to the tail. One
  * inside a long job fires late until the monitor sees it stuck, so an idle
- * one is worth the walk (retiring is rare). Caller holds sched.lock. */
+ * one is worth the walk (retiring is rare). Never one whose thread is still
+ * being created (that may fail). NULL if none; caller holds sched.lock. */
 static sched_worker_t *__timer_heir(sched_worker_t *w) {
   sched_t *s = &_keel_sched;
   sched_worker_t *h, *heir = NULL;
   cds_list_for_each_entry(h, &s->workers, link) {
-    if (h == w) continue;
+    if (h == w || !h->started) continue;
     if (heir == NULL) heir = h;
     if (!(keel_load_relaxed(&h->seq) & 1)) {
       heir = h;
@@ -126,9 +127,9 @@ static bool try_retire(sched_worker_t *w, uint64_t now) {
       now - w->busy_ns >= (uint64_t)s->cfg.idle_ms * 1000000u) {
     retire = true;
     if (atomic_load(&w->next_deadline) != UINT64_MAX) {
-      heir = __timer_heir(w); /* not NULL: nthreads > min >= 1 counts w and another */
-      KEEL_ASSERT(heir != NULL);
-      retire = __keel_sched_timers_hand_over(w, heir) == 0;
+      /* nthreads > min >= 1 counts another worker, but it may be starting */
+      heir = __timer_heir(w);
+      retire = heir != NULL && __keel_sched_timers_hand_over(w, heir) == 0;
     }
   }
   if (retire) {

@@ -10,8 +10,8 @@
  * fires its due timers for it. A worker that retires (idle past idle_ms,
  * above min) first hands its whole heap to the next worker in line
  * (__keel_sched_timers_hand_over), so owning timers never keeps an idle
- * thread alive; there is always such a worker, since retiring needs more
- * than min_threads >= 1 alive.
+ * thread alive (retiring needs more than min_threads >= 1 alive, so such a
+ * worker exists; if it is still starting, w waits for its next idle look).
  *
  * The heap slot lives in job->_l[1] so cancel removes in O(log n); the heap
  * array grows by doubling (the only allocation in sched besides threads,

@@ -187,6 +187,22 @@ static bool __may_spawn(void) {
   return !atomic_load(&s->gate_closed) || _keel_sched_pending() > 0;
 }
 
+/* A worker whose thread could not be created, already off sched.workers,
+ * may own timers (keel_sched_after picks owners from that list): they go to
+ * a started worker, or, with none (or no memory), onto `out` to be cancelled
+ * with notice once the caller releases sched.lock, which it holds. */
+static void __orphan_timers(sched_worker_t *w, struct cds_list_head *out) {
+  if (atomic_load(&w->next_deadline) == UINT64_MAX) return;
+  sched_worker_t *h;
+  cds_list_for_each_entry(h, &_keel_sched.workers, link) {
+    if (h->started && __keel_sched_timers_hand_over(w, h) == 0) {
+      _keel_sched_kick_worker(h);
+      return;
+    }
+  }
+  _keel_sched_timers_cancel_all(w, out);
+}
+
 /* Adds one worker unless the pool is at max, cancelling or drained. Called by
  * init and the monitor only (never by producers: thread creation is a slow
  * syscall). */
@@ -205,6 +221,7 @@ int _keel_sched_spawn(void) {
   cds_list_add_tail(&w->link, &s->workers);
   pthread_mutex_unlock(&s->lock);
   int rc = pthread_create(&w->thread, NULL, worker_main, w);
+  CDS_LIST_HEAD(orphans);
   pthread_mutex_lock(&s->lock);
   if (rc == 0) {
     w->started = true; /* w->thread is set: a reaper may join it now */
@@ -212,9 +229,17 @@ int _keel_sched_spawn(void) {
     cds_list_del(&w->link);
     keel_fetch_sub_relaxed(&s->nthreads, 1);
     s->spawned--;
+    __orphan_timers(w, &orphans);
   }
   pthread_mutex_unlock(&s->lock);
-  if (rc != 0) worker_free(w);
+  if (rc != 0) {
+    while (!cds_list_empty(&orphans)) {
+      struct cds_list_head *l = orphans.next;
+      cds_list_del(l);
+      _keel_sched_notify_cancel(_keel_link_job(l));
+    }
+    worker_free(w);
+  }
   return -rc;
 }
 
