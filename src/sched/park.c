@@ -130,6 +130,7 @@ static bool try_retire(sched_worker_t *w, uint64_t now) {
       /* nthreads > min >= 1 counts another worker, but it may be starting */
       heir = __timer_heir(w);
       retire = heir != NULL && __keel_sched_timers_hand_over(w, heir) == 0;
+      if (!retire) w->busy_ns = now; /* retry after another idle_ms, not at once */
     }
   }
   if (retire) {
