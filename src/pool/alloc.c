@@ -143,7 +143,13 @@ static KEEL_NOINLINE void pool_free_generic(keel_pool_t *p, void *obj) {
   _keel_pool_obj_cached(p, obj);
   pool_sub_t *sp = pool_sub_get(p);
   if (sp == NULL && (sp = _keel_pool_sub_attach(p)) == NULL) {
-    /* No memory for a sub-pool: the object goes straight back to the heap. */
+    /* No memory for a sub-pool: the object goes straight back to the heap,
+     * counted as a free with the exited threads' counters (there is no
+     * sub-pool to hold it), or the pool would count it live for ever and
+     * keel_pool_destroy would refuse with KEEL_EBUSY. */
+    pthread_mutex_lock(&p->lock);
+    p->gone_frees++;
+    pthread_mutex_unlock(&p->lock);
     h->next = NULL;
     _keel_pool_release_list(p, h, 1, "keel_pool_free");
     return;
