@@ -17,6 +17,7 @@
 
 #include "base/options.h"
 #include "harness.h"
+#include "heap/internal.h"
 #include "oom.h"
 #include "pool/pool_impl.h"
 
@@ -601,8 +602,72 @@ static void out_of_memory(void) {
   KT_EQ(keel_pool_destroy(q), 0);
 }
 
+/* Pages of the heap holding blocks of `block` bytes (pool objects: the
+ * class the shared heaps use for them), over every heap. */
+static size_t class_pages(size_t block) {
+  int cls = _keel_class_aligned(block, 16);
+  keel_heap_stats_t st;
+  keel_heap_stats(&st);
+  return cls >= 0 ? st.classes[cls].pages : 0;
+}
+
+typedef struct idle_worker {
+  keel_pool_t *p;
+  sem_t *loaded, *go;
+} idle_worker_t;
+
+static void *idle_worker(void *arg) {
+  idle_worker_t *w = arg;
+  void *o[200];
+  for (int i = 0; i < 200; i++) KT_REQUIRE((o[i] = keel_pool_alloc(w->p)) != NULL);
+  for (int i = 0; i < 200; i++) keel_pool_free(w->p, o[i]);
+  sem_post(w->loaded);
+  sem_wait(w->go); /* idle, holding its sub-pool, until the checks are done */
+  return NULL;
+}
+
+/* Issue 5's idle RSS: threads that used a pool and then block (a server
+ * between bursts) run no code, so nothing they own can be collected. Pool
+ * objects come from the shared heaps (heap/shared.h), which any thread
+ * collects: after two sweeps and a collect, the pages that held the
+ * workers' objects are gone although every worker is still alive. */
+static void idle_threads_keep_no_pages(void) {
+  sweeper_quiet();
+  KT_EQ(_keel_option(KEEL_OPT_pool_shared_heap), 1);
+  enum { T = 8 };
+  keel_pool_t *p = keel_pool_create("idle-threads", 2000, 0, NULL);
+  KT_REQUIRE(p != NULL);
+  size_t block = stats(p).block_bytes;
+  keel_heap_collect(true);
+  size_t pages0 = class_pages(block);
+  sem_t loaded, go;
+  sem_init(&loaded, 0, 0);
+  sem_init(&go, 0, 0);
+  idle_worker_t w = {p, &loaded, &go};
+  pthread_t t[T];
+  for (int i = 0; i < T; i++) KT_REQUIRE(pthread_create(&t[i], NULL, idle_worker, &w) == 0);
+  for (int i = 0; i < T; i++) sem_wait(&loaded);
+  size_t pages1 = class_pages(block);
+  KT_CHECK(pages1 > pages0);
+  KT_EQ(stats(p).cached, (uint64_t)T * 200);
+  keel_pool_sweep(p); /* hot lists turn cold */
+  keel_pool_sweep(p); /* cold lists go to the heap */
+  KT_EQ(stats(p).cached, 0);
+  keel_heap_collect(true);
+  size_t pages2 = class_pages(block);
+  KT_CHECK(pages2 <= pages0);
+  printf("  pages of the %zu-byte class: %zu before, %zu loaded, %zu idle\n", block, pages0, pages1,
+         pages2);
+  for (int i = 0; i < T; i++) sem_post(&go);
+  for (int i = 0; i < T; i++) pthread_join(t[i], NULL);
+  sem_destroy(&loaded);
+  sem_destroy(&go);
+  KT_EQ(keel_pool_destroy(p), 0);
+}
+
 KT_MAIN(KT_CASE(state_machine), KT_CASE(owner_services_pending_sweep),
         KT_CASE(reclaim_keeps_pending_sweep), KT_CASE(hooks_and_zalloc), KT_CASE(alignment),
         KT_CASE(bad_create), KT_CASE(bad_input_aborts), KT_CASE(destroy_busy),
         KT_CASE(thread_exit_releases), KT_CASE(reclaim), KT_CASE(print_stats),
-        KT_CASE(create_destroy_churn), KT_CASE(idle_returns_to_zero), KT_CASE(out_of_memory))
+        KT_CASE(create_destroy_churn), KT_CASE(idle_returns_to_zero), KT_CASE(out_of_memory),
+        KT_CASE(idle_threads_keep_no_pages))
