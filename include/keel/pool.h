@@ -20,7 +20,11 @@
  *
  * Memory: what a sweep frees has been unused for a whole period, so the
  * sweeper then asks the heap to return free memory to the OS at once
- * (keel_heap_collect) rather than after heap_purge_ms. After fork() the
+ * (keel_heap_collect) rather than after heap_purge_ms. Objects come from
+ * the heap's shared heaps, not the allocating thread's, so the pages a sweep
+ * empties go back even while the threads that used them stay blocked
+ * (option pool_shared_heap=0: thread heaps, cheaper heap calls, but an idle
+ * thread keeps its pages until it runs again). After fork() the
  * child restarts the sweeper on its first heap call; sub-pools of threads
  * that were inside a pool call at the fork are never swept in the child.
  *

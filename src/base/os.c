@@ -52,7 +52,40 @@ size_t _keel_os_huge_page_size(void) {
   return hs;
 }
 
+/* Fault injection (os.h): -1 off; otherwise how many more calls succeed. */
+static keel_atomic(long) fault_left = -1;
+static keel_atomic(size_t) fault_hits;
+
+void _keel_os_fault_set(long n) {
+  keel_store_relaxed(&fault_left, n < 0 ? -1 : n);
+}
+
+size_t _keel_os_fault_hits(void) {
+  return keel_load_relaxed(&fault_hits);
+}
+
+/* True when the injection says this call fails. The countdown is claimed
+ * with a CAS so that n successes are handed out exactly, whichever threads
+ * ask; relaxed is enough: it orders nothing but itself. */
+static bool fault_now(void) {
+  long left = keel_load_relaxed(&fault_left);
+  while (keel_unlikely(left >= 0)) {
+    if (left == 0) {
+      atomic_fetch_add_explicit(&fault_hits, 1, memory_order_relaxed);
+      return true;
+    }
+    if (atomic_compare_exchange_weak_explicit(&fault_left, &left, left - 1, memory_order_relaxed,
+                                              memory_order_relaxed))
+      return false;
+  }
+  return false;
+}
+
 static void *map_aligned(size_t size, size_t align, int prot, int flags) {
+  if (fault_now()) {
+    errno = ENOMEM;
+    return NULL;
+  }
   size_t ps = _keel_os_page_size();
   if (align < ps) align = ps;
   if (size == 0 || !KEEL_IS_POW2(align) || size > SIZE_MAX - align) {
@@ -87,6 +120,7 @@ void *_keel_os_alloc(size_t size, size_t align) {
 }
 
 int _keel_os_commit(void *p, size_t size) {
+  if (fault_now()) return KEEL_ENOMEM;
   return mprotect(p, size, PROT_READ | PROT_WRITE) == 0 ? 0 : KEEL_ENOMEM;
 }
 
@@ -105,6 +139,20 @@ int _keel_os_purge(void *p, size_t size, bool lazy) {
   (void)lazy;
 #endif
   return madvise(p, size, MADV_DONTNEED) == 0 ? 0 : -errno;
+}
+
+void *_keel_os_remap(void *p, size_t old, size_t size, void *to) {
+  if (size > old && fault_now()) {
+    errno = ENOMEM;
+    return NULL;
+  }
+  void *q = to == NULL ? mremap(p, old, size, 0)
+                       : mremap(p, old, size, MREMAP_MAYMOVE | MREMAP_FIXED, to);
+  if (q == MAP_FAILED || (to != NULL && q != to)) {
+    errno = ENOMEM;
+    return NULL;
+  }
+  return q;
 }
 
 int _keel_os_release(void *p, size_t size) {

@@ -37,11 +37,27 @@ int _keel_os_decommit(void *p, size_t size) KEEL_HIDDEN;
  * lazy); it stays read-write and reads back as zero after a non-lazy purge. */
 int _keel_os_purge(void *p, size_t size, bool lazy) KEEL_HIDDEN;
 
+/* Resizes the mapping at p from old to size bytes: in place when to is
+ * NULL, else moved onto the reserved range `to` (page tables only, no copy).
+ * Returns the new base, or NULL with errno ENOMEM (p is then unchanged). */
+void *_keel_os_remap(void *p, size_t old, size_t size, void *to) KEEL_HIDDEN;
+
 /* Unmaps a range. */
 int _keel_os_release(void *p, size_t size) KEEL_HIDDEN;
 
 /* Asks for transparent huge pages on a range (advice only). */
 void _keel_os_advise_huge(void *p, size_t size) KEEL_HIDDEN;
+
+/* Fault injection, for tests of out-of-memory paths (compiled into every
+ * build, off unless a test turns it on). After _keel_os_fault_set(n) with
+ * n >= 0, the next n calls that obtain memory (_keel_os_reserve,
+ * _keel_os_alloc, _keel_os_commit, a growing _keel_os_remap) succeed and every later one fails as if
+ * the kernel refused it (NULL + ENOMEM, or KEEL_ENOMEM), until
+ * _keel_os_fault_set(-1). Cost while off: one relaxed load per call that is
+ * about to make a system call. Any thread may call it. */
+void _keel_os_fault_set(long n) KEEL_HIDDEN;
+/* Calls failed by the injection since start (tests check they hit it). */
+size_t _keel_os_fault_hits(void) KEEL_HIDDEN;
 
 /* The process's resident set size in KiB (from /proc/self/statm), or 0. */
 size_t _keel_os_rss_kb(void) KEEL_HIDDEN;

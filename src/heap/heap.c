@@ -62,6 +62,7 @@
 #include "base/os.h"
 #include "heap/alloc.h"
 #include "heap/internal.h"
+#include "heap/shared.h"
 #include "heap/track.h"
 
 keel_page_t _keel_empty_page; /* free == NULL: always empty */
@@ -553,7 +554,10 @@ static keel_heap_t *heap_or_init(keel_heap_t *heap) {
  * enough that a mutex costs little next to writing it. A shared heap is a
  * heap like any other: remote frees (every free of its blocks) push on its
  * pages with one CAS, its slow paths run under its mutex, and the purge
- * thread collects it. Order: shard locks before registry_lock. */
+ * thread collects it. The pool takes every class from here
+ * (_keel_malloc_shared, heap/shared.h) for the same reason: no owner must
+ * run for its emptied pages to go back. Order: shard locks before
+ * registry_lock. */
 #define SHARED_SHARDS 4 /* like a few jemalloc arenas: threads spread by TLS address */
 
 typedef struct shared_shard {
@@ -582,6 +586,14 @@ static void *malloc_shared(unsigned cls, size_t size) {
   pthread_mutex_unlock(&sh->lock);
   if (p == NULL) errno = ENOMEM;
   return p;
+}
+
+void *_keel_malloc_shared(size_t size, size_t align) {
+  if (align < 16) align = 16;
+  _keel_classes_init();
+  int cls = size <= KEEL_LARGE_MAX ? _keel_class_aligned(size, align) : -1;
+  if (cls < 0) return _keel_large_alloc(size, align, false);
+  return malloc_shared((unsigned)cls, size);
 }
 
 static void heap_collect_own(keel_heap_t *heap, bool force, bool retire_current);

@@ -65,12 +65,10 @@ static size_t page_up(size_t n) {
  * place; keeps the segment map in step. NULL if the address space is full. */
 static keel_segment_t *remap(keel_segment_t *seg, size_t old, size_t size) {
   if (size == old) return seg;
-  void *p = mremap(seg, old, size, 0);
-  if (p == (void *)seg) return seg;
+  if (_keel_os_remap(seg, old, size, NULL) == seg) return seg;
   void *to = _keel_os_reserve(size, KEEL_SEGMENT_SIZE);
   if (to == NULL) return NULL;
-  p = mremap(seg, old, size, MREMAP_MAYMOVE | MREMAP_FIXED, to);
-  if (p != to) {
+  if (_keel_os_remap(seg, old, size, to) != to) {
     _keel_os_release(to, size);
     return NULL;
   }

@@ -17,6 +17,7 @@
 #include "base/options.h"
 #include "harness.h"
 #include "heap/internal.h"
+#include "oom.h"
 
 #include <keel/heap.h>
 
@@ -342,6 +343,97 @@ static void test_enomem(void) {
   KT_CHECK(keel_realloc(keel_malloc(10), 0) == NULL);
 }
 
+/* Live bytes of the calling thread's view: exact while no other thread
+ * allocates (keel_heap_stats syncs the caller's own pages). */
+static size_t live_bytes(void) {
+  keel_heap_stats_t st;
+  keel_heap_stats(&st);
+  return st.live_bytes;
+}
+
+/* Real out-of-memory (the OS refuses new mappings, injected), not an
+ * impossible size: every allocation call returns NULL with ENOMEM, realloc
+ * leaves the old block intact, the failed calls leak nothing, and the heap
+ * works again once memory comes back. */
+static void test_enomem_injected(void) {
+  size_t before = live_bytes();
+  size_t hits = _keel_os_fault_hits();
+  char *small = keel_malloc(40), *large = keel_malloc((size_t)512 << 10);
+  KT_REQUIRE(small != NULL && large != NULL);
+  memset(small, 0x5a, 40);
+  memset(large, 0xa5, (size_t)512 << 10);
+  kt_hoard_t h = {0};
+  kt_oom_begin(&h);
+  KT_CHECK(h.n > 0);
+  static const size_t sizes[] = {
+      8, 40, 100, 1000, 4000, 8192, 100000, (size_t)1 << 20, (size_t)64 << 20};
+  for (size_t i = 0; i < sizeof(sizes) / sizeof(sizes[0]); i++) {
+    size_t n = sizes[i];
+    errno = 0;
+    KT_CHECK(keel_malloc(n) == NULL && errno == ENOMEM);
+    errno = 0;
+    KT_CHECK(keel_calloc(1, n) == NULL && errno == ENOMEM);
+    errno = 0;
+    KT_CHECK(keel_aligned_alloc(64, n) == NULL && errno == ENOMEM);
+    errno = 0;
+    KT_CHECK(keel_aligned_alloc((size_t)4 << 20, n) == NULL && errno == ENOMEM);
+  }
+  /* realloc: growth that needs a new block fails and keeps the old one. */
+  errno = 0;
+  KT_CHECK(keel_realloc(small, 4000) == NULL && errno == ENOMEM);
+  errno = 0;
+  KT_CHECK(keel_realloc(large, (size_t)8 << 20) == NULL && errno == ENOMEM);
+  errno = 0;
+  KT_CHECK(keel_realloc(NULL, 100) == NULL && errno == ENOMEM);
+  for (int i = 0; i < 40; i++) KT_EQ((unsigned char)small[i], 0x5a);
+  for (size_t i = 0; i < ((size_t)512 << 10); i += 4093) KT_EQ((unsigned char)large[i], 0xa5);
+  KT_CHECK(_keel_os_fault_hits() > hits); /* the failures came from the OS layer */
+  kt_oom_end(&h);
+  /* Memory is back: the same calls succeed, realloc moves the contents. */
+  for (size_t i = 0; i < sizeof(sizes) / sizeof(sizes[0]); i++) {
+    void *a = keel_malloc(sizes[i]), *b = keel_calloc(1, sizes[i]);
+    void *c = keel_aligned_alloc(64, sizes[i]);
+    KT_CHECK(a != NULL && b != NULL && c != NULL);
+    keel_free(a);
+    keel_free(b);
+    keel_free(c);
+  }
+  small = keel_realloc(small, 4000);
+  large = keel_realloc(large, (size_t)8 << 20);
+  KT_REQUIRE(small != NULL && large != NULL);
+  for (int i = 0; i < 40; i++) KT_EQ((unsigned char)small[i], 0x5a);
+  for (size_t i = 0; i < ((size_t)512 << 10); i += 4093) KT_EQ((unsigned char)large[i], 0xa5);
+  keel_free(small);
+  keel_free(large);
+  KT_EQ(live_bytes(), before);
+}
+
+static void *malloc_in_new_thread(void *arg) {
+  (void)arg;
+  void *p = keel_malloc(24);
+  int e = errno;
+  keel_free(p);
+  return p != NULL ? (void *)1 : e == ENOMEM ? (void *)2 : NULL;
+}
+
+/* A thread born during the shortage: its first allocation (which may need a
+ * heap struct from the OS) fails cleanly or is served, never crashes; after
+ * the shortage a new thread allocates normally. */
+static void test_enomem_new_thread(void) {
+  kt_hoard_t h = {0};
+  kt_oom_begin(&h);
+  pthread_t t;
+  void *r = NULL;
+  /* pthread_create allocates its stack from glibc, not from keel. */
+  KT_REQUIRE(pthread_create(&t, NULL, malloc_in_new_thread, NULL) == 0);
+  pthread_join(t, &r);
+  KT_CHECK(r != NULL);
+  kt_oom_end(&h);
+  KT_REQUIRE(pthread_create(&t, NULL, malloc_in_new_thread, NULL) == 0);
+  pthread_join(t, &r);
+  KT_CHECK(r == (void *)1);
+}
+
 /* Threads allocate, fill, hand blocks to each other, verify and free, while
  * a collector drains full pages on the owners' behalf: every path between
  * owner, remote freer and collector runs against the others. */
@@ -610,4 +702,5 @@ KT_MAIN(KT_CASE(test_class_steps), KT_CASE(test_class_info), KT_CASE(test_page_v
         KT_CASE(test_abandon_and_collect), KT_CASE(test_idle_owner_full_pages),
         KT_CASE(test_purge_forced), KT_CASE(test_purge_partial), KT_CASE(test_purge_background),
         KT_CASE(test_large), KT_CASE(test_aligned), KT_CASE(test_enomem),
+        KT_CASE(test_enomem_injected), KT_CASE(test_enomem_new_thread),
         KT_CASE(test_cross_thread_stress), KT_CASE(test_bad_input), KT_CASE(test_fork))

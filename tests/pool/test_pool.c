@@ -17,6 +17,8 @@
 
 #include "base/options.h"
 #include "harness.h"
+#include "heap/internal.h"
+#include "oom.h"
 #include "pool/pool_impl.h"
 
 #if defined(KEEL_ASAN)
@@ -501,8 +503,171 @@ static void idle_returns_to_zero(void) {
   KT_EQ(keel_pool_destroy(p), 0);
 }
 
+static size_t heap_live_bytes(void) {
+  keel_heap_stats_t st;
+  keel_heap_stats(&st);
+  return st.live_bytes;
+}
+
+typedef struct oom_thread_arg {
+  keel_pool_t *p;
+  void *obj; /* freed by the thread, which has no sub-pool and gets none */
+  void *got; /* what the thread's alloc returned */
+  int alloc_errno;
+} oom_thread_arg_t;
+
+static void *oom_thread(void *arg) {
+  oom_thread_arg_t *a = arg;
+  errno = 0;
+  a->got = keel_pool_alloc(a->p);
+  a->alloc_errno = errno;
+  keel_pool_free(a->p, a->obj);
+  return NULL;
+}
+
+/* Every pool call that can run out of memory, under a real shortage (the OS
+ * refuses new mappings: src/base/os.h's fault injection, and tests/oom.h
+ * takes what the heap still holds): it fails with NULL + ENOMEM, or, for
+ * free, sends the object straight to the heap; the pool's counters stay
+ * exact (destroy is not refused for objects that are gone), cached objects
+ * are still served, the pool works once memory is back, and nothing leaks. */
+static void out_of_memory(void) {
+  sweeper_quiet();
+  kt_hoard_t h = {0};
+  /* create: recycled descriptors first, then a new one that cannot be had. */
+  keel_pool_t *made[4096];
+  size_t n_made = 0;
+  kt_oom_begin(&h);
+  keel_pool_t *np;
+  errno = 0;
+  while (n_made < 4096 && (np = keel_pool_create("oom-create", 64, 0, NULL)) != NULL)
+    made[n_made++] = np;
+  KT_CHECK(n_made < 4096);
+  KT_EQ(errno, ENOMEM);
+  kt_oom_end(&h);
+  for (size_t i = 0; i < n_made; i++) KT_EQ(keel_pool_destroy(made[i]), 0);
+
+  keel_pool_t *p = keel_pool_create("oom", 200, 0, NULL);
+  keel_pool_t *q = keel_pool_create("oom-aligned", 100, 256, NULL);
+  KT_REQUIRE(p != NULL && q != NULL);
+  keel_pool_free(p, keel_pool_alloc(p)); /* this thread's sub-pools exist */
+  keel_pool_free(q, keel_pool_alloc(q));
+  keel_pool_reclaim(SIZE_MAX);
+  size_t live0 = heap_live_bytes();
+  void *o[4];
+  for (int i = 0; i < 4; i++) KT_REQUIRE((o[i] = keel_pool_alloc(p)) != NULL);
+
+  kt_oom_begin(&h);
+  /* A cached object is still served; the next needs the heap and fails. */
+  keel_pool_free(p, o[0]);
+  KT_CHECK(keel_pool_alloc(p) == o[0]);
+  errno = 0;
+  KT_CHECK(keel_pool_alloc(p) == NULL && errno == ENOMEM);
+  errno = 0;
+  KT_CHECK(keel_pool_zalloc(p) == NULL && errno == ENOMEM);
+  errno = 0;
+  KT_CHECK(keel_pool_alloc(q) == NULL && errno == ENOMEM);
+  /* A thread new to the pool cannot get a sub-pool: its alloc fails, its
+   * free of another thread's object goes straight to the heap. */
+  oom_thread_arg_t a = {.p = p, .obj = o[1]};
+  pthread_t t;
+  KT_REQUIRE(pthread_create(&t, NULL, oom_thread, &a) == 0);
+  pthread_join(t, NULL);
+  KT_CHECK(a.got == NULL);
+  KT_EQ(a.alloc_errno, ENOMEM);
+  keel_pool_stats_t st = stats(p);
+  KT_EQ(st.live, 3);
+  KT_EQ(st.cached, 0);
+  KT_EQ(keel_pool_destroy(p), KEEL_EBUSY);
+  kt_oom_end(&h);
+
+  /* Memory is back: everything works, and the counters add up. */
+  void *z = keel_pool_zalloc(p), *y = keel_pool_alloc(q);
+  KT_REQUIRE(z != NULL && y != NULL);
+  KT_CHECK(((uintptr_t)y & 255) == 0);
+  keel_pool_free(p, z);
+  keel_pool_free(q, y);
+  keel_pool_free(p, o[0]);
+  keel_pool_free(p, o[2]);
+  keel_pool_free(p, o[3]);
+  st = stats(p);
+  KT_EQ(st.live, 0);
+  KT_EQ(st.allocs, st.frees);
+  KT_EQ(st.cached, st.heap_allocs - st.heap_frees);
+  keel_pool_reclaim(SIZE_MAX);
+  KT_EQ(stats(p).cached, 0);
+  KT_EQ(stats(q).cached, 0);
+  KT_EQ(heap_live_bytes(), live0);
+  KT_EQ(keel_pool_destroy(p), 0);
+  KT_EQ(keel_pool_destroy(q), 0);
+}
+
+/* Pages of the heap holding blocks of `block` bytes (pool objects: the
+ * class the shared heaps use for them), over every heap. */
+static size_t class_pages(size_t block) {
+  int cls = _keel_class_aligned(block, 16);
+  keel_heap_stats_t st;
+  keel_heap_stats(&st);
+  return cls >= 0 ? st.classes[cls].pages : 0;
+}
+
+typedef struct idle_worker {
+  keel_pool_t *p;
+  sem_t *loaded, *go;
+} idle_worker_t;
+
+static void *idle_worker(void *arg) {
+  idle_worker_t *w = arg;
+  void *o[200];
+  for (int i = 0; i < 200; i++) KT_REQUIRE((o[i] = keel_pool_alloc(w->p)) != NULL);
+  for (int i = 0; i < 200; i++) keel_pool_free(w->p, o[i]);
+  sem_post(w->loaded);
+  sem_wait(w->go); /* idle, holding its sub-pool, until the checks are done */
+  return NULL;
+}
+
+/* Issue 5's idle RSS: threads that used a pool and then block (a server
+ * between bursts) run no code, so nothing they own can be collected. Pool
+ * objects come from the shared heaps (heap/shared.h), which any thread
+ * collects: after two sweeps and a collect, the pages that held the
+ * workers' objects are gone although every worker is still alive. */
+static void idle_threads_keep_no_pages(void) {
+  sweeper_quiet();
+  KT_EQ(_keel_option(KEEL_OPT_pool_shared_heap), 1);
+  enum { T = 8 };
+  keel_pool_t *p = keel_pool_create("idle-threads", 2000, 0, NULL);
+  KT_REQUIRE(p != NULL);
+  size_t block = stats(p).block_bytes;
+  keel_heap_collect(true);
+  size_t pages0 = class_pages(block);
+  sem_t loaded, go;
+  sem_init(&loaded, 0, 0);
+  sem_init(&go, 0, 0);
+  idle_worker_t w = {p, &loaded, &go};
+  pthread_t t[T];
+  for (int i = 0; i < T; i++) KT_REQUIRE(pthread_create(&t[i], NULL, idle_worker, &w) == 0);
+  for (int i = 0; i < T; i++) sem_wait(&loaded);
+  size_t pages1 = class_pages(block);
+  KT_CHECK(pages1 > pages0);
+  KT_EQ(stats(p).cached, (uint64_t)T * 200);
+  keel_pool_sweep(p); /* hot lists turn cold */
+  keel_pool_sweep(p); /* cold lists go to the heap */
+  KT_EQ(stats(p).cached, 0);
+  keel_heap_collect(true);
+  size_t pages2 = class_pages(block);
+  KT_CHECK(pages2 <= pages0);
+  printf("  pages of the %zu-byte class: %zu before, %zu loaded, %zu idle\n", block, pages0, pages1,
+         pages2);
+  for (int i = 0; i < T; i++) sem_post(&go);
+  for (int i = 0; i < T; i++) pthread_join(t[i], NULL);
+  sem_destroy(&loaded);
+  sem_destroy(&go);
+  KT_EQ(keel_pool_destroy(p), 0);
+}
+
 KT_MAIN(KT_CASE(state_machine), KT_CASE(owner_services_pending_sweep),
         KT_CASE(reclaim_keeps_pending_sweep), KT_CASE(hooks_and_zalloc), KT_CASE(alignment),
         KT_CASE(bad_create), KT_CASE(bad_input_aborts), KT_CASE(destroy_busy),
         KT_CASE(thread_exit_releases), KT_CASE(reclaim), KT_CASE(print_stats),
-        KT_CASE(create_destroy_churn), KT_CASE(idle_returns_to_zero))
+        KT_CASE(create_destroy_churn), KT_CASE(idle_returns_to_zero), KT_CASE(out_of_memory),
+        KT_CASE(idle_threads_keep_no_pages))

@@ -1,0 +1,28 @@
+/* The heap's shared heaps as a service to other modules. Never installed.
+ *
+ * A thread heap's pages can be collected only by their owner (or, when full,
+ * by a collector: heap.c), because the owner's malloc and free fast paths
+ * touch them without any synchronisation; an owner that stays idle keeps
+ * every page it was allocating from, with whatever other threads freed into
+ * it. The shared heaps (heap.c: 4 shards behind mutexes) have no such owner:
+ * whoever holds the shard's mutex may allocate, and any thread that
+ * collects (keel_heap_collect, the purge thread) retires their empty pages,
+ * current ones included. A module whose heap calls are rare next to its own
+ * fast path (the pool: its hot lists serve more than 99% of allocations)
+ * takes its blocks from here, so that memory it gives back reaches the OS
+ * even when the threads that used it never run again.
+ */
+#ifndef KEEL_HEAP_SHARED_H
+#define KEEL_HEAP_SHARED_H
+
+#include <stddef.h>
+
+#include "base/common.h"
+
+/* A block of at least size bytes aligned to max(align, 16) (align a power of
+ * two) from the calling thread's shard of the shared heaps, or a large
+ * mapping above the largest class; freed with keel_free from any thread.
+ * NULL with errno ENOMEM. Takes the shard's mutex: for slow paths only. */
+void *_keel_malloc_shared(size_t size, size_t align) KEEL_HIDDEN;
+
+#endif /* KEEL_HEAP_SHARED_H */
