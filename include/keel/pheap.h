@@ -20,9 +20,10 @@
  * abort 2, plus 1 per keel_tx_add_range that snapshots new bytes.
  *
  * Sizes: one atomic publish or one transaction may change at most about
- * 1000 allocation words (a reservation or tx allocation takes 1-3), and a
- * transaction may snapshot at most 48 KiB (KEEL_ENOSPC, rolled back,
- * beyond). Calls use up to 32 KiB of the caller's stack.
+ * 1000 allocation words (a reservation or tx allocation takes 1-3). A
+ * transaction's snapshots past 48 KiB go to 256 KiB undo blocks taken from
+ * the pool (up to 3 barriers each; KEEL_ENOSPC and rolled back when the pool has
+ * no room for one). Calls use up to 32 KiB of the caller's stack.
  *
  * Errors: int functions return 0 or a negative KEEL_E*; functions returning a
  * pointer return NULL and set errno; offset-returning ones return 0 and set

@@ -157,6 +157,10 @@ static int take_huge(keel_pheap_t *ph, ph_tcache_t *tc, uint64_t block, keel_pof
   return rc;
 }
 
+int _keel_ph_take_chunks(keel_pheap_t *ph, ph_tcache_t *tc, uint64_t bytes, keel_poff_t *off) {
+  return take_huge(ph, tc, bytes, off);
+}
+
 int _keel_ph_take(keel_pheap_t *ph, ph_tcache_t *tc, size_t size, int *cls, keel_poff_t *off) {
   if (keel_unlikely(size == 0 || size > KEEL_PHEAP_MAX_ALLOC)) return KEEL_EINVAL;
   int c = _keel_ph_class_of(size + PH_OBJ_HDR);

@@ -395,11 +395,113 @@ static void test_tx_out_of_space_aborts(void) {
   KT_EQ(r->counter[0], 1);
   KT_EQ(r->slot[0], 0);
   KT_EQ(count_type(ph, 6), 0);
-  /* The space is usable again, and an oversized undo snapshot aborts too. */
+  /* The space is usable again; a 1 MiB snapshot now overflows the lane's
+   * undo area into blocks from the pool and commits. */
   KT_EQ(keel_pheap_alloc(ph, &r->slot[0], 1 << 20, 6), 0);
   KT_EQ(keel_tx_begin(ph), 0);
-  KT_EQ(keel_tx_add_range(keel_pheap_ptr(ph, r->slot[0]), 1 << 20), KEEL_ENOSPC);
+  KT_EQ(keel_tx_add_range(keel_pheap_ptr(ph, r->slot[0]), 1 << 20), 0);
+  memset(keel_pheap_ptr(ph, r->slot[0]), 0x5a, 1 << 20);
+  KT_EQ(keel_tx_commit(), 0);
+  KT_EQ(keel_tx_end(), 0);
+  KT_EQ(((unsigned char *)keel_pheap_ptr(ph, r->slot[0]))[(1 << 20) - 1], 0x5a);
+  keel_pheap_close(ph);
+  KT_EQ(keel_pheap_check(p), 0);
+  unlink(p);
+}
+
+/* Fills `n` bytes of o with words derived from (seed, word index). */
+static void fill_words(uint64_t *o, size_t n, uint64_t seed) {
+  for (size_t i = 0; i < n / 8; i++) o[i] = seed * 0x9e3779b97f4a7c15ull + i;
+}
+static bool words_are(const uint64_t *o, size_t n, uint64_t seed) {
+  for (size_t i = 0; i < n / 8; i++)
+    if (o[i] != seed * 0x9e3779b97f4a7c15ull + i) return false;
+  return true;
+}
+
+/* Snapshots past the lane's 48 KiB chain overflow blocks from the pool: many
+ * ranges and one range larger than a block, rolled back whole on abort and
+ * kept on commit; the blocks are reused or returned (a fixed 8 MiB pool
+ * survives 40 transactions of 200-400 KiB), never left allocated. */
+static void test_tx_undo_overflow(void) {
+  char p[256];
+  tp_path(p, sizeof p, "ovf");
+  keel_pheap_t *ph = keel_pheap_create(p, LAYOUT, KEEL_PHEAP_MIN_SIZE, KEEL_PHEAP_FIXED);
+  root_t *r = keel_pheap_root(ph, sizeof *r);
+  const size_t big = 400 << 10;
+  KT_EQ(keel_pheap_alloc(ph, &r->slot[0], big, 3), 0);
+  uint64_t *o = keel_pheap_ptr(ph, r->slot[0]);
+  fill_words(o, big, 1);
+  keel_pheap_persist(ph, o, big);
+  for (int round = 0; round < 40; round++) {
+    bool abort = round % 2 == 0;
+    KT_EQ(keel_tx_begin(ph), 0);
+    if (round % 4 < 2) {
+      /* 50 ranges of 4 KiB, 1 KiB apart: 200 KiB in 50 entries. */
+      for (size_t k = 0; k < 50; k++) {
+        KT_REQUIRE(keel_tx_add_range((char *)o + k * 5120, 4096) == 0);
+        memset((char *)o + k * 5120, 0xee, 4096);
+      }
+    } else {
+      /* One range of 400 KiB, split across the lane and 2 blocks. */
+      KT_REQUIRE(keel_tx_add_range(o, big) == 0);
+      memset(o, 0xdd, big);
+    }
+    if (abort)
+      keel_tx_abort(0);
+    else
+      KT_EQ(keel_tx_commit(), 0);
+    int rc = keel_tx_end();
+    KT_EQ(rc, abort ? KEEL_ECANCELED : 0);
+    if (abort) KT_CHECK(words_are(o, big, (uint64_t)round + 1));
+    /* Reset to the next round's pattern. */
+    fill_words(o, big, (uint64_t)round + 2);
+    keel_pheap_persist(ph, o, big);
+  }
+  KT_EQ(count_type(ph, KEEL_PHEAP_ANY_TYPE), 2); /* root + the object: no block published */
+  keel_pheap_close(ph);
+  KT_EQ(keel_pheap_check(p), 0);
+  unlink(p);
+}
+
+/* An undo log that needs an overflow block in a full pool: the add fails
+ * with KEEL_ENOSPC, the transaction rolls back, and every heap byte is as
+ * before. */
+static void test_tx_undo_overflow_out_of_space(void) {
+  char p[256];
+  tp_path(p, sizeof p, "ovfull");
+  keel_pheap_t *ph = keel_pheap_create(p, LAYOUT, KEEL_PHEAP_MIN_SIZE, KEEL_PHEAP_FIXED);
+  root_t *r = keel_pheap_root(ph, sizeof *r);
+  const size_t big = 200 << 10;
+  KT_EQ(keel_pheap_alloc(ph, &r->slot[0], big, 3), 0);
+  fill_words(keel_pheap_ptr(ph, r->slot[0]), big, 7);
+  keel_pheap_persist(ph, keel_pheap_ptr(ph, r->slot[0]), big);
+  /* Fill every chunk, and the overflow blocks' class to the last block. */
+  keel_poff_t junk;
+  int n = 0;
+  while (keel_pheap_alloc(ph, &junk, 1 << 20, 9) == 0) n++;
+  while (keel_pheap_alloc(ph, &junk, PH_OVF_BYTES, 9) == 0) n++;
+  KT_CHECK(n > 0);
+  uint64_t heap = ph->hdr->heap_off, size = keel_load_relaxed(&ph->size);
+  char *before = malloc(size - heap);
+  KT_REQUIRE(before != NULL);
+  memcpy(before, ph->view.base + heap, size - heap);
+  KT_EQ(keel_tx_begin(ph), 0);
+  KT_EQ(keel_tx_add_range(r->counter, 8), 0);
+  r->counter[0] = 99;
+  char *o = keel_pheap_ptr(ph, r->slot[0]);
+  int rc = 0;
+  for (size_t k = 0; k < 50 && rc == 0; k++) {
+    rc = keel_tx_add_range(o + k * 4096, 4096);
+    if (rc == 0) memset(o + k * 4096, 0xee, 4096);
+  }
+  KT_EQ(rc, KEEL_ENOSPC);
+  KT_EQ(keel_tx_add_range(o, 8), KEEL_ECANCELED);
+  KT_EQ(keel_tx_commit(), KEEL_ENOSPC);
   KT_EQ(keel_tx_end(), KEEL_ENOSPC);
+  KT_CHECK(memcmp(before, ph->view.base + heap, size - heap) == 0);
+  KT_EQ(r->counter[0], 0);
+  free(before);
   keel_pheap_close(ph);
   KT_EQ(keel_pheap_check(p), 0);
   unlink(p);
@@ -632,6 +734,7 @@ KT_MAIN(KT_CASE(test_create_open_close), KT_CASE(test_bad_wrong_layout),
         KT_CASE(test_alloc_free_sizes), KT_CASE(test_misuse_aborts),
         KT_CASE(test_reserve_publish_cancel), KT_CASE(test_tx_commit_abort_nested),
         KT_CASE(test_tx_publish_and_zalloc), KT_CASE(test_tx_out_of_space_aborts),
+        KT_CASE(test_tx_undo_overflow), KT_CASE(test_tx_undo_overflow_out_of_space),
         KT_CASE(test_full_pool_free_never_fails), KT_CASE(test_grow), KT_CASE(test_barrier_counts),
         KT_CASE(test_check_detects_corruption), KT_CASE(test_stress_threads),
         KT_CASE(test_classes_fragmentation))
