@@ -66,7 +66,10 @@ KEEL_API keel_pheap_t *keel_pheap_create(const char *path, const char *layout, s
 
 /* Opens an existing pool, checking its header and layout name, locking it,
  * and running recovery for anything a crash left in flight. Blocks on I/O;
- * allocates. NULL + errno on failure, with keel_pheap_errmsg() saying why. */
+ * allocates. Walks no heap metadata (the free-block state is rebuilt per run
+ * on first use), so its cost does not grow with the pool; a heap corrupted
+ * past the header is found on use (keel_pheap_check finds it offline). NULL +
+ * errno on failure, with keel_pheap_errmsg() saying why. */
 KEEL_API keel_pheap_t *keel_pheap_open(const char *path, const char *layout);
 
 /* Unmaps and unlocks the pool. Nothing may use `ph` concurrently or after. */

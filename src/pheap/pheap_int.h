@@ -251,7 +251,11 @@ struct keel_pheap {
   uint8_t *chunk_free;           /* per global chunk: 1 free (volatile) */
   ph_run_t **chunk_run;          /* per global chunk: the run it heads */
   keel_atomic(uint32_t) nchunks; /* chunks that exist now (grows under lock) */
-  uint32_t chunk_cap;            /* array capacity */
+  /* Chunks [0, booted) have their volatile state (chunk_free, chunk_run,
+   * runs on partial lists) built from media; beyond it nothing is known yet.
+   * Grows under `lock` (heap.c: lazy rebuild); release-stored. */
+  keel_atomic(uint32_t) booted;
+  uint32_t chunk_cap; /* array capacity */
   ph_classq_t *classq;
   ph_lane_t lanes[PH_NLANES];
   pthread_mutex_t ckpt_lock;      /* one checkpoint at a time */
@@ -334,7 +338,11 @@ ph_tcache_t *_keel_ph_tcache(keel_pheap_t *ph) KEEL_HIDDEN;
 void _keel_ph_tcaches_destroy(keel_pheap_t *ph) KEEL_HIDDEN;
 
 /* ---- heap (heap.c) ---- */
+/* Open: nothing is walked (the rebuild is lazy, heap.c); 0. */
 int _keel_ph_heap_boot(keel_pheap_t *ph, ph_tcache_t *tc) KEEL_HIDDEN;
+/* Builds the volatile state of every chunk below `chunk` + 1 (the whole run
+ * that holds it); ph->lock NOT held. 0 or KEEL_ECORRUPT. */
+int _keel_ph_boot_upto(keel_pheap_t *ph, ph_tcache_t *tc, uint32_t chunk) KEEL_HIDDEN;
 void _keel_ph_heap_fini(keel_pheap_t *ph) KEEL_HIDDEN;
 /* Takes a free block (volatile reservation) for `size` user bytes; writes
  * nothing persistent. *cls = class or -1 for huge (then the chunk word SET

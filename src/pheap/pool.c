@@ -3,8 +3,11 @@
  * Open order: lock the file (flock, so a second opener in any process gets
  * KEEL_ELOCKED), read and validate the header with pread before mapping
  * anything, so a bad file is reported and never written; then map, recover
- * (log.c), bump the epoch (one barrier) and rebuild the volatile heap
- * (heap.c).
+ * (log.c) and bump the epoch (one barrier). The volatile heap is rebuilt
+ * lazily on first use (heap.c), so open time does not grow with the pool.
+ * A corrupt chunk word or run header is then found when first reached:
+ * allocation fails with KEEL_ECORRUPT, a call naming an object past it dies
+ * naming the pool (keel pheap check names the problem offline).
  *
  * Mapping: a PROT_NONE reservation of PH_RESERVE bytes holds the file
  * mapping at its start, so growth maps the new tail in place (MAP_FIXED over
