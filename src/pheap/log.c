@@ -14,6 +14,11 @@
  * has its effects durable and is ignored by recovery. So an atomic operation
  * costs 1 barrier, and a checkpoint (2 barriers, however many lines) is paid
  * once per ring wrap or full dirty list (each 30-60 operations of a lane).
+ * With a deferrer (keel_pheap_set_deferrer) a lane past half its ring or
+ * dirty list asks for a checkpoint on the application's worker (one request
+ * outstanding per pool), so the wrap usually finds the watermark already
+ * past its ring and the lanes stop only when the worker falls behind. The
+ * dependency stays one way: pheap calls a function pointer, never sched.
  *
  * Why replaying logs above the watermark in seq order is correct: replay is
  * idempotent (OR, AND-NOT, SET of the same values), and an operation that
@@ -172,6 +177,9 @@ uint64_t _keel_ph_log_write(keel_pheap_t *ph, ph_tcache_t *tc, ph_lane_t *l, uin
    * clears the bit of a block reallocated since (a dangling reference).
    * Cost: a lane doing only transactions checkpoints once per ring wrap. */
   keel_store_release(&l->ring_max_seq, seq);
+  /* Past half the ring: a background checkpoint now usually spares the
+   * wrap above its wait. */
+  if (ph->defer && l->ring_pos > limit / 2) _keel_ph_checkpoint_soon(ph);
   return seq;
 }
 
@@ -195,8 +203,12 @@ static void dirty_add(keel_pheap_t *ph, ph_tcache_t *tc, ph_lane_t *l, const uin
     }
     l->dirty[l->ndirty++] = lines[i];
   }
+  bool half = l->ndirty > PH_DIRTY_MAX / 2;
   pthread_mutex_unlock(&l->dirty_lock);
-  if (full) _keel_ph_checkpoint(ph, tc);
+  if (full)
+    _keel_ph_checkpoint(ph, tc);
+  else if (half && ph->defer)
+    _keel_ph_checkpoint_soon(ph);
 }
 
 static uint64_t apply_one(keel_pheap_t *ph, ph_tcache_t *tc, const ph_redo_entry_t *e,
@@ -274,6 +286,30 @@ void _keel_ph_checkpoint(keel_pheap_t *ph, ph_tcache_t *tc) {
     keel_store_release(&ph->ckpt_seq, w);
   }
   pthread_mutex_unlock(&ph->ckpt_lock);
+}
+
+/* The deferred job: a checkpoint with the worker thread's own cache. */
+static void checkpoint_job(void *arg) {
+  keel_pheap_t *ph = arg;
+  ph_tcache_t *tc = _keel_ph_tcache(ph);
+  if (tc) _keel_ph_checkpoint(ph, tc); /* no cache: the lanes checkpoint inline */
+  keel_fetch_add_relaxed(&ph->defer_done, 1);
+  /* Release: close, which waits for 0, sees the job's last touch of ph. */
+  keel_store_release(&ph->defer_req, 0);
+}
+
+void _keel_ph_checkpoint_soon(keel_pheap_t *ph) {
+  uint32_t idle = 0;
+  if (keel_load_relaxed(&ph->defer_req) ||
+      !atomic_compare_exchange_strong(&ph->defer_req, &idle, 1))
+    return;
+  if (ph->defer(ph->defer_arg, checkpoint_job, ph) != 0)
+    keel_store_release(&ph->defer_req, 0); /* refused: checkpoints stay inline */
+}
+
+void keel_pheap_set_deferrer(keel_pheap_t *ph, keel_pheap_defer_fn defer, void *arg) {
+  ph->defer = defer;
+  ph->defer_arg = arg;
 }
 
 static uint64_t undo_csum(uint64_t seq, const ph_undo_entry_t *e) {

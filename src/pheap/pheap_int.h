@@ -263,6 +263,12 @@ struct keel_pheap {
   keel_atomic(uint64_t) grows, tx_commits, tx_aborts;
   uint64_t recovered;
   keel_atomic(uint64_t) dead_flushes, dead_barriers; /* from exited threads */
+  /* Background checkpoints (keel_pheap_set_deferrer): defer_req is 1 from
+   * a request until its job ends (one outstanding); defer_done counts them. */
+  keel_pheap_defer_fn defer;
+  void *defer_arg;
+  keel_atomic(uint32_t) defer_req;
+  keel_atomic(uint64_t) defer_done;
 };
 
 /* ---- geometry helpers ---- */
@@ -391,6 +397,9 @@ extern unsigned _keel_ph_ring_limit KEEL_HIDDEN;
 /* True if some log (atomic or commit) is still above the watermark: recovery
  * would replay it over a later plain store. */
 bool _keel_ph_deferred(keel_pheap_t *ph) KEEL_HIDDEN;
+/* Asks the deferrer (if any, and none is outstanding) for a background
+ * checkpoint. Never blocks. */
+void _keel_ph_checkpoint_soon(keel_pheap_t *ph) KEEL_HIDDEN;
 /* Flushes every deferred line and raises the durable watermark (2 barriers). */
 void _keel_ph_checkpoint(keel_pheap_t *ph, ph_tcache_t *tc) KEEL_HIDDEN;
 /* True if the data named by a log's CHK entries still matches its dsum. */

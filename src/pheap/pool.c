@@ -20,6 +20,7 @@
 #define _GNU_SOURCE
 #include <errno.h>
 #include <fcntl.h>
+#include <sched.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/file.h>
@@ -256,6 +257,9 @@ keel_pheap_t *keel_pheap_create(const char *path, const char *layout, size_t siz
 
 int keel_pheap_close(keel_pheap_t *ph) {
   if (ph == NULL) return KEEL_EINVAL;
+  /* A deferred checkpoint still queued or running holds ph (the deferrer
+   * promised to run what it accepted). */
+  while (keel_load_acquire(&ph->defer_req)) sched_yield();
   ph_tcache_t *tc = _keel_ph_tcache(ph);
   if (tc) _keel_ph_checkpoint(ph, tc); /* the next open has nothing to replay */
   if (ph->sim) _keel_pm_sim_writeall(ph);

@@ -557,6 +557,72 @@ static void test_lazy_rebuild_on_open(void) {
   unlink(p);
 }
 
+static int refuse(void *arg, keel_pheap_work_fn fn, void *work_arg) {
+  (void)fn;
+  (void)work_arg;
+  ++*(long *)arg;
+  return -1;
+}
+
+typedef struct defer_arg {
+  keel_pheap_t *ph;
+  int t;
+} defer_arg_t;
+static void *defer_worker(void *p) {
+  defer_arg_t *a = p;
+  root_t *r = keel_pheap_root(a->ph, sizeof *r);
+  for (int i = 0; i < kt_scale(3000); i++) {
+    keel_poff_t *s = &r->slot[a->t * 16 + i % 16];
+    if (*s)
+      KT_EQ(keel_pheap_free(a->ph, s), 0);
+    else
+      KT_EQ(keel_pheap_alloc(a->ph, s, 24 + (size_t)(i % 7) * 40, 40), 0);
+  }
+  return NULL;
+}
+
+/* Checkpoints handed to a deferrer run on its thread (a stand-in for a keel
+ * sched job) while 4 threads allocate and free; a deferrer that refuses
+ * leaves them inline. Either way the heap walks to the reachable objects
+ * and close waits for the outstanding job. */
+static void test_deferred_checkpoints(void) {
+  for (int mode = 0; mode < 2; mode++) {
+    char p[256];
+    tp_path(p, sizeof p, "defer");
+    keel_pheap_t *ph = keel_pheap_create(p, LAYOUT, KEEL_PHEAP_MIN_SIZE, 0);
+    root_t *r = keel_pheap_root(ph, sizeof *r);
+    tp_worker_t w;
+    long refused = 0;
+    if (mode == 0) {
+      tp_worker_start(&w);
+      keel_pheap_set_deferrer(ph, tp_defer, &w);
+    } else
+      keel_pheap_set_deferrer(ph, refuse, &refused);
+    pthread_t th[4];
+    defer_arg_t a[4];
+    for (int t = 0; t < 4; t++) {
+      a[t] = (defer_arg_t){ph, t};
+      pthread_create(&th[t], NULL, defer_worker, &a[t]);
+    }
+    for (int t = 0; t < 4; t++) pthread_join(th[t], NULL);
+    keel_pheap_stats_t st;
+    KT_EQ(keel_pheap_stats(ph, &st), 0);
+    uint64_t reach = 0;
+    for (int i = 0; i < 64; i++) reach += r->slot[i] != 0;
+    KT_EQ(count_type(ph, 40), reach);
+    if (mode == 0) {
+      KT_CHECK(st.deferred_checkpoints > 0);
+    } else {
+      KT_CHECK(refused > 0);
+      KT_EQ(st.deferred_checkpoints, 0);
+    }
+    KT_EQ(keel_pheap_close(ph), 0);
+    if (mode == 0) tp_worker_stop(&w);
+    KT_EQ(keel_pheap_check(p), 0);
+    unlink(p);
+  }
+}
+
 static void test_full_pool_free_never_fails(void) {
   char p[256];
   tp_path(p, sizeof p, "full");
@@ -785,6 +851,7 @@ KT_MAIN(KT_CASE(test_create_open_close), KT_CASE(test_bad_wrong_layout),
         KT_CASE(test_reserve_publish_cancel), KT_CASE(test_tx_commit_abort_nested),
         KT_CASE(test_tx_publish_and_zalloc), KT_CASE(test_tx_out_of_space_aborts),
         KT_CASE(test_tx_undo_overflow), KT_CASE(test_tx_undo_overflow_out_of_space),
-        KT_CASE(test_lazy_rebuild_on_open), KT_CASE(test_full_pool_free_never_fails),
-        KT_CASE(test_grow), KT_CASE(test_barrier_counts), KT_CASE(test_check_detects_corruption),
-        KT_CASE(test_stress_threads), KT_CASE(test_classes_fragmentation))
+        KT_CASE(test_lazy_rebuild_on_open), KT_CASE(test_deferred_checkpoints),
+        KT_CASE(test_full_pool_free_never_fails), KT_CASE(test_grow), KT_CASE(test_barrier_counts),
+        KT_CASE(test_check_detects_corruption), KT_CASE(test_stress_threads),
+        KT_CASE(test_classes_fragmentation))

@@ -7,8 +7,9 @@
  * before it was published, and the heap walk counts exactly the objects
  * the slots reach, and each thread's big object (snapshot 160 KiB at a
  * time, past the lane's undo area, so overflow blocks are chained while
- * checkpoints race) holds pairs of words that cancel. Rounds continue on the
- * same pool.
+ * checkpoints race) holds pairs of words that cancel. In about half the
+ * rounds checkpoints run on a background worker (keel_pheap_set_deferrer).
+ * Rounds continue on the same pool.
  *
  * KEEL_TEST_ROUNDS (default 40, scaled down under sanitizers) and
  * KEEL_TEST_THREADS (default 4).
@@ -136,6 +137,12 @@ static void child(const char *p, int nt) {
   g_ph = keel_pheap_open(p, LAYOUT);
   if (g_ph == NULL) _exit(3);
   g_root = keel_pheap_root(g_ph, sizeof *g_root);
+  /* Every other round, checkpoints run on a background worker. */
+  static tp_worker_t w;
+  if (getpid() & 1) {
+    tp_worker_start(&w);
+    keel_pheap_set_deferrer(g_ph, tp_defer, &w);
+  }
   pthread_t th[MAXT];
   for (int i = 0; i < nt; i++) pthread_create(&th[i], NULL, worker, (void *)(uintptr_t)i);
   for (;;) pause();
