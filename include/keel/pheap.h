@@ -20,9 +20,10 @@
  * abort 2, plus 1 per keel_tx_add_range that snapshots new bytes.
  *
  * Sizes: one atomic publish or one transaction may change at most about
- * 1000 allocation words (a reservation or tx allocation takes 1-3), and a
- * transaction may snapshot at most 48 KiB (KEEL_ENOSPC, rolled back,
- * beyond). Calls use up to 32 KiB of the caller's stack.
+ * 1000 allocation words (a reservation or tx allocation takes 1-3). A
+ * transaction's snapshots past 48 KiB go to 256 KiB undo blocks taken from
+ * the pool (up to 3 barriers each; KEEL_ENOSPC and rolled back when the pool has
+ * no room for one). Calls use up to 32 KiB of the caller's stack.
  *
  * Errors: int functions return 0 or a negative KEEL_E*; functions returning a
  * pointer return NULL and set errno; offset-returning ones return 0 and set
@@ -65,11 +66,27 @@ KEEL_API keel_pheap_t *keel_pheap_create(const char *path, const char *layout, s
 
 /* Opens an existing pool, checking its header and layout name, locking it,
  * and running recovery for anything a crash left in flight. Blocks on I/O;
- * allocates. NULL + errno on failure, with keel_pheap_errmsg() saying why. */
+ * allocates. Walks no heap metadata (the free-block state is rebuilt per run
+ * on first use), so its cost does not grow with the pool; a heap corrupted
+ * past the header is found on use (keel_pheap_check finds it offline). NULL +
+ * errno on failure, with keel_pheap_errmsg() saying why. */
 KEEL_API keel_pheap_t *keel_pheap_open(const char *path, const char *layout);
 
-/* Unmaps and unlocks the pool. Nothing may use `ph` concurrently or after. */
+/* Unmaps and unlocks the pool. Nothing may use `ph` concurrently or after.
+ * Waits for deferred work the pool handed out (keel_pheap_set_deferrer). */
 KEEL_API int keel_pheap_close(keel_pheap_t *ph);
+
+/* Background work: the pool hands `fn(work_arg)` to `defer(arg, fn,
+ * work_arg)`, which must run it later on some thread (a keel_sched job,
+ * say: pheap itself needs no thread and no link to sched) and return 0, or
+ * return nonzero to refuse (the pool then does the work inline when it must).
+ * Used for checkpoints: a lane past half its log ring or dirty list asks for
+ * one, so the lanes rarely stop for a checkpoint of their own. At most one
+ * request is outstanding per pool. NULL turns it off. Set it while no other
+ * thread uses the pool; fn may block briefly (flushes, two barriers). */
+typedef void (*keel_pheap_work_fn)(void *work_arg);
+typedef int (*keel_pheap_defer_fn)(void *arg, keel_pheap_work_fn fn, void *work_arg);
+KEEL_API void keel_pheap_set_deferrer(keel_pheap_t *ph, keel_pheap_defer_fn defer, void *arg);
 
 /* The last open/create/check failure of this thread: "PATH: what is wrong". */
 KEEL_API const char *keel_pheap_errmsg(void);
@@ -166,7 +183,8 @@ typedef struct keel_pheap_stats {
   uint64_t barriers;     /* persist barriers (fence / msync batch) since open */
   uint64_t grows;        /* times the file was extended since open */
   uint64_t tx_commits, tx_aborts;
-  uint64_t recovered_logs; /* logs replayed or rolled back by the last open */
+  uint64_t recovered_logs;       /* logs replayed or rolled back by the last open */
+  uint64_t deferred_checkpoints; /* run by the deferrer's jobs since open */
 } keel_pheap_stats_t;
 
 /* Fills *st. Walks the heap (O(objects)); may run concurrently with use. */

@@ -194,6 +194,7 @@ int keel_pheap_stats(keel_pheap_t *ph, keel_pheap_stats_t *st) {
   st->tx_commits = keel_load_relaxed(&ph->tx_commits);
   st->tx_aborts = keel_load_relaxed(&ph->tx_aborts);
   st->recovered_logs = ph->recovered;
+  st->deferred_checkpoints = keel_load_relaxed(&ph->defer_done);
   return rc;
 }
 
@@ -221,6 +222,7 @@ int keel_pheap_print_info(keel_pheap_t *ph, FILE *out) {
   fprintf(out, "tx commits    %llu\ntx aborts     %llu\nrecovered     %llu log(s) at open\n",
           (unsigned long long)st.tx_commits, (unsigned long long)st.tx_aborts,
           (unsigned long long)st.recovered_logs);
+  fprintf(out, "bg checkpts   %llu\n", (unsigned long long)st.deferred_checkpoints);
   return rc;
 }
 

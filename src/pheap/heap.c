@@ -1,9 +1,19 @@
 /* pheap heap: chunks, runs and blocks (the volatile side of allocation).
  *
  * Persistent truth is only the chunk words and run bitmaps (pheap_int.h);
- * everything here is rebuilt from them at open (eagerly: one pass over the
- * chunk words and the bitmaps of runs, O(pool chunks)). Empty runs found at
- * open go back to free chunks (one store of 0 to their chunk word).
+ * everything here is rebuilt from them lazily, so open walks nothing and
+ * costs the same whatever the pool size. A boot cursor (ph->booted) splits
+ * the chunks: below it chunk_free/chunk_run and the runs' vfree bitmaps are
+ * built, above it nothing is known. The cursor moves one run (or free
+ * chunk) at a time, under ph->lock, and only when an operation needs it:
+ * a refill whose class has no partial run boots runs until one of its class
+ * with free blocks turns up (else it creates one); the first-fit chunk
+ * search boots as it scans; a free (or any call naming an object) boots up
+ * to the object's run. Each run is read (header and bitmap) at most once
+ * per open. Empty runs found while booting go back to free chunks (one
+ * store of 0 to their chunk word): no log of this session can name a run
+ * above the cursor (nothing there was allocated or freed yet), and recovery
+ * left every older log below the watermark.
  *
  * Invariant per run: every block is in exactly one of these states:
  * allocated (bit set on media), in `vfree`, in some thread cache, or held by
@@ -30,12 +40,17 @@ static inline uint64_t *run_bitmap(keel_pheap_t *ph, uint32_t chunk) {
   return (uint64_t *)(ph->view.base + ph_chunk_off(ph, chunk) + PH_RUN_HDR);
 }
 
-/* First fit of k contiguous free chunks inside one zone; UINT32_MAX if none.
- * ph->lock held. */
-static uint32_t __chunks_find(keel_pheap_t *ph, uint32_t k) {
+static int __boot_one(keel_pheap_t *ph, ph_tcache_t *tc);
+static int boot_for_class(keel_pheap_t *ph, ph_tcache_t *tc, unsigned cls);
+
+/* First fit of k contiguous free chunks inside one zone; UINT32_MAX if none
+ * (then every chunk is booted). Boots chunks as it scans. ph->lock held. */
+static uint32_t __chunks_find(keel_pheap_t *ph, ph_tcache_t *tc, uint32_t k) {
   uint32_t n = keel_load_relaxed(&ph->nchunks), run = 0;
   for (uint32_t c = 0; c < n; c++) {
-    if (c % PH_ZONE_CHUNKS == 0) run = 0; /* extents never cross a zone */
+    while (c >= keel_load_relaxed(&ph->booted))
+      if (__boot_one(ph, tc) != 0) return UINT32_MAX; /* corrupt: no space there */
+    if (c % PH_ZONE_CHUNKS == 0) run = 0;             /* extents never cross a zone */
     run = ph->chunk_free[c] ? run + 1 : 0;
     if (run == k) return c + 1 - k;
   }
@@ -44,11 +59,15 @@ static uint32_t __chunks_find(keel_pheap_t *ph, uint32_t k) {
 
 /* Takes k free chunks, growing the pool if needed. ph->lock held. */
 static int __chunks_take(keel_pheap_t *ph, ph_tcache_t *tc, uint32_t k, uint32_t *out) {
-  uint32_t c = __chunks_find(ph, k);
+  uint32_t c = __chunks_find(ph, tc, k);
   if (c == UINT32_MAX) {
+    if (keel_load_relaxed(&ph->booted) < keel_load_relaxed(&ph->nchunks))
+      return KEEL_ECORRUPT; /* the scan stopped at a bad chunk word */
     int rc = __keel_ph_grow(ph, tc, k);
     if (rc != 0) return rc;
-    c = __chunks_find(ph, k);
+    /* New chunks are zero (free) and known: the cursor follows. */
+    keel_store_release(&ph->booted, keel_load_relaxed(&ph->nchunks));
+    c = __chunks_find(ph, tc, k);
     if (c == UINT32_MAX) return KEEL_ENOSPC;
   }
   memset(ph->chunk_free + c, 0, k);
@@ -120,13 +139,20 @@ static KEEL_NOINLINE int refill(keel_pheap_t *ph, ph_tcache_t *tc, unsigned cls)
   pthread_mutex_lock(&q->lock);
   while (q->partial == NULL) {
     pthread_mutex_unlock(&q->lock);
-    ph_run_t *r;
-    int rc = run_create(ph, tc, cls, &r);
-    if (rc != 0) return rc;
+    /* Runs not booted yet may have free blocks of this class: boot until
+     * one lists itself (or none is left), before making a new run. */
+    int rc = boot_for_class(ph, tc, cls);
+    if (rc < 0) return rc;
+    if (rc == 0) {
+      ph_run_t *r;
+      if ((rc = run_create(ph, tc, cls, &r)) != 0) return rc;
+      pthread_mutex_lock(&q->lock);
+      r->listed = true;
+      r->next = q->partial;
+      q->partial = r;
+      continue;
+    }
     pthread_mutex_lock(&q->lock);
-    r->listed = true;
-    r->next = q->partial;
-    q->partial = r;
   }
   ph_run_t *r = q->partial;
   uint32_t want = PH_TC_MAX / 2, words = (_keel_ph_classes[cls].nblocks + 63) / 64;
@@ -155,6 +181,10 @@ static int take_huge(keel_pheap_t *ph, ph_tcache_t *tc, uint64_t block, keel_pof
   pthread_mutex_unlock(&ph->lock);
   if (rc == 0) *off = ph_chunk_off(ph, c) + PH_OBJ_HDR;
   return rc;
+}
+
+int _keel_ph_take_chunks(keel_pheap_t *ph, ph_tcache_t *tc, uint64_t bytes, keel_poff_t *off) {
+  return take_huge(ph, tc, bytes, off);
 }
 
 int _keel_ph_take(keel_pheap_t *ph, ph_tcache_t *tc, size_t size, int *cls, keel_poff_t *off) {
@@ -228,10 +258,22 @@ ph_redo_entry_t _keel_ph_mark(keel_pheap_t *ph, int cls, keel_poff_t off, bool a
   return (ph_redo_entry_t){w | (alloc ? PH_OP_OR : PH_OP_ANDNOT), 1ull << (i % 64)};
 }
 
+/* First call naming an object past the boot cursor: boot up to its run. */
+static KEEL_NOINLINE void boot_for_object(keel_pheap_t *ph, uint32_t c, keel_poff_t off,
+                                          const char *call) {
+  ph_tcache_t *tc = _keel_ph_tcache(ph);
+  if (tc == NULL) keel_die(call, "out of memory rebuilding the heap of %s", ph->path);
+  if (_keel_ph_boot_upto(ph, tc, c) != 0)
+    keel_die(call, "offset 0x%llx: the heap of %s is corrupt before it (keel pheap check)",
+             (unsigned long long)off, ph->path);
+}
+
 int _keel_ph_live_class(keel_pheap_t *ph, keel_poff_t off, const char *call) {
   uint32_t c = off >= PH_OBJ_HDR ? _keel_ph_chunk_at(ph, off - PH_OBJ_HDR) : UINT32_MAX;
   if (c == UINT32_MAX)
     keel_die(call, "offset 0x%llx is not inside the heap of %s", (unsigned long long)off, ph->path);
+  /* Acquire pairs with the release in __boot_one: chunk_run is built. */
+  if (keel_unlikely(c >= keel_load_acquire(&ph->booted))) boot_for_object(ph, c, off, call);
   ph_run_t *r = ph->chunk_run[c];
   if (r == NULL) {
     uint64_t w = keel_load_acquire(ATOMIC64(ph_cword(ph, c)));
@@ -272,53 +314,95 @@ static int class_exact(uint32_t block) {
 }
 
 int _keel_ph_heap_boot(keel_pheap_t *ph, ph_tcache_t *tc) {
-  uint32_t n = keel_load_relaxed(&ph->nchunks);
-  bool reclaimed = false;
-  for (uint32_t c = 0; c < n;) {
-    uint64_t w = *ph_cword(ph, c);
-    uint32_t len = PH_CW_LEN(w), t = PH_CW_TYPE(w);
-    if (t == PH_CW_FREE) {
-      ph->chunk_free[c++] = 1;
-      continue;
-    }
-    if ((t != PH_CW_RUN && t != PH_CW_HUGE) || len == 0 ||
-        c % PH_ZONE_CHUNKS + len > PH_ZONE_CHUNKS || c + len > n)
+  (void)tc;
+  keel_store_relaxed(&ph->booted, 0);
+  return 0;
+}
+
+/* Boots the run or free chunk at the cursor and moves it past; ph->lock
+ * held. Lock order: ph->lock, then a classq lock. 0 or KEEL_ECORRUPT (the
+ * cursor stays: nothing past a bad chunk word is trusted). */
+static int __boot_one(keel_pheap_t *ph, ph_tcache_t *tc) {
+  uint32_t c = keel_load_relaxed(&ph->booted), n = keel_load_relaxed(&ph->nchunks);
+  if (c >= n) return 0;
+  uint64_t w = *ph_cword(ph, c);
+  uint32_t len = PH_CW_LEN(w), t = PH_CW_TYPE(w);
+  if (t == PH_CW_FREE) {
+    ph->chunk_free[c] = 1;
+    keel_store_release(&ph->booted, c + 1);
+    return 0;
+  }
+  if ((t != PH_CW_RUN && t != PH_CW_HUGE) || len == 0 ||
+      c % PH_ZONE_CHUNKS + len > PH_ZONE_CHUNKS || c + len > n)
+    return KEEL_ECORRUPT;
+  if (t == PH_CW_RUN) {
+    ph_run_hdr_t *h = (ph_run_hdr_t *)(ph->view.base + ph_chunk_off(ph, c));
+    int cls = class_exact(h->block);
+    if (h->magic != PH_RUN_MAGIC || cls < 0 || _keel_ph_classes[cls].chunks != len ||
+        _keel_ph_classes[cls].nblocks != h->nblocks)
       return KEEL_ECORRUPT;
-    if (t == PH_CW_RUN) {
-      ph_run_hdr_t *h = (ph_run_hdr_t *)(ph->view.base + ph_chunk_off(ph, c));
-      int cls = class_exact(h->block);
-      if (h->magic != PH_RUN_MAGIC || cls < 0 || _keel_ph_classes[cls].chunks != len ||
-          _keel_ph_classes[cls].nblocks != h->nblocks)
-        return KEEL_ECORRUPT;
-      ph_run_t *r = run_new(c, (uint32_t)cls, h->nblocks);
-      if (r == NULL) return KEEL_ENOMEM;
-      const uint64_t *bm = run_bitmap(ph, c);
-      for (uint32_t i = 0; i < h->nblocks; i++)
-        if (!(bm[i / 64] & (1ull << (i % 64)))) {
-          r->vfree[i / 64] |= 1ull << (i % 64);
-          r->navail++;
-        }
-      if (r->navail == h->nblocks) { /* empty: give the chunks back */
-        free(r->vfree);
-        free(r);
-        *ph_cword(ph, c) = 0;
-        _keel_pm_flush(ph, tc, ph_cword(ph, c), 8, PH_S_NONE);
-        memset(ph->chunk_free + c, 1, len);
-        reclaimed = true;
-      } else {
-        for (uint32_t i = 0; i < len; i++) ph->chunk_run[c + i] = r;
-        if (r->navail) {
-          ph_classq_t *q = &ph->classq[cls];
-          r->listed = true;
-          r->next = q->partial;
-          q->partial = r;
-        }
+    ph_run_t *r = run_new(c, (uint32_t)cls, h->nblocks);
+    if (r == NULL) keel_die("keel_pheap", "out of memory rebuilding a run of %s", ph->path);
+    const uint64_t *bm = run_bitmap(ph, c);
+    for (uint32_t i = 0; i < h->nblocks; i += 64) {
+      uint32_t left = h->nblocks - i;
+      uint64_t valid = left >= 64 ? ~0ull : (1ull << left) - 1;
+      r->vfree[i / 64] = ~bm[i / 64] & valid;
+      r->navail += (uint32_t)__builtin_popcountll(r->vfree[i / 64]);
+    }
+    if (r->navail == h->nblocks) { /* empty: give the chunks back */
+      free(r->vfree);
+      free(r);
+      keel_store_release(ATOMIC64(ph_cword(ph, c)), 0);
+      _keel_pm_flush(ph, tc, ph_cword(ph, c), 8, PH_S_NONE);
+      _keel_pm_drain(ph, tc);
+      memset(ph->chunk_free + c, 1, len);
+    } else {
+      for (uint32_t i = 0; i < len; i++) ph->chunk_run[c + i] = r;
+      if (r->navail) {
+        ph_classq_t *q = &ph->classq[cls];
+        pthread_mutex_lock(&q->lock);
+        r->listed = true;
+        r->next = q->partial;
+        q->partial = r;
+        pthread_mutex_unlock(&q->lock);
       }
     }
-    c += len;
   }
-  if (reclaimed) _keel_pm_drain(ph, tc);
+  /* Release: a reader that sees the cursor past c sees chunk_run/chunk_free. */
+  keel_store_release(&ph->booted, c + len);
   return 0;
+}
+
+/* Boots runs until one of class cls with free blocks is listed: 1, or 0
+ * when every chunk is booted, or KEEL_ECORRUPT. */
+static int boot_for_class(keel_pheap_t *ph, ph_tcache_t *tc, unsigned cls) {
+  if (keel_load_acquire(&ph->booted) >= keel_load_acquire(&ph->nchunks)) return 0;
+  ph_classq_t *q = &ph->classq[cls];
+  int rc = 0;
+  pthread_mutex_lock(&ph->lock);
+  while (keel_load_relaxed(&ph->booted) < keel_load_relaxed(&ph->nchunks)) {
+    if ((rc = __boot_one(ph, tc)) != 0) break;
+    pthread_mutex_lock(&q->lock);
+    bool found = q->partial != NULL;
+    pthread_mutex_unlock(&q->lock);
+    if (found) {
+      rc = 1;
+      break;
+    }
+  }
+  pthread_mutex_unlock(&ph->lock);
+  return rc;
+}
+
+int _keel_ph_boot_upto(keel_pheap_t *ph, ph_tcache_t *tc, uint32_t chunk) {
+  int rc = 0;
+  pthread_mutex_lock(&ph->lock);
+  while (rc == 0 && keel_load_relaxed(&ph->booted) <= chunk &&
+         keel_load_relaxed(&ph->booted) < keel_load_relaxed(&ph->nchunks))
+    rc = __boot_one(ph, tc);
+  pthread_mutex_unlock(&ph->lock);
+  return rc;
 }
 
 void _keel_ph_heap_fini(keel_pheap_t *ph) {

@@ -14,6 +14,11 @@
  * has its effects durable and is ignored by recovery. So an atomic operation
  * costs 1 barrier, and a checkpoint (2 barriers, however many lines) is paid
  * once per ring wrap or full dirty list (each 30-60 operations of a lane).
+ * With a deferrer (keel_pheap_set_deferrer) a lane past half its ring or
+ * dirty list asks for a checkpoint on the application's worker (one request
+ * outstanding per pool), so the wrap usually finds the watermark already
+ * past its ring and the lanes stop only when the worker falls behind. The
+ * dependency stays one way: pheap calls a function pointer, never sched.
  *
  * Why replaying logs above the watermark in seq order is correct: replay is
  * idempotent (OR, AND-NOT, SET of the same values), and an operation that
@@ -44,8 +49,10 @@
  *
  * Recovery at open: (1) logs above the watermark, except a commit log that
  * tore (its CHK data does not match while its undo log is still there), and
- * undo logs whose transaction has no such valid commit log are collected; (2) processed in seq order: logs replayed,
- * undo logs rolled back newest entry first; (3) barrier; (4) undo logs
+ * undo logs whose transaction has no such valid commit log are collected
+ * (a torn commit log is retired: its seq zeroed); (2) processed in seq
+ * order: logs replayed, undo logs rolled back newest entry first, overflow
+ * chain included; (3) barrier; (4) undo logs
  * emptied, barrier; (5) the watermark raised past every log, barrier. A crash
  * in recovery leaves the same logs to replay next time.
  */
@@ -170,6 +177,9 @@ uint64_t _keel_ph_log_write(keel_pheap_t *ph, ph_tcache_t *tc, ph_lane_t *l, uin
    * clears the bit of a block reallocated since (a dangling reference).
    * Cost: a lane doing only transactions checkpoints once per ring wrap. */
   keel_store_release(&l->ring_max_seq, seq);
+  /* Past half the ring: a background checkpoint now usually spares the
+   * wrap above its wait. */
+  if (ph->defer && l->ring_pos > limit / 2) _keel_ph_checkpoint_soon(ph);
   return seq;
 }
 
@@ -193,8 +203,12 @@ static void dirty_add(keel_pheap_t *ph, ph_tcache_t *tc, ph_lane_t *l, const uin
     }
     l->dirty[l->ndirty++] = lines[i];
   }
+  bool half = l->ndirty > PH_DIRTY_MAX / 2;
   pthread_mutex_unlock(&l->dirty_lock);
-  if (full) _keel_ph_checkpoint(ph, tc);
+  if (full)
+    _keel_ph_checkpoint(ph, tc);
+  else if (half && ph->defer)
+    _keel_ph_checkpoint_soon(ph);
 }
 
 static uint64_t apply_one(keel_pheap_t *ph, ph_tcache_t *tc, const ph_redo_entry_t *e,
@@ -274,19 +288,51 @@ void _keel_ph_checkpoint(keel_pheap_t *ph, ph_tcache_t *tc) {
   pthread_mutex_unlock(&ph->ckpt_lock);
 }
 
+/* The deferred job: a checkpoint with the worker thread's own cache. */
+static void checkpoint_job(void *arg) {
+  keel_pheap_t *ph = arg;
+  ph_tcache_t *tc = _keel_ph_tcache(ph);
+  if (tc) _keel_ph_checkpoint(ph, tc); /* no cache: the lanes checkpoint inline */
+  keel_fetch_add_relaxed(&ph->defer_done, 1);
+  /* Release: close, which waits for 0, sees the job's last touch of ph. */
+  keel_store_release(&ph->defer_req, 0);
+}
+
+void _keel_ph_checkpoint_soon(keel_pheap_t *ph) {
+  uint32_t idle = 0;
+  if (keel_load_relaxed(&ph->defer_req) ||
+      !atomic_compare_exchange_strong(&ph->defer_req, &idle, 1))
+    return;
+  if (ph->defer(ph->defer_arg, checkpoint_job, ph) != 0)
+    keel_store_release(&ph->defer_req, 0); /* refused: checkpoints stay inline */
+}
+
+void keel_pheap_set_deferrer(keel_pheap_t *ph, keel_pheap_defer_fn defer, void *arg) {
+  ph->defer = defer;
+  ph->defer_arg = arg;
+}
+
 static uint64_t undo_csum(uint64_t seq, const ph_undo_entry_t *e) {
   return _keel_ph_csum(e + 1, e->len, seq * 0xc2b2ae3d27d4eb4full ^ e->off * 31 ^ e->len);
 }
 
-bool _keel_ph_undo_next(const ph_undo_t *u, uint64_t *pos, const ph_undo_entry_t **out) {
-  uint64_t cap = sizeof u->data;
+bool _keel_ph_undo_next(const uint8_t *data, uint64_t cap, uint64_t seq, uint64_t *pos,
+                        const ph_undo_entry_t **out) {
   if (*pos + sizeof(ph_undo_entry_t) > cap) return false;
-  const ph_undo_entry_t *e = (const ph_undo_entry_t *)(u->data + *pos);
-  if (e->len == 0 || e->len > cap - *pos - sizeof *e || e->csum != undo_csum(u->seq, e))
-    return false;
+  const ph_undo_entry_t *e = (const ph_undo_entry_t *)(data + *pos);
+  if (e->len == 0 || e->len > cap - *pos - sizeof *e || e->csum != undo_csum(seq, e)) return false;
   *out = e;
   *pos += sizeof *e + KEEL_ALIGN_UP(e->len, (uint64_t)8);
   return true;
+}
+
+const ph_undo_ovf_t *_keel_ph_undo_ovf(keel_pheap_t *ph, uint64_t off, uint64_t seq) {
+  /* Bounds first: a torn or stale link may hold anything. */
+  if (off == 0 || (off & 7) || off < ph->hdr->heap_off ||
+      off + PH_OVF_BYTES > keel_load_relaxed(&ph->size))
+    return NULL;
+  const ph_undo_ovf_t *b = (const ph_undo_ovf_t *)(ph->view.base + off);
+  return b->seq == seq && b->cap == PH_OVF_CAP ? b : NULL;
 }
 
 /* For tx.c: the checksum an undo entry must carry. */
@@ -295,23 +341,37 @@ uint64_t _keel_ph_undo_csum(uint64_t seq, const ph_undo_entry_t *e) {
   return undo_csum(seq, e);
 }
 
-/* Restores an undo log's snapshots, newest first. */
+/* Restores an undo log's snapshots, newest first: the lane's segment, then
+ * the overflow chain. A segment ends at its first invalid entry; the next
+ * one is linked only after every entry before the link was durable. */
 void _keel_ph_undo_rollback(keel_pheap_t *ph, ph_tcache_t *tc, ph_undo_t *u) KEEL_HIDDEN;
 void _keel_ph_undo_rollback(keel_pheap_t *ph, ph_tcache_t *tc, ph_undo_t *u) {
   const ph_undo_entry_t *stack[256], *e;
   const ph_undo_entry_t **v = stack;
   size_t n = 0, cap = 256;
-  uint64_t pos = 0;
-  while (_keel_ph_undo_next(u, &pos, &e)) {
-    if (n == cap) {
-      const ph_undo_entry_t **nv = malloc(cap * 2 * sizeof *nv);
-      if (nv == NULL) keel_die("keel_pheap recovery", "out of memory");
-      memcpy(nv, v, n * sizeof *nv);
-      if (v != stack) free(v);
-      v = nv;
-      cap *= 2;
+  uint64_t seq = u->seq, next = u->next, hops = 0;
+  const uint8_t *data = u->data;
+  uint64_t dcap = sizeof u->data;
+  while (data) {
+    uint64_t pos = 0;
+    while (_keel_ph_undo_next(data, dcap, seq, &pos, &e)) {
+      if (n == cap) {
+        const ph_undo_entry_t **nv = malloc(cap * 2 * sizeof *nv);
+        if (nv == NULL) keel_die("keel_pheap recovery", "out of memory");
+        memcpy(nv, v, n * sizeof *nv);
+        if (v != stack) free(v);
+        v = nv;
+        cap *= 2;
+      }
+      v[n++] = e;
     }
-    v[n++] = e;
+    /* hops: a chain is at most as long as the pool has blocks; a cycle can
+     * only come from corruption the seq check missed. */
+    const ph_undo_ovf_t *b = _keel_ph_undo_ovf(ph, next, seq);
+    if (b == NULL || ++hops > keel_load_relaxed(&ph->size) / PH_OVF_BYTES) break;
+    data = b->data;
+    dcap = PH_OVF_CAP;
+    next = b->next;
   }
   uint64_t size = keel_load_relaxed(&ph->size);
   while (n--) {
@@ -375,7 +435,17 @@ int _keel_ph_recover(keel_pheap_t *ph, ph_tcache_t *tc) {
        * means the data changed since, and the log is replayed in order like
        * any other. */
       if (r->tx && r->tx == l->undo->seq) {
-        if (!_keel_ph_redo_data_ok(ph, r)) continue;
+        if (!_keel_ph_redo_data_ok(ph, r)) {
+          /* Retire it with the rollback's barrier, before the undo log is
+           * emptied: a crash between that and the watermark would
+           * otherwise leave a valid log with no undo log beside it, which
+           * the next recovery replays as committed (found by the crash
+           * sweep: a rolled-back tx_free cleared the bit of an object its
+           * restored pointer still names). */
+          keel_store_relaxed(ATOMIC64(&((ph_redo_t *)r)->seq), 0);
+          _keel_pm_flush(ph, tc, r, 8, PH_S_NONE);
+          continue;
+        }
         committed = true;
       }
       items[n++] = (rec_item_t){r->seq, r, i};

@@ -7,8 +7,10 @@
  *                      cache line the mutable words (size, root, epoch,
  *                      checkpoint watermark), each one 64-bit store.
  *   [4 KiB, heap_off)  NLANES lanes of LANE_BYTES: a redo log ring (16 KiB)
- *                      and an undo log (48 KiB). A thread holds a lane for
- *                      one atomic operation or one whole transaction.
+ *                      and an undo log (48 KiB, extended by a chain of
+ *                      overflow blocks taken from the heap, tx.c). A thread
+ *                      holds a lane for one atomic operation or one whole
+ *                      transaction.
  *   [heap_off, size)   zones: a 4 KiB page of 512 chunk words, then up to 512
  *                      chunks of 256 KiB. A chunk word of 0 is a free chunk,
  *                      so extending the file (zero fill) adds free chunks with
@@ -113,13 +115,34 @@ typedef struct ph_redo {
 #define PH_RING_LINES (PH_REDO_BYTES / PH_LINE)
 
 /* An undo log: header line, then entries {off, len, csum, data padded to 8}
- * appended in order; recovery stops at the first entry whose checksum (which
- * covers the tx seq) fails. */
+ * appended in order; a segment ends at the first entry whose checksum (which
+ * covers the tx seq) fails. Past the lane's 48 KiB the log goes on in a chain
+ * of overflow blocks (`next`): each is a heap block that stays free in its
+ * run's bitmap (a volatile reservation, so a crash leaks nothing) and starts
+ * with the same seq, so a stale link or block from an older transaction ends
+ * the chain. A link is durable before any entry is written past it. */
 typedef struct ph_undo {
-  uint64_t seq; /* the open transaction's seq, 0: none */
-  uint64_t pad[7];
+  uint64_t seq;  /* the open transaction's seq, 0: none */
+  uint64_t next; /* first overflow block (pool offset of its header), 0: none */
+  uint64_t pad[6];
   uint8_t data[PH_UNDO_BYTES - 64];
 } ph_undo_t;
+typedef struct ph_undo_ovf {
+  uint64_t seq;  /* the transaction's seq; any other value: not in the chain */
+  uint64_t next; /* next block, 0: none */
+  uint64_t cap;  /* data bytes, PH_OVF_CAP */
+  uint64_t pad[5];
+  uint8_t data[];
+} ph_undo_ovf_t;
+/* Overflow block: one whole chunk (user bytes after the object header,
+ * whose size word give reads), so 200 KiB of snapshots take one block and
+ * one checkpoint; a chunk because a run class this large would span a
+ * 4 MiB run. */
+#define PH_OVF_BYTES (PH_CHUNK - PH_OBJ_HDR)
+#define PH_OVF_CAP   (PH_OVF_BYTES - sizeof(ph_undo_ovf_t))
+/* Overflow blocks a lane keeps for its next transaction (volatile): at most
+ * 64 lanes x 256 KiB held back, only by lanes whose transactions overflow. */
+#define PH_OVF_KEEP  1u
 typedef struct ph_undo_entry {
   uint64_t off, len, csum;
 } ph_undo_entry_t;
@@ -185,6 +208,10 @@ typedef struct ph_lane {
   pthread_mutex_t dirty_lock;
   unsigned ndirty;
   uint64_t dirty[PH_DIRTY_MAX]; /* line offsets */
+  /* Overflow blocks kept reserved for the lane's next transaction (under
+   * `lock`): no log can store into them, so reuse needs no checkpoint. */
+  unsigned nkeep;
+  keel_poff_t keep[PH_OVF_KEEP];
 } KEEL_CACHE_ALIGNED ph_lane_t;
 
 /* One pending range for msync-mode barriers. */
@@ -224,7 +251,11 @@ struct keel_pheap {
   uint8_t *chunk_free;           /* per global chunk: 1 free (volatile) */
   ph_run_t **chunk_run;          /* per global chunk: the run it heads */
   keel_atomic(uint32_t) nchunks; /* chunks that exist now (grows under lock) */
-  uint32_t chunk_cap;            /* array capacity */
+  /* Chunks [0, booted) have their volatile state (chunk_free, chunk_run,
+   * runs on partial lists) built from media; beyond it nothing is known yet.
+   * Grows under `lock` (heap.c: lazy rebuild); release-stored. */
+  keel_atomic(uint32_t) booted;
+  uint32_t chunk_cap; /* array capacity */
   ph_classq_t *classq;
   ph_lane_t lanes[PH_NLANES];
   pthread_mutex_t ckpt_lock;      /* one checkpoint at a time */
@@ -232,6 +263,12 @@ struct keel_pheap {
   keel_atomic(uint64_t) grows, tx_commits, tx_aborts;
   uint64_t recovered;
   keel_atomic(uint64_t) dead_flushes, dead_barriers; /* from exited threads */
+  /* Background checkpoints (keel_pheap_set_deferrer): defer_req is 1 from
+   * a request until its job ends (one outstanding); defer_done counts them. */
+  keel_pheap_defer_fn defer;
+  void *defer_arg;
+  keel_atomic(uint32_t) defer_req;
+  keel_atomic(uint64_t) defer_done;
 };
 
 /* ---- geometry helpers ---- */
@@ -307,13 +344,21 @@ ph_tcache_t *_keel_ph_tcache(keel_pheap_t *ph) KEEL_HIDDEN;
 void _keel_ph_tcaches_destroy(keel_pheap_t *ph) KEEL_HIDDEN;
 
 /* ---- heap (heap.c) ---- */
+/* Open: nothing is walked (the rebuild is lazy, heap.c); 0. */
 int _keel_ph_heap_boot(keel_pheap_t *ph, ph_tcache_t *tc) KEEL_HIDDEN;
+/* Builds the volatile state of every chunk below `chunk` + 1 (the whole run
+ * that holds it); ph->lock NOT held. 0 or KEEL_ECORRUPT. */
+int _keel_ph_boot_upto(keel_pheap_t *ph, ph_tcache_t *tc, uint32_t chunk) KEEL_HIDDEN;
 void _keel_ph_heap_fini(keel_pheap_t *ph) KEEL_HIDDEN;
 /* Takes a free block (volatile reservation) for `size` user bytes; writes
  * nothing persistent. *cls = class or -1 for huge (then the chunk word SET
  * is what publishes it). 0 or KEEL_ENOSPC/EINVAL. */
 int _keel_ph_take(keel_pheap_t *ph, ph_tcache_t *tc, size_t size, int *cls,
                   keel_poff_t *off) KEEL_HIDDEN;
+/* Takes `bytes` (object header included) as whole chunks, never a run
+ * block (undo overflow). */
+int _keel_ph_take_chunks(keel_pheap_t *ph, ph_tcache_t *tc, uint64_t bytes,
+                         keel_poff_t *off) KEEL_HIDDEN;
 /* Returns a volatile reservation (never published, or freed and durable). */
 void _keel_ph_give(keel_pheap_t *ph, ph_tcache_t *tc, int cls, keel_poff_t off) KEEL_HIDDEN;
 /* The redo entry that publishes (alloc) or frees a block. Aborts on a bad
@@ -352,6 +397,9 @@ extern unsigned _keel_ph_ring_limit KEEL_HIDDEN;
 /* True if some log (atomic or commit) is still above the watermark: recovery
  * would replay it over a later plain store. */
 bool _keel_ph_deferred(keel_pheap_t *ph) KEEL_HIDDEN;
+/* Asks the deferrer (if any, and none is outstanding) for a background
+ * checkpoint. Never blocks. */
+void _keel_ph_checkpoint_soon(keel_pheap_t *ph) KEEL_HIDDEN;
 /* Flushes every deferred line and raises the durable watermark (2 barriers). */
 void _keel_ph_checkpoint(keel_pheap_t *ph, ph_tcache_t *tc) KEEL_HIDDEN;
 /* True if the data named by a log's CHK entries still matches its dsum. */
@@ -362,8 +410,13 @@ bool _keel_ph_chk_add(ph_redo_entry_t *e, size_t *n, size_t cap, uint64_t off, u
                       uint64_t *chk_bytes) KEEL_HIDDEN;
 /* Crash recovery (see log.c). Returns logs processed. */
 int _keel_ph_recover(keel_pheap_t *ph, ph_tcache_t *tc) KEEL_HIDDEN;
-/* Undo log entry walk (shared with check.c). */
-bool _keel_ph_undo_next(const ph_undo_t *u, uint64_t *pos, const ph_undo_entry_t **out) KEEL_HIDDEN;
+/* Undo log entry walk in one segment (the lane's area or an overflow
+ * block's data) of `cap` bytes. */
+bool _keel_ph_undo_next(const uint8_t *data, uint64_t cap, uint64_t seq, uint64_t *pos,
+                        const ph_undo_entry_t **out) KEEL_HIDDEN;
+/* The overflow block at `off` if it belongs to the undo log of `seq`, else
+ * NULL (the chain ends). */
+const ph_undo_ovf_t *_keel_ph_undo_ovf(keel_pheap_t *ph, uint64_t off, uint64_t seq) KEEL_HIDDEN;
 /* A valid log header at ring line `pos` with seq above `above`, or NULL. */
 const ph_redo_t *_keel_ph_ring_log(const char *ring, unsigned pos, uint64_t above) KEEL_HIDDEN;
 

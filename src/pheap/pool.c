@@ -3,8 +3,11 @@
  * Open order: lock the file (flock, so a second opener in any process gets
  * KEEL_ELOCKED), read and validate the header with pread before mapping
  * anything, so a bad file is reported and never written; then map, recover
- * (log.c), bump the epoch (one barrier) and rebuild the volatile heap
- * (heap.c).
+ * (log.c) and bump the epoch (one barrier). The volatile heap is rebuilt
+ * lazily on first use (heap.c), so open time does not grow with the pool.
+ * A corrupt chunk word or run header is then found when first reached:
+ * allocation fails with KEEL_ECORRUPT, a call naming an object past it dies
+ * naming the pool (keel pheap check names the problem offline).
  *
  * Mapping: a PROT_NONE reservation of PH_RESERVE bytes holds the file
  * mapping at its start, so growth maps the new tail in place (MAP_FIXED over
@@ -17,6 +20,7 @@
 #define _GNU_SOURCE
 #include <errno.h>
 #include <fcntl.h>
+#include <sched.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/file.h>
@@ -253,6 +257,9 @@ keel_pheap_t *keel_pheap_create(const char *path, const char *layout, size_t siz
 
 int keel_pheap_close(keel_pheap_t *ph) {
   if (ph == NULL) return KEEL_EINVAL;
+  /* A deferred checkpoint still queued or running holds ph (the deferrer
+   * promised to run what it accepted). */
+  while (keel_load_acquire(&ph->defer_req)) sched_yield();
   ph_tcache_t *tc = _keel_ph_tcache(ph);
   if (tc) _keel_ph_checkpoint(ph, tc); /* the next open has nothing to replay */
   if (ph->sim) _keel_pm_sim_writeall(ph);

@@ -26,8 +26,25 @@
  * and allocated nothing commits with no barrier.
  * Abort: restore snapshots newest first, barrier, empty the undo log,
  * barrier; reservations go back to the thread cache.
+ *
+ * Undo overflow: past the lane's 48 KiB the undo log goes on in 256 KiB
+ * blocks (whole chunks) taken from the heap as volatile reservations (their bitmap bits
+ * stay clear, so a crash leaks nothing and recovery needs no free), chained
+ * from the lane's undo header (pheap_int.h). Extending: write the block's
+ * header {tx seq, next 0} and the link to it, one barrier, then entries.
+ * A fresh block is used only once the watermark has passed every log drawn
+ * before it was taken (a checkpoint, 2 barriers): such a log may store into
+ * the block (the destination of an atomic operation on an object freed
+ * since), and recovery would replay it over the snapshots before rolling
+ * them back. Logs drawn later cannot name the block: it is ours. After commit
+ * or abort has emptied the undo log (durably), the lane keeps PH_OVF_KEEP
+ * blocks for its next transaction (no checkpoint to reuse them) and gives
+ * the rest back. No block to be had: the add fails with KEEL_ENOSPC and the
+ * transaction rolls back. Cost per 256 KiB of overflow: 3 barriers (1 when
+ * the lane kept the block).
  */
 #define _GNU_SOURCE
+#include <sched.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
@@ -52,7 +69,10 @@ typedef struct tx_new {
 } tx_new_t;
 
 /* A thread's transaction. Invariants: depth > 0 <=> lane held; ranges sorted
- * and disjoint; undo_pos = bytes of undo entries written; at most one of
+ * and disjoint; undo_pos = bytes of undo entries written in the current
+ * segment (seg, seg_cap: the lane's area, then the last overflow block);
+ * link = the durable `next` word that chains the segment after it;
+ * ovf[0..novf) = the chain's blocks, in order; at most one of
  * committed/aborted. */
 typedef struct ph_tx {
   keel_pheap_t *ph;
@@ -61,6 +81,11 @@ typedef struct ph_tx {
   int depth, err;
   bool committed, aborted, undo_started;
   uint64_t seq, undo_pos;
+  uint8_t *seg;
+  uint64_t seg_cap;
+  uint64_t *link;
+  keel_poff_t *ovf;
+  size_t novf, ovfcap;
   tx_range_t *ranges;
   size_t nr, rcap;
   tx_new_t *news;
@@ -78,10 +103,12 @@ static void tx_thread_exit(void *arg) {
   free(tx.ranges);
   free(tx.news);
   free(tx.acts);
+  free(tx.ovf);
   tx.ranges = NULL;
   tx.news = NULL;
   tx.acts = NULL;
-  tx.rcap = tx.ncap = tx.acap = 0;
+  tx.ovf = NULL;
+  tx.rcap = tx.ncap = tx.acap = tx.ovfcap = 0;
 }
 
 static int grow(void **p, size_t *cap, size_t need, size_t elem) {
@@ -95,6 +122,19 @@ static int grow(void **p, size_t *cap, size_t need, size_t elem) {
   return 0;
 }
 
+/* After the undo log is durably empty: the lane keeps the first overflow
+ * blocks for its next transaction, the heap gets the rest back. */
+static void ovf_release(void) {
+  ph_lane_t *l = tx.lane;
+  for (size_t i = 0; i < tx.novf; i++) {
+    if (l->nkeep < PH_OVF_KEEP)
+      l->keep[l->nkeep++] = tx.ovf[i];
+    else
+      _keel_ph_give(tx.ph, tx.tc, -1, tx.ovf[i]);
+  }
+  tx.novf = 0;
+}
+
 static void tx_rollback(void) {
   keel_pheap_t *ph = tx.ph;
   if (tx.undo_started) {
@@ -105,6 +145,7 @@ static void tx_rollback(void) {
     _keel_pm_drain(ph, tx.tc);
     tx.undo_started = false;
   }
+  ovf_release();
   for (size_t i = 0; i < tx.nn; i++) _keel_ph_give(ph, tx.tc, tx.news[i].cls, tx.news[i].off);
   tx.nn = 0;
   keel_pheap_cancel(ph, tx.acts, tx.na);
@@ -150,6 +191,10 @@ int keel_tx_begin(keel_pheap_t *ph) {
   tx.committed = tx.aborted = tx.undo_started = false;
   tx.seq = _keel_ph_next_seq(ph);
   tx.undo_pos = 0;
+  tx.seg = tx.lane->undo->data;
+  tx.seg_cap = sizeof tx.lane->undo->data;
+  tx.link = &tx.lane->undo->next;
+  tx.novf = 0;
   tx.nr = tx.nn = tx.na = 0;
   return 0;
 }
@@ -166,22 +211,58 @@ static bool in_new(uint64_t lo, uint64_t hi) {
   return false;
 }
 
-/* Appends one snapshot to the undo log and flushes it (no barrier). */
-static int undo_append(uint64_t off, uint64_t len) {
+/* A block for the undo chain: one the lane kept, or a fresh reservation once
+ * the watermark has passed every log drawn before it (see the file comment). */
+static int ovf_take(keel_poff_t *off) {
   keel_pheap_t *ph = tx.ph;
-  ph_undo_t *u = tx.lane->undo;
-  uint64_t need = sizeof(ph_undo_entry_t) + KEEL_ALIGN_UP(len, (uint64_t)8);
-  if (tx.undo_pos + need > sizeof u->data) return KEEL_ENOSPC;
-  if (!tx.undo_started) {
-    uint64_t seq = tx.seq;
-    _keel_pm_write_nt(ph, tx.tc, &u->seq, &seq, 8, PH_S_UNDO);
-    tx.undo_started = true;
+  ph_lane_t *l = tx.lane;
+  if (l->nkeep) {
+    *off = l->keep[--l->nkeep];
+    return 0;
   }
-  if (keel_unlikely(_keel_ph_fault == PH_S_SNAPSHOT)) return 0;
+  int rc = _keel_ph_take_chunks(ph, tx.tc, PH_OVF_BYTES + PH_OBJ_HDR, off);
+  if (rc) return rc;
+  /* Only _keel_ph_give reads it (the chunk word stays 0: free on media). */
+  ((ph_objhdr_t *)(ph->view.base + *off - PH_OBJ_HDR))->size = PH_OVF_BYTES;
+  /* Every log that could name the block was drawn before we took it (its
+   * free returned first); seq_cst: read after the take. Our lane is not in
+   * flight, so the checkpoints below do not wait on us. */
+  uint64_t need = atomic_load(&ph->seq);
+  while (keel_load_acquire(&ph->ckpt_seq) < need) {
+    _keel_ph_checkpoint(ph, tx.tc);
+    if (keel_load_acquire(&ph->ckpt_seq) < need) sched_yield();
+  }
+  return 0;
+}
+
+/* Chains a new overflow block after the current segment: its header and the
+ * link are durable (1 barrier) before any entry goes into it. */
+static int undo_extend(void) {
+  keel_pheap_t *ph = tx.ph;
+  keel_poff_t off;
+  if (grow((void **)&tx.ovf, &tx.ovfcap, tx.novf + 1, sizeof *tx.ovf)) return KEEL_ENOMEM;
+  int rc = ovf_take(&off);
+  if (rc) return rc;
+  ph_undo_ovf_t *b = keel_pheap_ptr(ph, off);
+  ph_undo_ovf_t h = {.seq = tx.seq, .next = 0, .cap = PH_OVF_CAP};
+  _keel_pm_write_nt(ph, tx.tc, b, &h, sizeof h, PH_S_UNDO);
+  _keel_pm_write_nt(ph, tx.tc, tx.link, &off, 8, PH_S_UNDO);
+  _keel_pm_drain(ph, tx.tc);
+  tx.ovf[tx.novf++] = off;
+  tx.link = &b->next;
+  tx.seg = b->data;
+  tx.seg_cap = PH_OVF_CAP;
+  tx.undo_pos = 0;
+  return 0;
+}
+
+/* Writes one entry of len bytes (it fits the segment) and flushes it. */
+static void undo_entry(uint64_t off, uint64_t len) {
+  keel_pheap_t *ph = tx.ph;
   /* Entry header and data go out with non-temporal stores where the mode
    * allows (no flush, no cache pollution by the copy); the last partial
    * word of the data is padded through a bounce word. */
-  ph_undo_entry_t *e = (ph_undo_entry_t *)(u->data + tx.undo_pos);
+  ph_undo_entry_t *e = (ph_undo_entry_t *)(tx.seg + tx.undo_pos);
   ph_undo_entry_t h = {off, len, 0};
   uint64_t body = len & ~(uint64_t)7, tail = 0;
   memcpy(&tail, ph->view.base + off + body, len - body);
@@ -190,7 +271,36 @@ static int undo_append(uint64_t off, uint64_t len) {
   _keel_pm_write_nt(ph, tx.tc, e, &h, sizeof h, PH_S_UNDO);
   if (body) _keel_pm_write_nt(ph, tx.tc, e + 1, ph->view.base + off, body, PH_S_UNDO);
   if (len > body) _keel_pm_write_nt(ph, tx.tc, (char *)(e + 1) + body, &tail, 8, PH_S_UNDO);
-  tx.undo_pos += need;
+  tx.undo_pos += sizeof *e + KEEL_ALIGN_UP(len, (uint64_t)8);
+}
+
+/* Appends a snapshot of [off, off + len) to the undo log, split across
+ * segments as they fill, and flushes it (the caller drains). */
+static int undo_append(uint64_t off, uint64_t len) {
+  keel_pheap_t *ph = tx.ph;
+  ph_undo_t *u = tx.lane->undo;
+  if (!tx.undo_started) {
+    /* seq and an empty link in one line: a stale link from an older
+     * transaction would fail the block's seq check anyway. */
+    uint64_t hw[2] = {tx.seq, 0};
+    _keel_pm_write_nt(ph, tx.tc, &u->seq, hw, sizeof hw, PH_S_UNDO);
+    tx.undo_started = true;
+  }
+  if (keel_unlikely(_keel_ph_fault == PH_S_SNAPSHOT)) return 0;
+  while (len) {
+    /* Room for an entry header and at least one word, else a new segment. */
+    uint64_t room = tx.seg_cap - tx.undo_pos;
+    if (room < sizeof(ph_undo_entry_t) + 8) {
+      int rc = undo_extend();
+      if (rc) return rc;
+      continue;
+    }
+    uint64_t piece = KEEL_ALIGN_DOWN(room - sizeof(ph_undo_entry_t), (uint64_t)8);
+    if (piece > len) piece = len;
+    undo_entry(off, piece);
+    off += piece;
+    len -= piece;
+  }
   return 0;
 }
 
@@ -296,6 +406,8 @@ int keel_tx_publish(keel_pheap_act_t *acts, size_t n) {
 }
 
 static bool covered(uint64_t off) {
+  for (size_t i = 0; i < tx.novf; i++)
+    if (off >= tx.ovf[i] - PH_OBJ_HDR && off < tx.ovf[i] + PH_OVF_BYTES) return true;
   for (size_t i = 0; i < tx.nr; i++)
     if (off >= tx.ranges[i].lo && off < tx.ranges[i].hi) return true;
   for (size_t i = 0; i < tx.nn; i++) {
@@ -429,6 +541,7 @@ static int tx_commit_outer(void) {
     /* Only now may the watermark pass the commit log: recovery finds a
      * still-valid undo log's commit only above it (log.c). */
     _keel_ph_log_end(tx.lane);
+    ovf_release();
   }
   tx.undo_started = false;
   _keel_ph_acts_done(ph, tc, tx.acts, tx.na);
@@ -473,6 +586,11 @@ int keel_tx_end(void) {
     free(tx.acts);
     tx.acts = NULL;
     tx.acap = 0;
+  }
+  if (tx.ovfcap > 1024) {
+    free(tx.ovf);
+    tx.ovf = NULL;
+    tx.ovfcap = 0;
   }
   return rc;
 }

@@ -34,4 +34,70 @@ static inline uint64_t tp_fingerprint(const char *path) {
   return h ^ (uint64_t)st.st_size;
 }
 
+/* A deferrer for keel_pheap_set_deferrer: one worker thread that runs the
+ * jobs it is handed (the pool keeps at most one outstanding). Stands in for
+ * a keel sched job. */
+#include <pthread.h>
+#include <stdbool.h>
+typedef struct tp_worker {
+  pthread_mutex_t lock;
+  pthread_cond_t cond;
+  keel_pheap_work_fn fn;
+  void *arg;
+  bool stop;
+  long ran;
+  pthread_t th;
+} tp_worker_t;
+
+static void *tp_worker_main(void *p) {
+  tp_worker_t *w = p;
+  pthread_mutex_lock(&w->lock);
+  for (;;) {
+    while (!w->fn && !w->stop) pthread_cond_wait(&w->cond, &w->lock);
+    if (!w->fn) break;
+    keel_pheap_work_fn fn = w->fn;
+    void *arg = w->arg;
+    w->fn = NULL;
+    pthread_mutex_unlock(&w->lock);
+    fn(arg);
+    pthread_mutex_lock(&w->lock);
+    w->ran++;
+  }
+  pthread_mutex_unlock(&w->lock);
+  return NULL;
+}
+
+static inline int tp_defer(void *arg, keel_pheap_work_fn fn, void *work_arg) {
+  tp_worker_t *w = arg;
+  pthread_mutex_lock(&w->lock);
+  int rc = w->fn || w->stop ? -1 : 0;
+  if (rc == 0) {
+    w->fn = fn;
+    w->arg = work_arg;
+    pthread_cond_signal(&w->cond);
+  }
+  pthread_mutex_unlock(&w->lock);
+  return rc;
+}
+
+static inline void tp_worker_start(tp_worker_t *w) {
+  pthread_mutex_init(&w->lock, NULL);
+  pthread_cond_init(&w->cond, NULL);
+  w->fn = NULL;
+  w->stop = false;
+  w->ran = 0;
+  pthread_create(&w->th, NULL, tp_worker_main, w);
+}
+
+/* Runs what is queued, then joins. */
+static inline void tp_worker_stop(tp_worker_t *w) {
+  pthread_mutex_lock(&w->lock);
+  w->stop = true;
+  pthread_cond_signal(&w->cond);
+  pthread_mutex_unlock(&w->lock);
+  pthread_join(w->th, NULL);
+  pthread_mutex_destroy(&w->lock);
+  pthread_cond_destroy(&w->cond);
+}
+
 #endif

@@ -395,14 +395,238 @@ static void test_tx_out_of_space_aborts(void) {
   KT_EQ(r->counter[0], 1);
   KT_EQ(r->slot[0], 0);
   KT_EQ(count_type(ph, 6), 0);
-  /* The space is usable again, and an oversized undo snapshot aborts too. */
+  /* The space is usable again; a 1 MiB snapshot now overflows the lane's
+   * undo area into blocks from the pool and commits. */
   KT_EQ(keel_pheap_alloc(ph, &r->slot[0], 1 << 20, 6), 0);
   KT_EQ(keel_tx_begin(ph), 0);
-  KT_EQ(keel_tx_add_range(keel_pheap_ptr(ph, r->slot[0]), 1 << 20), KEEL_ENOSPC);
-  KT_EQ(keel_tx_end(), KEEL_ENOSPC);
+  KT_EQ(keel_tx_add_range(keel_pheap_ptr(ph, r->slot[0]), 1 << 20), 0);
+  memset(keel_pheap_ptr(ph, r->slot[0]), 0x5a, 1 << 20);
+  KT_EQ(keel_tx_commit(), 0);
+  KT_EQ(keel_tx_end(), 0);
+  KT_EQ(((unsigned char *)keel_pheap_ptr(ph, r->slot[0]))[(1 << 20) - 1], 0x5a);
   keel_pheap_close(ph);
   KT_EQ(keel_pheap_check(p), 0);
   unlink(p);
+}
+
+/* Fills `n` bytes of o with words derived from (seed, word index). */
+static void fill_words(uint64_t *o, size_t n, uint64_t seed) {
+  for (size_t i = 0; i < n / 8; i++) o[i] = seed * 0x9e3779b97f4a7c15ull + i;
+}
+static bool words_are(const uint64_t *o, size_t n, uint64_t seed) {
+  for (size_t i = 0; i < n / 8; i++)
+    if (o[i] != seed * 0x9e3779b97f4a7c15ull + i) return false;
+  return true;
+}
+
+/* Snapshots past the lane's 48 KiB chain overflow blocks from the pool: many
+ * ranges and one range larger than a block, rolled back whole on abort and
+ * kept on commit; the blocks are reused or returned (a fixed 8 MiB pool
+ * survives 40 transactions of 200-400 KiB), never left allocated. */
+static void test_tx_undo_overflow(void) {
+  char p[256];
+  tp_path(p, sizeof p, "ovf");
+  keel_pheap_t *ph = keel_pheap_create(p, LAYOUT, KEEL_PHEAP_MIN_SIZE, KEEL_PHEAP_FIXED);
+  root_t *r = keel_pheap_root(ph, sizeof *r);
+  const size_t big = 400 << 10;
+  KT_EQ(keel_pheap_alloc(ph, &r->slot[0], big, 3), 0);
+  uint64_t *o = keel_pheap_ptr(ph, r->slot[0]);
+  fill_words(o, big, 1);
+  keel_pheap_persist(ph, o, big);
+  for (int round = 0; round < 40; round++) {
+    bool abort = round % 2 == 0;
+    KT_EQ(keel_tx_begin(ph), 0);
+    if (round % 4 < 2) {
+      /* 50 ranges of 4 KiB, 1 KiB apart: 200 KiB in 50 entries. */
+      for (size_t k = 0; k < 50; k++) {
+        KT_REQUIRE(keel_tx_add_range((char *)o + k * 5120, 4096) == 0);
+        memset((char *)o + k * 5120, 0xee, 4096);
+      }
+    } else {
+      /* One range of 400 KiB, split across the lane and 2 blocks. */
+      KT_REQUIRE(keel_tx_add_range(o, big) == 0);
+      memset(o, 0xdd, big);
+    }
+    if (abort)
+      keel_tx_abort(0);
+    else
+      KT_EQ(keel_tx_commit(), 0);
+    int rc = keel_tx_end();
+    KT_EQ(rc, abort ? KEEL_ECANCELED : 0);
+    if (abort) KT_CHECK(words_are(o, big, (uint64_t)round + 1));
+    /* Reset to the next round's pattern. */
+    fill_words(o, big, (uint64_t)round + 2);
+    keel_pheap_persist(ph, o, big);
+  }
+  KT_EQ(count_type(ph, KEEL_PHEAP_ANY_TYPE), 2); /* root + the object: no block published */
+  keel_pheap_close(ph);
+  KT_EQ(keel_pheap_check(p), 0);
+  unlink(p);
+}
+
+/* An undo log that needs an overflow block in a full pool: the add fails
+ * with KEEL_ENOSPC, the transaction rolls back, and every heap byte is as
+ * before. */
+static void test_tx_undo_overflow_out_of_space(void) {
+  char p[256];
+  tp_path(p, sizeof p, "ovfull");
+  keel_pheap_t *ph = keel_pheap_create(p, LAYOUT, KEEL_PHEAP_MIN_SIZE, KEEL_PHEAP_FIXED);
+  root_t *r = keel_pheap_root(ph, sizeof *r);
+  const size_t big = 200 << 10;
+  KT_EQ(keel_pheap_alloc(ph, &r->slot[0], big, 3), 0);
+  fill_words(keel_pheap_ptr(ph, r->slot[0]), big, 7);
+  keel_pheap_persist(ph, keel_pheap_ptr(ph, r->slot[0]), big);
+  /* Fill every chunk, and the overflow blocks' class to the last block. */
+  keel_poff_t junk;
+  int n = 0;
+  while (keel_pheap_alloc(ph, &junk, 1 << 20, 9) == 0) n++;
+  while (keel_pheap_alloc(ph, &junk, PH_OVF_BYTES, 9) == 0) n++;
+  KT_CHECK(n > 0);
+  uint64_t heap = ph->hdr->heap_off, size = keel_load_relaxed(&ph->size);
+  char *before = malloc(size - heap);
+  KT_REQUIRE(before != NULL);
+  memcpy(before, ph->view.base + heap, size - heap);
+  KT_EQ(keel_tx_begin(ph), 0);
+  KT_EQ(keel_tx_add_range(r->counter, 8), 0);
+  r->counter[0] = 99;
+  char *o = keel_pheap_ptr(ph, r->slot[0]);
+  int rc = 0;
+  for (size_t k = 0; k < 50 && rc == 0; k++) {
+    rc = keel_tx_add_range(o + k * 4096, 4096);
+    if (rc == 0) memset(o + k * 4096, 0xee, 4096);
+  }
+  KT_EQ(rc, KEEL_ENOSPC);
+  KT_EQ(keel_tx_add_range(o, 8), KEEL_ECANCELED);
+  KT_EQ(keel_tx_commit(), KEEL_ENOSPC);
+  KT_EQ(keel_tx_end(), KEEL_ENOSPC);
+  KT_CHECK(memcmp(before, ph->view.base + heap, size - heap) == 0);
+  KT_EQ(r->counter[0], 0);
+  free(before);
+  keel_pheap_close(ph);
+  KT_EQ(keel_pheap_check(p), 0);
+  unlink(p);
+}
+
+/* Open walks nothing: the volatile heap is booted lazily. Iteration, stats
+ * and frees of objects past the boot cursor still see every object; the
+ * first allocation boots only until its class has room; empty runs found
+ * late are reclaimed. */
+static void test_lazy_rebuild_on_open(void) {
+  char p[256];
+  tp_path(p, sizeof p, "lazy");
+  keel_pheap_t *ph = keel_pheap_create(p, LAYOUT, KEEL_PHEAP_MIN_SIZE * 4, 0);
+  root_t *r = keel_pheap_root(ph, sizeof *r);
+  /* Many runs of several classes; the slots keep the last of each size. */
+  const size_t sizes[] = {40, 300, 2000, 9000};
+  keel_poff_t o;
+  for (int i = 0; i < 4000; i++) KT_EQ(keel_pheap_alloc(ph, &o, sizes[i % 4], 20 + i % 4), 0);
+  for (int i = 0; i < 4; i++) KT_EQ(keel_pheap_alloc(ph, &r->slot[i], sizes[i], 30), 0);
+  /* A run left empty: a class used once, its object freed. */
+  KT_EQ(keel_pheap_alloc(ph, &r->slot[5], 100000, 31), 0);
+  KT_EQ(keel_pheap_free(ph, &r->slot[5]), 0);
+  keel_pheap_close(ph);
+  ph = keel_pheap_open(p, LAYOUT);
+  KT_REQUIRE(ph != NULL);
+  KT_EQ(keel_load_relaxed(&ph->booted), 0);
+  r = keel_pheap_root(ph, sizeof *r); /* boots up to the root's run */
+  uint32_t b0 = keel_load_relaxed(&ph->booted);
+  KT_CHECK(b0 <= PH_MAX_RUN_CHUNKS);
+  for (int i = 0; i < 4; i++) KT_EQ(count_type(ph, 20 + (uint64_t)i), 1000);
+  KT_EQ(count_type(ph, 30), 4);
+  KT_EQ(keel_load_relaxed(&ph->booted), b0); /* iteration reads media only */
+  /* A free of the last object boots up to its run, not past it. */
+  uint32_t c = _keel_ph_chunk_at(ph, r->slot[3] - PH_OBJ_HDR);
+  KT_EQ(keel_pheap_free(ph, &r->slot[3]), 0);
+  KT_CHECK(keel_load_relaxed(&ph->booted) > c);
+  KT_EQ(count_type(ph, 30), 3);
+  /* Allocation after the lazy boot reuses space (no double allocation: the
+   * check below finds every bitmap consistent with the objects). */
+  for (int i = 0; i < 4000; i++) KT_EQ(keel_pheap_alloc(ph, &o, sizes[i % 4], 22), 0);
+  KT_EQ(count_type(ph, 22), 5000);
+  KT_EQ(keel_load_relaxed(&ph->booted), keel_load_relaxed(&ph->nchunks));
+  keel_pheap_close(ph);
+  KT_EQ(keel_pheap_check(p), 0);
+  /* And once more with nothing touched: a reopen boots nothing, the walk
+   * still counts every object. */
+  ph = keel_pheap_open(p, LAYOUT);
+  KT_REQUIRE(ph != NULL);
+  KT_EQ(count_type(ph, KEEL_PHEAP_ANY_TYPE), 1 + 4000 + 3 + 4000);
+  KT_EQ(keel_load_relaxed(&ph->booted), 0);
+
+  keel_pheap_close(ph);
+  unlink(p);
+}
+
+static int refuse(void *arg, keel_pheap_work_fn fn, void *work_arg) {
+  (void)fn;
+  (void)work_arg;
+  ++*(long *)arg;
+  return -1;
+}
+
+typedef struct defer_arg {
+  keel_pheap_t *ph;
+  int t;
+} defer_arg_t;
+static void *defer_worker(void *p) {
+  defer_arg_t *a = p;
+  root_t *r = keel_pheap_root(a->ph, sizeof *r);
+  for (int i = 0; i < kt_scale(3000); i++) {
+    keel_poff_t *s = &r->slot[a->t * 16 + i % 16];
+    if (*s)
+      KT_EQ(keel_pheap_free(a->ph, s), 0);
+    else
+      KT_EQ(keel_pheap_alloc(a->ph, s, 24 + (size_t)(i % 7) * 40, 40), 0);
+  }
+  return NULL;
+}
+
+/* Checkpoints handed to a deferrer run on its thread (a stand-in for a keel
+ * sched job) while 4 threads allocate and free; a deferrer that refuses
+ * leaves them inline. Either way the heap walks to the reachable objects
+ * and close waits for the outstanding job. */
+static void test_deferred_checkpoints(void) {
+  unsigned limit = _keel_ph_ring_limit;
+  _keel_ph_ring_limit = 8; /* requests within a few operations at any scale */
+  for (int mode = 0; mode < 2; mode++) {
+    char p[256];
+    tp_path(p, sizeof p, "defer");
+    keel_pheap_t *ph = keel_pheap_create(p, LAYOUT, KEEL_PHEAP_MIN_SIZE, 0);
+    root_t *r = keel_pheap_root(ph, sizeof *r);
+    tp_worker_t w;
+    long refused = 0;
+    if (mode == 0) {
+      tp_worker_start(&w);
+      keel_pheap_set_deferrer(ph, tp_defer, &w);
+    } else
+      keel_pheap_set_deferrer(ph, refuse, &refused);
+    pthread_t th[4];
+    defer_arg_t a[4];
+    for (int t = 0; t < 4; t++) {
+      a[t] = (defer_arg_t){ph, t};
+      pthread_create(&th[t], NULL, defer_worker, &a[t]);
+    }
+    for (int t = 0; t < 4; t++) pthread_join(th[t], NULL);
+    keel_pheap_stats_t st;
+    KT_EQ(keel_pheap_stats(ph, &st), 0);
+    uint64_t reach = 0;
+    for (int i = 0; i < 64; i++) reach += r->slot[i] != 0;
+    KT_EQ(count_type(ph, 40), reach);
+    if (mode == 1) {
+      KT_CHECK(refused > 0);
+      KT_EQ(st.deferred_checkpoints, 0);
+    }
+    /* Close waits for the accepted job, so by now the worker ran it (the
+     * first request always finds the worker idle). */
+    KT_EQ(keel_pheap_close(ph), 0);
+    if (mode == 0) {
+      tp_worker_stop(&w);
+      KT_CHECK(w.ran > 0);
+    }
+    KT_EQ(keel_pheap_check(p), 0);
+    unlink(p);
+  }
+  _keel_ph_ring_limit = limit;
 }
 
 static void test_full_pool_free_never_fails(void) {
@@ -632,6 +856,8 @@ KT_MAIN(KT_CASE(test_create_open_close), KT_CASE(test_bad_wrong_layout),
         KT_CASE(test_alloc_free_sizes), KT_CASE(test_misuse_aborts),
         KT_CASE(test_reserve_publish_cancel), KT_CASE(test_tx_commit_abort_nested),
         KT_CASE(test_tx_publish_and_zalloc), KT_CASE(test_tx_out_of_space_aborts),
+        KT_CASE(test_tx_undo_overflow), KT_CASE(test_tx_undo_overflow_out_of_space),
+        KT_CASE(test_lazy_rebuild_on_open), KT_CASE(test_deferred_checkpoints),
         KT_CASE(test_full_pool_free_never_fails), KT_CASE(test_grow), KT_CASE(test_barrier_counts),
         KT_CASE(test_check_detects_corruption), KT_CASE(test_stress_threads),
         KT_CASE(test_classes_fragmentation))
