@@ -409,7 +409,7 @@ static void *hot_worker(void *arg) {
   uint64_t s = 0xdeadbeefcafef00dull ^ ((uint64_t)w->id << 32);
   while (!keel_load_relaxed(&stop)) {
     uint64_t k = rnd(&s) % (uint64_t)c->keys;
-    switch (rnd(&s) % 8) {
+    switch (rnd(&s) % 9) {
       case 0: { /* insert */
         item_t *it = item_new(k);
         int rc = keel_table_insert(c->t, &it->node);
@@ -446,6 +446,22 @@ static void *hot_worker(void *arg) {
       case 3:
         keel_table_shrink(c->t, 4);
         break;
+      case 4: { /* get or insert: against eviction and remove_key, the helped removal */
+        item_t *it = item_new(k);
+        keel_table_node_t *n = keel_table_get_or_insert(c->t, &it->node);
+        if (n == NULL) kt_fail(__FILE__, __LINE__, "get_or_insert: errno %d", errno);
+        if (n == &it->node) {
+          keel_fetch_add_relaxed(&n_inserted, 1);
+        } else {
+          free(it);
+          it = keel_table_entry(n, item_t, node);
+        }
+        keel_fetch_add_relaxed(&it->holders, 1);
+        check_found(n, k);
+        keel_fetch_sub_relaxed(&it->holders, 1);
+        keel_table_put(c->t, n);
+        break;
+      }
       default: { /* lookup, take a reference inside the section */
         keel_table_read_lock();
         keel_table_node_t *n = keel_table_lookup_u64(c->t, k);
@@ -504,5 +520,109 @@ static void hot_keys_refcount_races(void) {
          keel_load_relaxed(&n_inserted) - i0);
 }
 
+/* --- get or insert: one winner per key ----------------------------------------- */
+
+typedef struct goi_ctx {
+  keel_table_t *t;
+  int keys, threads, rounds;
+  pthread_barrier_t bar;
+  keel_atomic(int) * winners; /* per key, this round */
+  keel_atomic(long) inserted;
+} goi_ctx_t;
+
+typedef struct goi_worker {
+  goi_ctx_t *c;
+  int id;
+  pthread_t th;
+  keel_table_node_t **held; /* per key: the entry this thread holds a reference to */
+} goi_worker_t;
+
+static void *goi_thread(void *arg) {
+  goi_worker_t *w = arg;
+  goi_ctx_t *c = w->c;
+  uint64_t s = 0x9e3779b97f4a7c15ull * (uint64_t)(w->id + 1);
+  for (int r = 0; r < c->rounds; r++) {
+    /* From a start of this thread's own, forwards or backwards, so each key
+     * is raced by threads arriving at different moments. Keys are new each
+     * round. */
+    uint64_t start = rnd(&s) % (uint64_t)c->keys, keys = (uint64_t)c->keys;
+    for (uint64_t i = 0; i < keys; i++) {
+      uint64_t idx = w->id % 2 ? (start + i) % keys : (start + keys - i) % keys;
+      uint64_t k = idx + (uint64_t)r * 1000003u;
+      item_t *it = item_new(k);
+      keel_table_node_t *n = keel_table_get_or_insert(c->t, &it->node);
+      if (n == NULL) kt_fail(__FILE__, __LINE__, "get_or_insert: errno %d", errno);
+      if (n == &it->node) {
+        keel_fetch_add_relaxed(&c->winners[idx], 1);
+        keel_fetch_add_relaxed(&c->inserted, 1);
+      } else {
+        if (it->node._ref != 0) kt_fail(__FILE__, __LINE__, "losing node was changed");
+        free(it);
+      }
+      check_found(n, k);
+      w->held[idx] = n;
+    }
+    pthread_barrier_wait(&c->bar); /* every thread holds a reference to every key */
+    if (w->id == 0) {
+      for (int k = 0; k < c->keys; k++) {
+        if (keel_load_relaxed(&c->winners[k]) != 1)
+          kt_fail(__FILE__, __LINE__, "round %d key %d: %d inserts won", r, k,
+                  keel_load_relaxed(&c->winners[k]));
+        keel_store_relaxed(&c->winners[k], 0);
+        uint32_t v = keel_load_relaxed(node_ref(w->held[k]));
+        if ((v & REF_COUNT) != (uint32_t)c->threads)
+          kt_fail(__FILE__, __LINE__, "round %d key %d: %u references, %d holders", r, k,
+                  v & REF_COUNT, c->threads);
+      }
+      if (keel_table_count(c->t) != (size_t)c->keys)
+        kt_fail(__FILE__, __LINE__, "round %d: %zu entries", r, keel_table_count(c->t));
+    }
+    pthread_barrier_wait(&c->bar);
+    for (int k = 0; k < c->keys; k++) keel_table_put(c->t, w->held[k]);
+    pthread_barrier_wait(&c->bar);
+    /* Unreferenced now: shrinking drops the whole round. */
+    if (w->id == 0 && keel_table_shrink(c->t, (size_t)c->keys) != (size_t)c->keys)
+      kt_fail(__FILE__, __LINE__, "round %d: shrink left entries", r);
+    pthread_barrier_wait(&c->bar);
+  }
+  return NULL;
+}
+
+/* Threads race keel_table_get_or_insert on the same keys: exactly one insert
+ * wins per key, every caller gets a reference to the winner, the losers'
+ * nodes are untouched, and after the puts every entry is unreferenced and
+ * freed exactly once (LeakSanitizer checks the losers were freed). */
+static void get_or_insert_one_winner(void) {
+  goi_ctx_t c = {.keys = (int)kt_env_int("KEEL_TEST_GOI_KEYS", kt_sanitized() ? 256 : 4096),
+                 .threads = (int)kt_env_int("KEEL_TEST_GOI_THREADS", kt_sanitized() ? 8 : 32),
+                 .rounds = (int)kt_env_int("KEEL_TEST_GOI_ROUNDS", kt_sanitized() ? 4 : 16)};
+  keel_table_config_t cfg = {.key_type = KEEL_TABLE_KEY_U64, .free_fn = item_free};
+  c.t = keel_table_create(&cfg);
+  KT_REQUIRE(c.t != NULL);
+  c.winners = calloc((size_t)c.keys, sizeof *c.winners);
+  pthread_barrier_init(&c.bar, NULL, (unsigned)c.threads);
+  arm_alarm();
+  long f0 = keel_load_relaxed(&n_freed);
+  goi_worker_t *w = calloc((size_t)c.threads, sizeof *w);
+  for (int i = 0; i < c.threads; i++) {
+    w[i] = (goi_worker_t){&c, i, 0, calloc((size_t)c.keys, sizeof(keel_table_node_t *))};
+    pthread_create(&w[i].th, NULL, goi_thread, &w[i]);
+  }
+  for (int i = 0; i < c.threads; i++) {
+    pthread_join(w[i].th, NULL);
+    free(w[i].held);
+  }
+  KT_EQ(keel_load_relaxed(&c.inserted), (long)c.keys * c.rounds);
+  KT_EQ(keel_table_count(c.t), 0);
+  KT_EQ(keel_table_destroy(c.t), 0);
+  KT_EQ(keel_load_relaxed(&n_freed) - f0, keel_load_relaxed(&c.inserted));
+  alarm(0);
+  pthread_barrier_destroy(&c.bar);
+  free(c.winners);
+  free(w);
+  printf("  get_or_insert: %d threads x %d keys x %d rounds, one winner each\n", c.threads, c.keys,
+         c.rounds);
+}
+
 KT_MAIN(KT_CASE(hot_keys_refcount_races), KT_CASE(grow_from_tiny_repeatedly),
-        KT_CASE(big_table_readers_writers))
+        KT_CASE(big_table_readers_writers), KT_CASE(get_or_insert_one_winner))
