@@ -5,10 +5,10 @@
  * Cost of the by-handle paths (convert, unlock): no lookup, no allocation; one
  * mutex CAS and exchange, an O(1) compatibility test, a few list operations
  * (measured: about 32 ns for a convert up and back down, bench case `handle`).
- * By name, keel_lock adds one keel_table_get_or_insert (a hit and a miss
- * alike: one hash, one rculfhash pass) and a malloc of the lkb, keel_unlock
- * the free; the resource's table reference is kept only while locks are
- * attached (about 54 ns for a lock and unlock pair, bench case `byname`).
+ * By name, keel_lock adds the table lookup (RCU, no lock) and a malloc of the
+ * lkb, keel_unlock the free; the resource's table reference is taken and
+ * dropped only when its first lock comes and its last goes (about 54 ns for a
+ * lock and unlock pair, bench case `byname`).
  */
 #include <stdlib.h>
 #include <string.h>

@@ -15,7 +15,6 @@
 #include "base/clock.h"
 #include "base/die.h"
 #include "base/options.h"
-#include "base/tls.h"
 #include "lockspace.h"
 
 #define KEEL_LS_GRAVEYARD 1024
@@ -50,72 +49,52 @@ static void res_free(keel_table_node_t *node, void *arg) {
   free(res);
 }
 
-/* The spare: a resource made ready before the table is asked, because
- * keel_table_get_or_insert needs the node it would insert before it walks the
- * chain. One hash and one rculfhash pass then serve both a hit and a miss
- * (a lookup that misses and an insert were two of each: the rm -rf case).
- * A hit leaves the spare for the thread's next call, so it allocates nothing;
- * an insert consumes it, and the next call allocates the malloc the insert
- * needed anyway. A spare is private, hence its state is set with plain
- * stores: mutex held, nlkb = 1, queues empty, value block zero. The thread-
- * exit hook frees the thread's spare. */
-static KEEL_TLS keel_res_t *spare;
-static KEEL_TLS size_t spare_cap; /* name bytes the spare can hold */
-static KEEL_TLS keel_thread_hook_t spare_hook;
-
-static void spare_free(void *arg) {
-  (void)arg;
-  free(spare);
-  spare = NULL;
-}
-
-/* A spare for a name of namelen bytes; NULL with errno ENOMEM. */
-KEEL_NOINLINE static keel_res_t *spare_make(size_t namelen) {
-  free(spare);
-  spare = NULL;
+/* Creates and inserts the resource, returned locked with nlkb = 1 and the
+ * reference insert gives; NULL on EEXIST (someone else created it first: the
+ * caller looks again) or, with errno set, when out of memory. */
+KEEL_NOINLINE static keel_res_t *dir_create(keel_lockspace_t *ls, const void *name, size_t namelen,
+                                            bool *retry) {
   keel_res_t *res = malloc(sizeof(*res) + namelen);
   if (res == NULL) return NULL;
-  _keel_res_init(res, "", 0);
-  __atomic_store_n(&res->mu.state, 1, __ATOMIC_RELAXED); /* held: see above */
+  _keel_res_init(res, name, namelen);
+  res->ls = ls;
   res->nlkb = 1;
-  if (spare_hook.fn == NULL) {
-    spare_hook.fn = spare_free;
-    /* Without a hook the thread's last spare would leak at its exit. */
-    if (_keel_thread_hook_arm(&spare_hook) != 0) {
-      spare_hook.fn = NULL;
-      free(res);
-      errno = ENOMEM;
-      return NULL;
-    }
+  __keel_mutex_lock(&res->mu); /* before it is visible: uncontended */
+  int rc = keel_table_insert(ls->table, &res->node);
+  if (rc == 0) return res;
+  __keel_mutex_unlock(&res->mu);
+  free(res);
+  if (rc == KEEL_EEXIST) {
+    *retry = true;
+  } else {
+    errno = -rc;
   }
-  spare = res;
-  spare_cap = namelen;
-  return res;
+  return NULL;
 }
 
 keel_res_t *_keel_dir_attach(keel_lockspace_t *ls, const void *name, size_t namelen) {
-  keel_res_t *res = spare;
-  if (keel_unlikely(res == NULL || spare_cap < namelen)) {
-    if ((res = spare_make(namelen)) == NULL) return NULL;
+  for (;;) {
+    keel_table_read_lock();
+    keel_table_node_t *n = keel_table_lookup(ls->table, name, namelen);
+    if (keel_likely(n != NULL)) {
+      keel_res_t *res = keel_table_entry(n, keel_res_t, node);
+      __keel_mutex_lock(&res->mu);
+      if (keel_likely(res->nlkb > 0) || keel_table_ref(n)) {
+        res->nlkb++;
+        keel_table_read_unlock();
+        return res;
+      }
+      /* Dropped by the table since the lookup: find or make its successor. */
+      __keel_mutex_unlock(&res->mu);
+      keel_table_read_unlock();
+      continue;
+    }
+    keel_table_read_unlock();
+    bool retry = false;
+    keel_res_t *res = dir_create(ls, name, namelen, &retry);
+    if (res != NULL || !retry) return res;
   }
-  res->ls = ls;
-  res->namelen = (uint8_t)namelen;
-  memcpy(res->name, name, namelen);
-  keel_table_node_init_bytes(&res->node, res->name, namelen);
-  keel_table_node_t *n = keel_table_get_or_insert(ls->table, &res->node);
-  if (n == &res->node) { /* in: locked, nlkb = 1, holding the insert's reference */
-    spare = NULL;
-    return res;
-  }
-  if (keel_unlikely(n == NULL)) return NULL; /* EINVAL: keel_lock checked the name */
-  res = keel_table_entry(n, keel_res_t, node);
-  __keel_mutex_lock(&res->mu);
-  /* One reference stands for all of res's lkbs: if they hold it already,
-   * ours is extra (and cannot be the last, so the put is one atomic). */
-  if (res->nlkb++ > 0) keel_table_put(ls->table, n);
-  return res;
 }
-
 void _keel_dir_put(keel_res_t *res) {
   keel_table_put(res->ls->table, &res->node);
 }

@@ -48,20 +48,20 @@ KEEL_INLINE int _keel_ls_check(const keel_lockspace_t *ls) {
 }
 
 /* Resource references. The resources' table counts references with an atomic
- * per entry; holding one per lkb would put an extra atomic operation on the
- * resource's line in every unlock. Instead a resource counts its lkbs in
- * res->nlkb under res->mu (which those paths take anyway) and holds a single
- * table reference while nlkb > 0: kept on 0 -> 1, dropped (outside the mutex)
- * after 1 -> 0. The lookup is keel_table_get_or_insert, which returns the
- * resource with a reference of its own: it becomes the lkbs' one if nlkb was
- * 0, else it is dropped at once under res->mu (it cannot be the last, so
- * that put is one atomic). No grace period is ever awaited under res->mu,
- * so blocking on it cannot stall a grace period's waiter. */
+ * per entry; bumping it for every lock would make two extra atomic operations
+ * on a shared line per lock and unlock by name. Instead a resource counts its
+ * lkbs in res->nlkb under res->mu (which those paths take anyway) and holds a
+ * single table reference while nlkb > 0: taken on 0 -> 1, dropped (outside
+ * the mutex) after 1 -> 0. A lookup that finds nlkb == 0 takes the reference
+ * with keel_table_ref, which fails only if the table dropped the resource
+ * meanwhile; the lookup then retries and creates a new one. The lookup, the
+ * mutex acquisition and that check run in one RCU read-side section, so the
+ * memory stays valid throughout (no grace period is ever awaited under
+ * res->mu, so blocking on it there cannot stall a grace period's waiter). */
 
 /* Finds or creates the resource named name and attaches one lkb to it:
  * returns it with res->mu held and nlkb counting the caller. NULL if out of
- * memory. One table operation for a hit or a miss (see the spare in
- * lockspace.c); allocates when it creates the resource. */
+ * memory. Lock-free lookup; allocates on first use. */
 keel_res_t *_keel_dir_attach(keel_lockspace_t *ls, const void *name, size_t namelen) KEEL_HIDDEN;
 
 /* Detaches one lkb (res->mu held). True if it was the last: the caller calls

@@ -563,10 +563,9 @@ static void mutex_stress(void) {
   KT_EQ(mtx.state, 0);
 }
 
-/* The per-thread spare resource behind by-name lookups (lockspace.c): names
- * of every length, a spare too short for the next name, hits that leave it
- * for later, a spare moving between lockspaces, and threads that exit
- * holding one (LeakSanitizer checks the exit hook frees it). */
+/* By-name lookups over names of every length, hits and misses, the same
+ * names in two lockspaces, from several threads (a per-thread spare
+ * resource was tried for keel_table_get_or_insert: this pinned it). */
 static void *spare_thread(void *arg) {
   keel_lockspace_t **ls = arg;
   keel_lksb_t s = {0};
