@@ -43,9 +43,7 @@
  * keel_table_read_lock() is interchangeable with urcu_memb_read_lock() on a
  * registered thread.
  *
- * Misuse: inserting a node that is already in a table -> KEEL_EINVAL (two
- * threads inserting the same node at the same moment race on the caller's
- * own memory and are not caught);
+ * Misuse: inserting a node that is already in a table -> KEEL_EINVAL;
  * removing an entry twice -> KEEL_ENOENT; removing an entry of another
  * table -> KEEL_EINVAL (both leave every table unchanged); keel_table_put()
  * on an entry with no reference, or with the wrong table, would corrupt the
