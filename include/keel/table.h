@@ -159,6 +159,13 @@ KEEL_API int keel_table_destroy(keel_table_t *table);
  * read-side section. */
 KEEL_API int keel_table_insert(keel_table_t *table, keel_table_node_t *node);
 
+/* Inserts an initialised node unless its key is present; either way the caller
+ * gets one reference: to node (inserted) or to the live entry with that key
+ * (node untouched; the caller may free it). One hash, one rculfhash pass.
+ * NULL with errno EINVAL for what insert rejects with KEEL_EINVAL. Lock-free,
+ * allocation-free; may run inside a read-side section. */
+KEEL_API keel_table_node_t *keel_table_get_or_insert(keel_table_t *table, keel_table_node_t *node);
+
 /* Enters / leaves an RCU read-side section (nestable; registers the thread
  * on first use, see "RCU threads" above). Wait-free: a few instructions. */
 KEEL_API void keel_table_read_lock(void);

@@ -221,56 +221,6 @@ int keel_table_destroy(keel_table_t *t) {
 
 /* --- insert / lookup ------------------------------------------------------- */
 
-int keel_table_insert(keel_table_t *t, keel_table_node_t *n) {
-  if (t == NULL || n == NULL) return KEEL_EINVAL;
-  if (t->cfg.key_type == KEEL_TABLE_KEY_BYTES &&
-      (n->_tag == 0xffff || n->_key_len > t->cfg.key_max || (n->key.bytes == NULL && n->_key_len)))
-    return KEEL_EINVAL;
-  keel_atomic(uint32_t) *ref = node_ref(n);
-  uint32_t v = keel_load_relaxed(ref);
-  /* Claim the node with a CAS, so one insert wins even if two race on it;
-   * only the winner writes the tag. The release store then orders the
-   * caller's writes to its entry, and the tag, before any reader that finds
-   * the node and loads the word (see match_u64). */
-  if ((v & REF_LINKED) || !keel_cas_strong_acq_rel(ref, &v, REF_LINKED | 1u)) return KEEL_EINVAL;
-  uint16_t old_tag = n->_tag;
-  n->_tag = t->tag;
-  keel_store_release(ref, REF_LINKED | 1u);
-  uint64_t hash = node_hash(t, n);
-  bytes_key_t bk = {n->key.bytes, n->_key_len};
-  const void *key = t->cfg.key_type == KEEL_TABLE_KEY_U64 ? (const void *)&n->key.u64 : &bk;
-  _keel_rcu_read_lock();
-  struct cds_lfht_node *got = cds_lfht_add_unique(
-      t->ht, hash, t->cfg.key_type == KEEL_TABLE_KEY_U64 ? match_u64 : match_bytes, key,
-      node_lfht(n));
-  _keel_rcu_read_unlock();
-  if (got != node_lfht(n)) {
-    /* Never published: nobody else can have seen the node. */
-    keel_store_relaxed(ref, 0);
-    n->_tag = old_tag;
-    return KEEL_EEXIST;
-  }
-  table_shard_t *s = node_shard(t, n);
-  keel_fetch_add_relaxed(&s->in_table, 1);
-  keel_fetch_add_relaxed(&s->unburied, 1);
-  if (t->limited) {
-    keel_fetch_add_relaxed(&t->charge, node_charge(t, n));
-    _keel_table_enforce_limit(t);
-  }
-  return 0;
-}
-
-keel_table_node_t *keel_table_lookup(keel_table_t *t, const void *key, size_t len) {
-  keel_table_node_t *n = find(t, key, len);
-  if (keel_likely(n != NULL)) {
-    /* Second chance for the shrinker; written once per LRU pass, so a hot
-     * entry's line stays shared between reading cores. */
-    if (!(keel_load_relaxed(node_ref(n)) & REF_ACCESSED))
-      atomic_fetch_or_explicit(node_ref(n), REF_ACCESSED, memory_order_relaxed);
-  }
-  return n;
-}
-
 /* Takes a reference unless the entry is dying (DEAD with none left); with
  * `strict`, unless it is DEAD at all (lookups by key never return removed
  * entries). */
@@ -283,6 +233,117 @@ static bool ref_try(keel_table_node_t *n, bool strict) {
       keel_die("keel_table_ref", "reference count overflow at %p", (void *)n);
   } while (!keel_cas_weak_acq_rel(ref, &v, (v + 1) | REF_ACCESSED));
   return true;
+}
+
+/* Claims a node for insertion into t: 0, or KEEL_EINVAL for a bad key or a
+ * node already in a table. A CAS, so one insert wins even if two race on the
+ * same node; only the winner writes the tag. The release store then orders
+ * the caller's writes to its entry, and the tag, before any reader that
+ * finds the node and loads the word (see match_u64). The CAS costs about
+ * 8 ns where a node is claimed on every call (get_or_insert with a reused
+ * spare node, measured for issue 7): a check and a store would do if that
+ * race were left to the caller. */
+static int node_claim(keel_table_t *t, keel_table_node_t *n, uint16_t *old_tag) {
+  if (t->cfg.key_type == KEEL_TABLE_KEY_BYTES &&
+      (n->_tag == 0xffff || n->_key_len > t->cfg.key_max || (n->key.bytes == NULL && n->_key_len)))
+    return KEEL_EINVAL;
+  keel_atomic(uint32_t) *ref = node_ref(n);
+  uint32_t v = keel_load_relaxed(ref);
+  if ((v & REF_LINKED) || !keel_cas_strong_acq_rel(ref, &v, REF_LINKED | 1u)) return KEEL_EINVAL;
+  *old_tag = n->_tag;
+  n->_tag = t->tag;
+  keel_store_release(ref, REF_LINKED | 1u);
+  return 0;
+}
+
+/* Undoes node_claim for a node that was never published: nobody else can
+ * have seen it, and the caller may insert or free it again. */
+static void node_unclaim(keel_table_node_t *n, uint16_t old_tag) {
+  keel_store_relaxed(node_ref(n), 0);
+  n->_tag = old_tag;
+}
+
+/* rculfhash's add_unique for a claimed node (inside a read-side section):
+ * returns n's own lfht node if it went in, else the live node with its key. */
+static struct cds_lfht_node *node_add(keel_table_t *t, keel_table_node_t *n, uint64_t hash) {
+  bytes_key_t bk = {n->key.bytes, n->_key_len};
+  if (t->cfg.key_type == KEEL_TABLE_KEY_U64)
+    return cds_lfht_add_unique(t->ht, hash, match_u64, &n->key.u64, node_lfht(n));
+  return cds_lfht_add_unique(t->ht, hash, match_bytes, &bk, node_lfht(n));
+}
+
+/* Counts a node that add_unique published, and applies the limit. */
+static void node_added(keel_table_t *t, keel_table_node_t *n) {
+  table_shard_t *s = node_shard(t, n);
+  keel_fetch_add_relaxed(&s->in_table, 1);
+  keel_fetch_add_relaxed(&s->unburied, 1);
+  if (t->limited) {
+    keel_fetch_add_relaxed(&t->charge, node_charge(t, n));
+    _keel_table_enforce_limit(t);
+  }
+}
+
+int keel_table_insert(keel_table_t *t, keel_table_node_t *n) {
+  if (t == NULL || n == NULL) return KEEL_EINVAL;
+  uint16_t old_tag;
+  int rc = node_claim(t, n, &old_tag);
+  if (rc != 0) return rc;
+  uint64_t hash = node_hash(t, n);
+  _keel_rcu_read_lock();
+  struct cds_lfht_node *got = node_add(t, n, hash);
+  _keel_rcu_read_unlock();
+  if (got != node_lfht(n)) {
+    node_unclaim(n, old_tag);
+    return KEEL_EEXIST;
+  }
+  node_added(t, n);
+  return 0;
+}
+
+/* e is still linked but DEAD from a zero count: an evictor or remove_key
+ * marked it and has not yet deleted it from rculfhash. Rather than wait for
+ * that thread (which may be preempted), delete it here: whoever wins
+ * cds_lfht_del is the removal owner (table_internal.h), and the loser backs
+ * off as it does against keel_table_remove. Inside a read-side section. */
+static void help_remove(keel_table_t *t, keel_table_node_t *e) {
+  if (cds_lfht_del(t->ht, node_lfht(e)) == 0) _keel_table_removed(t, e);
+}
+
+keel_table_node_t *keel_table_get_or_insert(keel_table_t *t, keel_table_node_t *n) {
+  if (t == NULL || n == NULL) goto inval;
+  uint16_t old_tag;
+  if (node_claim(t, n, &old_tag) != 0) goto inval;
+  uint64_t hash = node_hash(t, n);
+  _keel_rcu_read_lock();
+  struct cds_lfht_node *got;
+  /* Usually one pass. Another only when the entry found is dying, and the
+   * next pass cannot find that one again: help_remove deleted it. */
+  while ((got = node_add(t, n, hash)) != node_lfht(n)) {
+    keel_table_node_t *e = lfht_node(got);
+    if (ref_try(e, true)) {
+      _keel_rcu_read_unlock();
+      node_unclaim(n, old_tag);
+      return e;
+    }
+    help_remove(t, e);
+  }
+  _keel_rcu_read_unlock();
+  node_added(t, n);
+  return n;
+inval:
+  errno = EINVAL;
+  return NULL;
+}
+
+keel_table_node_t *keel_table_lookup(keel_table_t *t, const void *key, size_t len) {
+  keel_table_node_t *n = find(t, key, len);
+  if (keel_likely(n != NULL)) {
+    /* Second chance for the shrinker; written once per LRU pass, so a hot
+     * entry's line stays shared between reading cores. */
+    if (!(keel_load_relaxed(node_ref(n)) & REF_ACCESSED))
+      atomic_fetch_or_explicit(node_ref(n), REF_ACCESSED, memory_order_relaxed);
+  }
+  return n;
 }
 
 keel_table_node_t *keel_table_get(keel_table_t *t, const void *key, size_t len) {

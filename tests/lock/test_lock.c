@@ -563,8 +563,47 @@ static void mutex_stress(void) {
   KT_EQ(mtx.state, 0);
 }
 
+/* By-name lookups over names of every length, hits and misses, the same
+ * names in two lockspaces, from several threads (a per-thread spare
+ * resource was tried for keel_table_get_or_insert: this pinned it). */
+static void *spare_thread(void *arg) {
+  keel_lockspace_t **ls = arg;
+  keel_lksb_t s = {0};
+  char name[KEEL_LOCK_NAME_MAX];
+  memset(name, 'n', sizeof(name));
+  for (size_t len = 1; len <= KEEL_LOCK_NAME_MAX; len++) {
+    for (int k = 0; k < 2; k++) { /* 0: miss, creates; 1: hit, leaves the spare */
+      KT_EQ(keel_lock(ls[k % 2 ? 0 : 1], name, len, KEEL_LOCK_PR, 0, &s, NULL, NULL, NULL), 0);
+      KT_EQ(keel_unlock(&s, 0), 0);
+      KT_EQ(keel_lock(ls[k % 2 ? 1 : 0], name, len, KEEL_LOCK_PR, 0, &s, NULL, NULL, NULL), 0);
+      KT_EQ(keel_unlock(&s, 0), 0);
+    }
+  }
+  /* Long names again after short ones: the spare is big enough, reused. */
+  for (size_t len = KEEL_LOCK_NAME_MAX; len >= 1; len--) {
+    KT_EQ(keel_lock(ls[0], name, len, KEEL_LOCK_EX, 0, &s, NULL, NULL, NULL), 0);
+    KT_EQ(keel_unlock(&s, 0), 0);
+  }
+  return NULL;
+}
+
+static void lookup_spare(void) {
+  keel_lockspace_t *ls[2] = {new_ls(), new_ls()};
+  spare_thread(ls);
+  pthread_t th[4];
+  for (int i = 0; i < 4; i++) pthread_create(&th[i], NULL, spare_thread, ls);
+  for (int i = 0; i < 4; i++) pthread_join(th[i], NULL);
+  for (int k = 0; k < 2; k++) {
+    KT_EQ(keel_table_count(ls[k]->table), KEEL_LOCK_NAME_MAX);
+    keel_table_stats_t st;
+    keel_table_stats(ls[k]->table, &st);
+    KT_EQ(st.removed_referenced, 0);
+    KT_EQ(keel_lockspace_release(ls[k], 0), 0);
+  }
+}
+
 KT_MAIN(KT_CASE(compat_matrix), KT_CASE(fifo_no_barging), KT_CASE(conversion_deadlock),
         KT_CASE(quecvt), KT_CASE(value_blocks), KT_CASE(timeouts_blocking), KT_CASE(timeouts_async),
         KT_CASE(blocking_wait), KT_CASE(cancel), KT_CASE(convert_flag), KT_CASE(resource_cache),
         KT_CASE(cache_option), KT_CASE(callbacks_reenter), KT_CASE(sched_callbacks),
-        KT_CASE(mutex_basic), KT_CASE(mutex_stress))
+        KT_CASE(mutex_basic), KT_CASE(mutex_stress), KT_CASE(lookup_spare))

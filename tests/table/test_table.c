@@ -409,8 +409,124 @@ static void destroy_inside_read_section(void) {
   KT_EQ(keel_table_destroy(t), 0);
 }
 
+/* get_or_insert: inserts a new key with one reference; for a present key
+ * returns the entry with a reference (a cached one too) and leaves the
+ * caller's node untouched; a removed entry is not returned. */
+static void get_or_insert_basic(void) {
+  keel_table_t *t = u64_table(0);
+  item_t *v = items_new(4, 7);
+  keel_table_node_init_u64(&v[1].node, 7);
+  keel_table_node_init_u64(&v[2].node, 7);
+  keel_table_node_init_u64(&v[3].node, 7);
+  KT_CHECK(keel_table_get_or_insert(t, &v[0].node) == &v[0].node);
+  KT_EQ(v[0].node._ref & REF_COUNT, 1);
+  KT_CHECK(keel_table_get_or_insert(t, &v[1].node) == &v[0].node);
+  KT_EQ(v[0].node._ref & REF_COUNT, 2);
+  KT_EQ(v[1].node._ref, 0); /* untouched and reusable */
+  KT_EQ(v[1].node._tag, 0);
+  KT_EQ(keel_table_count(t), 1);
+  keel_table_put(t, &v[0].node);
+  keel_table_put(t, &v[0].node);
+  /* Cached (count 0, on the LRU): found and referenced again. */
+  KT_CHECK(keel_table_get_or_insert(t, &v[1].node) == &v[0].node);
+  KT_EQ(v[0].node._ref & REF_COUNT, 1);
+  /* Removed while referenced: no longer found, so the new node goes in. */
+  KT_EQ(keel_table_remove(t, &v[0].node), 0);
+  KT_CHECK(keel_table_get_or_insert(t, &v[1].node) == &v[1].node);
+  KT_EQ(keel_table_count(t), 1);
+  keel_table_put(t, &v[0].node);
+  keel_table_put(t, &v[1].node);
+  wait_frees();
+  KT_EQ(keel_load_relaxed(&v[0].freed), 1);
+  KT_EQ(keel_table_destroy(t), 0);
+  KT_EQ(keel_load_relaxed(&v[1].freed), 1);
+  KT_EQ(keel_load_relaxed(&v[2].freed), 0);
+  /* Byte-string keys. */
+  keel_table_config_t c = {.key_type = KEEL_TABLE_KEY_BYTES, .key_max = 16, .free_fn = item_free};
+  t = keel_table_create(&c);
+  KT_REQUIRE(t != NULL);
+  keel_table_node_init_bytes(&v[2].node, "glock/2/42", 10);
+  keel_table_node_init_bytes(&v[3].node, "glock/2/42", 10);
+  KT_CHECK(keel_table_get_or_insert(t, &v[2].node) == &v[2].node);
+  KT_CHECK(keel_table_get_or_insert(t, &v[3].node) == &v[2].node);
+  KT_EQ(v[3].node._ref, 0);
+  keel_table_put(t, &v[2].node);
+  keel_table_put(t, &v[2].node);
+  KT_EQ(keel_table_destroy(t), 0);
+  KT_EQ(keel_load_relaxed(&v[3].freed), 0);
+  free(v);
+}
+
+/* Bad input: what insert rejects with KEEL_EINVAL, get_or_insert rejects with
+ * NULL and errno EINVAL, changing no table. */
+static void get_or_insert_bad_input(void) {
+  keel_table_t *t = u64_table(0);
+  item_t *v = items_new(2, 1);
+  errno = 0;
+  KT_CHECK(keel_table_get_or_insert(NULL, &v[0].node) == NULL && errno == EINVAL);
+  errno = 0;
+  KT_CHECK(keel_table_get_or_insert(t, NULL) == NULL && errno == EINVAL);
+  KT_CHECK(keel_table_get_or_insert(t, &v[0].node) == &v[0].node);
+  /* A node already in a table: this one or another. */
+  keel_table_t *t2 = u64_table(0);
+  errno = 0;
+  KT_CHECK(keel_table_get_or_insert(t2, &v[0].node) == NULL && errno == EINVAL);
+  errno = 0;
+  KT_CHECK(keel_table_get_or_insert(t, &v[0].node) == NULL && errno == EINVAL);
+  KT_EQ(v[0].node._ref & REF_COUNT, 1);
+  KT_EQ(keel_table_count(t2), 0);
+  KT_EQ(keel_table_destroy(t2), 0);
+  keel_table_put(t, &v[0].node);
+  KT_EQ(keel_table_destroy(t), 0);
+  /* Keys longer than the table's limit, or than any table's. */
+  keel_table_config_t c = {.key_type = KEEL_TABLE_KEY_BYTES, .key_max = 8, .free_fn = item_free};
+  t = keel_table_create(&c);
+  KT_REQUIRE(t != NULL);
+  static char big[KEEL_TABLE_KEY_MAX + 2];
+  keel_table_node_init_bytes(&v[1].node, big, 9);
+  errno = 0;
+  KT_CHECK(keel_table_get_or_insert(t, &v[1].node) == NULL && errno == EINVAL);
+  keel_table_node_init_bytes(&v[1].node, big, sizeof big);
+  errno = 0;
+  KT_CHECK(keel_table_get_or_insert(t, &v[1].node) == NULL && errno == EINVAL);
+  KT_EQ(keel_table_count(t), 0);
+  KT_EQ(keel_table_destroy(t), 0);
+  free(v);
+}
+
+/* An entry marked DEAD by an evictor that has not yet deleted it (the window
+ * between its CAS and its cds_lfht_del, held open here by hand): get_or_insert
+ * must not return it nor wait for the evictor, but delete it itself, insert
+ * the new node, and leave the old entry to be freed once. */
+static void get_or_insert_helps_dying_entry(void) {
+  keel_table_t *t = u64_table(0);
+  item_t *v = items_new(2, 3);
+  keel_table_node_init_u64(&v[1].node, 3);
+  KT_EQ(keel_table_insert(t, &v[0].node), 0);
+  keel_table_put(t, &v[0].node); /* cached, on the LRU */
+  KT_CHECK(v[0].node._ref & REF_ON_LRU);
+  atomic_fetch_or(node_ref(&v[0].node), REF_DEAD); /* the evictor's CAS */
+  KT_CHECK(keel_table_get_or_insert(t, &v[1].node) == &v[1].node);
+  KT_EQ(keel_table_count(t), 1);
+  KT_CHECK(!(v[0].node._ref & REF_ON_LRU));
+  wait_frees();
+  KT_EQ(keel_load_relaxed(&v[0].freed), 1);
+  keel_table_read_lock();
+  KT_CHECK(keel_table_lookup_u64(t, 3) == &v[1].node);
+  keel_table_read_unlock();
+  /* The shrinker meets no trace of the old entry. */
+  keel_table_put(t, &v[1].node);
+  KT_EQ(keel_table_shrink(t, 10), 1);
+  KT_EQ(keel_table_destroy(t), 0);
+  KT_EQ(keel_load_relaxed(&v[0].freed), 1);
+  KT_EQ(keel_load_relaxed(&v[1].freed), 1);
+  free(v);
+}
+
 KT_MAIN(KT_CASE(create_bad_config), KT_CASE(insert_lookup_get_put), KT_CASE(duplicate_key_eexist),
         KT_CASE(remove_twice_and_foreign), KT_CASE(destroy_busy), KT_CASE(bytes_keys_and_key_limit),
         KT_CASE(put_misuse_aborts), KT_CASE(lru_shrink_order), KT_CASE(entry_limit),
         KT_CASE(byte_limit), KT_CASE(for_each_visits_and_removes), KT_CASE(grow_and_shrink),
-        KT_CASE(thread_registration), KT_CASE(destroy_inside_read_section))
+        KT_CASE(thread_registration), KT_CASE(destroy_inside_read_section),
+        KT_CASE(get_or_insert_basic), KT_CASE(get_or_insert_bad_input),
+        KT_CASE(get_or_insert_helps_dying_entry))
