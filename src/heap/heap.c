@@ -327,6 +327,18 @@ static void push_delayed(keel_heap_t *heap, keel_block_t *b) {
   } while (!keel_cas_weak_acq_rel(&heap->delayed, &head, b));
 }
 
+/* Pushes b on its page's thread_free as a remote free would, keeping the
+ * page's delayed-free state. */
+static void page_push_thread_free(keel_page_t *page, keel_block_t *b) {
+  uintptr_t w = keel_load_relaxed(&page->thread_free);
+  do {
+    keel_block_t *head = KEEL_TF_PTR(w);
+    b->next = _keel_encode(page, head != NULL ? head : _keel_list_end(page));
+    /* Release: b's link is written before the block is published. */
+  } while (!keel_cas_weak_acq_rel(&page->thread_free, &w,
+                                  KEEL_TF_MAKE(b, KEEL_TF_COUNT(w) + 1, KEEL_TF_STATE(w))));
+}
+
 static void __drain_delayed(keel_heap_t *heap, bool owner) {
   if (keel_load_relaxed(&heap->delayed) == NULL) return;
   /* Acquire: the pushers' link writes happen before their release CAS. */
@@ -339,6 +351,13 @@ static void __drain_delayed(keel_heap_t *heap, bool owner) {
      * Leave it for the next drain (a few instructions from now). */
     if (KEEL_TF_STATE(keel_load_acquire(&page->thread_free)) == KEEL_TF_DELAYING) {
       push_delayed(heap, b);
+    } else if (!owner && !(keel_load_relaxed(&page->flags) & KEEL_PAGE_IN_FULL)) {
+      /* A collector, and the owner has put the page back in its queue (a
+       * local free into it) since b was pushed: the owner's fast paths use
+       * the page's lists again, which the collector excludes only from slow
+       * paths, so b goes where a remote free goes. (flags cannot change
+       * while we hold the heap: only the owner's slow paths change it.) */
+      page_push_thread_free(page, b);
     } else {
       page->remote_in++; /* counted as a remote free by its freer */
       __free_local(heap, page, b, owner);

@@ -92,39 +92,44 @@ enum {
 struct keel_heap;
 
 typedef struct keel_page {
-  keel_block_t *free;         /* owner: blocks to hand out; empty when (ptr & SEGMENT_MASK) == 0 */
-  keel_block_t *local_free;   /* owner: blocks the owner freed since the last collect */
-  uintptr_t key;              /* encodes this page's links; random, bit 63 set */
+  /* First cache line: everything the malloc and free fast paths touch
+   * (descriptors are 64-byte aligned), so each touches one line of it. */
+  keel_block_t *free;       /* owner: blocks to hand out; empty when (ptr & SEGMENT_MASK) == 0 */
+  keel_block_t *local_free; /* owner: blocks the owner freed since the last collect */
+  uintptr_t key;            /* encodes this page's links; random, bit 63 set */
+  uint64_t div_magic;       /* ceil(2^64 / bsize): off % bsize == 0 iff off * magic < magic */
+  uint8_t *start;           /* first block */
+  keel_atomic(struct keel_heap *) heap; /* owner; NULL while abandoned or unused */
+  keel_atomic(size_t) allocs;           /* blocks handed out (statistics: see below) */
   uint32_t used;              /* owner: blocks handed out and not back on free/local_free */
-  uint32_t capacity;          /* blocks carved so far (lazily, a few KiB at a time) */
-  uint32_t reserved;          /* blocks that fit in the page */
-  uint32_t bsize;             /* block size; 0 while the span is not a page */
-  uint64_t div_magic;         /* ceil(2^64 / bsize): off % bsize == 0 iff off * magic < magic */
-  uint8_t *start;             /* first block */
   keel_atomic(uint8_t) flags; /* KEEL_PAGE_IN_FULL: written by the owner under its heap lock */
   uint8_t cls;                /* size class */
   uint8_t slices;             /* span length in slices */
   uint8_t abandoned;          /* on the abandoned list (segment lock) */
-  keel_atomic(uint32_t) samples;        /* requests sampled into `requested` (slow paths) */
-  keel_atomic(uintptr_t) thread_free;   /* blocks freed by other threads (see above) */
-  keel_atomic(struct keel_heap *) heap; /* owner; NULL while abandoned or unused */
-  struct keel_page *next, *prev;        /* in the owner's queue / full list, or abandoned */
-  /* Statistics, written by the owner with relaxed load+store (no atomic
-   * add), read by keel_heap_stats under the segment lock; folded into the
-   * class totals when the page is freed. Kept in the page, not the heap, so
-   * the fast paths reach them without indexing by class. The owner's free
-   * fast path counts nothing: its frees are allocs - used - remote_in,
-   * stored in `frees` by __keel_page_sync_frees at the page's slow-path
-   * points (collection, abandonment, retirement, and keel_heap_stats for
-   * the caller's own heap), so another thread's figure lags by the blocks
-   * its owner freed since it last collected that page. */
-  keel_atomic(size_t) allocs;    /* blocks handed out */
+  /* Second line: slow paths and remote frees. */
+  keel_atomic(uintptr_t) thread_free; /* blocks freed by other threads (see above) */
+  struct keel_page *next, *prev;      /* in the owner's queue / full list, or abandoned */
+  uint32_t capacity;                  /* blocks carved so far (lazily, a few KiB at a time) */
+  uint32_t reserved;                  /* blocks that fit in the page */
+  uint32_t bsize;                     /* block size; 0 while the span is not a page */
+  keel_atomic(uint32_t) samples;      /* requests sampled into `requested` (slow paths) */
+  /* Statistics (`allocs` above, and these), written by the owner with
+   * relaxed load+store (no atomic add), read by keel_heap_stats under the
+   * segment lock; folded into the class totals when the page is freed. Kept
+   * in the page, not the heap, so the fast paths reach them without
+   * indexing by class. The owner's free fast path counts nothing: its frees
+   * are allocs - used - remote_in, stored in `frees` by
+   * __keel_page_sync_frees at the page's slow-path points (collection,
+   * abandonment, retirement, and keel_heap_stats for the caller's own
+   * heap), so another thread's figure lags by the blocks its owner freed
+   * since it last collected that page. */
   keel_atomic(size_t) requested; /* bytes asked for by the sampled allocations */
   keel_atomic(size_t) frees;     /* blocks freed by the owner as of the last sync */
   uint64_t remote_in; /* owner: blocks other threads freed that reached this page's lists */
-} keel_page_t;
+} KEEL_CACHE_ALIGNED keel_page_t;
 
 _Static_assert(sizeof(keel_page_t) == 128, "page descriptor is indexed by shift");
+_Static_assert(__builtin_offsetof(keel_page_t, abandoned) < 64, "fast-path fields share a line");
 
 enum { KEEL_SEG_SMALL = 0x5e6a11, KEEL_SEG_LARGE = 0x5e61a6e, KEEL_SEG_LARGE_CACHED = 0x5e6ca4e };
 

@@ -203,6 +203,71 @@ static void test_idle_owner_full_pages(void) {
   free(b.v);
 }
 
+/* Regression (collector touched a queued page's lists): a block freed by
+ * another thread into a full page waits on the owner heap's delayed list;
+ * if the owner then frees a block of that page itself, the page goes back
+ * to its queue, where the owner's fast paths use its lists without
+ * excluding collectors. A collector draining the delayed list must then
+ * push the block on the page's thread_free, not on local_free behind the
+ * owner's back. */
+enum { UF_MAX = 4096, UF_SIZE = 832 };
+static void *uf_v[UF_MAX];
+static int uf_n, uf_phase;
+static keel_page_t *uf_page;
+
+static void uf_wait(int phase) {
+  pthread_mutex_lock(&idle_mu);
+  while (uf_phase != phase) pthread_cond_wait(&idle_cv, &idle_mu);
+  pthread_mutex_unlock(&idle_mu);
+}
+
+static void uf_set(int phase) {
+  pthread_mutex_lock(&idle_mu);
+  uf_phase = phase;
+  pthread_cond_broadcast(&idle_cv);
+  pthread_mutex_unlock(&idle_mu);
+}
+
+static void *uf_remote_free(void *arg) {
+  keel_free(arg);
+  return NULL;
+}
+
+static void *uf_owner(void *arg) {
+  (void)arg;
+  uf_v[0] = keel_malloc(UF_SIZE);
+  uf_page = page_of(uf_v[0]);
+  /* Allocate until the first page has gone to the full list. */
+  for (uf_n = 1; uf_n < UF_MAX && !(keel_load_relaxed(&uf_page->flags) & KEEL_PAGE_IN_FULL);)
+    uf_v[uf_n++] = keel_malloc(UF_SIZE);
+  KT_REQUIRE(keel_load_relaxed(&uf_page->flags) & KEEL_PAGE_IN_FULL);
+  KT_REQUIRE(page_of(uf_v[1]) == uf_page);
+  pthread_t t; /* uf_v[0] goes to this heap's delayed list */
+  KT_REQUIRE(pthread_create(&t, NULL, uf_remote_free, uf_v[0]) == 0);
+  pthread_join(t, NULL);
+  KT_CHECK(keel_load_relaxed(&_keel_heap_tls->delayed) != NULL);
+  keel_free(uf_v[1]); /* a local free: the page is back in the queue */
+  KT_CHECK(keel_load_relaxed(&uf_page->flags) == 0);
+  uf_set(1);
+  uf_wait(2); /* the test's thread collects */
+  KT_CHECK(_keel_page_validate(uf_page));
+  for (int i = 2; i < uf_n; i++) keel_free(uf_v[i]);
+  return NULL;
+}
+
+static void test_collector_unfulled_page(void) {
+  pthread_t owner;
+  uf_phase = 0;
+  KT_REQUIRE(pthread_create(&owner, NULL, uf_owner, NULL) == 0);
+  uf_wait(1);
+  keel_heap_collect(false); /* drains the idle owner's delayed list */
+  uintptr_t w = keel_load_acquire(&uf_page->thread_free);
+  KT_CHECK(KEEL_TF_PTR(w) == (keel_block_t *)uf_v[0]);
+  KT_EQ(KEEL_TF_COUNT(w), 1);
+  uf_set(2);
+  pthread_join(owner, NULL);
+}
+
 static void test_purge_forced(void) {
   int n = 64 << 10; /* 64 MiB of 1 KiB blocks */
   void **v = calloc((size_t)n, sizeof(void *));
@@ -700,7 +765,8 @@ static void test_fork(void) {
 KT_MAIN(KT_CASE(test_class_steps), KT_CASE(test_class_info), KT_CASE(test_page_validate),
         KT_CASE(test_encoded_lists), KT_CASE(test_collect_no_loss),
         KT_CASE(test_abandon_and_collect), KT_CASE(test_idle_owner_full_pages),
-        KT_CASE(test_purge_forced), KT_CASE(test_purge_partial), KT_CASE(test_purge_background),
-        KT_CASE(test_large), KT_CASE(test_aligned), KT_CASE(test_enomem),
-        KT_CASE(test_enomem_injected), KT_CASE(test_enomem_new_thread),
-        KT_CASE(test_cross_thread_stress), KT_CASE(test_bad_input), KT_CASE(test_fork))
+        KT_CASE(test_collector_unfulled_page), KT_CASE(test_purge_forced),
+        KT_CASE(test_purge_partial), KT_CASE(test_purge_background), KT_CASE(test_large),
+        KT_CASE(test_aligned), KT_CASE(test_enomem), KT_CASE(test_enomem_injected),
+        KT_CASE(test_enomem_new_thread), KT_CASE(test_cross_thread_stress), KT_CASE(test_bad_input),
+        KT_CASE(test_fork))
