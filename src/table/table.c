@@ -4,9 +4,10 @@
  * 2006, with Desnoyers' lock-free resize): a lookup reads the bucket array
  * and walks one sorted chain comparing full hashes, so the key is read
  * only on a full-hash match; resizes run in rculfhash's own worker thread
- * (liburcu 0.13: one per table) and never block readers or writers. Its auto-resize with accounting keeps 1 to 8 entries
- * per 16-byte bucket (growth at a power-of-two count above 8 per bucket), so
- * the bucket array costs 2 to 16 bytes per entry (3.4 at 10M entries, 2.1 at
+ * (liburcu 0.13: one per table) and never block readers or writers. Its
+ * auto-resize with accounting keeps 1 to 8 entries per 16-byte bucket
+ * (growth at a power-of-two count above 8 per bucket), so the bucket array
+ * costs 2 to 16 bytes per entry (3.4 at 10M entries, 2.1 at
  * 16M). What keel adds on a lookup is one acquire load of the entry's state
  * word (same cache line as the chain link) and, once per LRU pass, setting
  * its ACCESSED bit.
@@ -14,6 +15,11 @@
  * See table_internal.h for the entry state machine; lru.c for caching,
  * eviction and the deferred free.
  */
+/* The last put's read-side section is liburcu's inline one outside TSan
+ * builds (see rcu.c for why TSan builds call out of line). */
+#if !defined(__SANITIZE_THREAD__)
+#define _LGPL_SOURCE
+#endif
 #include <stdlib.h>
 #include <time.h>
 
@@ -363,6 +369,23 @@ bool keel_table_ref(keel_table_node_t *n) {
 
 /* --- put / remove ---------------------------------------------------------- */
 
+static inline void put_read_lock(void) {
+#if defined(_LGPL_SOURCE)
+  if (keel_unlikely(!URCU_TLS(urcu_memb_reader).registered)) _keel_rcu_register_slow();
+  urcu_memb_read_lock();
+#else
+  _keel_rcu_read_lock();
+#endif
+}
+
+static inline void put_read_unlock(void) {
+#if defined(_LGPL_SOURCE)
+  urcu_memb_read_unlock();
+#else
+  _keel_rcu_read_unlock();
+#endif
+}
+
 KEEL_NOINLINE static void put_misuse(keel_table_t *t, keel_table_node_t *n, uint32_t v) {
   if (n->_tag != t->tag)
     keel_die("keel_table_put", "entry %p belongs to another table (not %p)", (void *)n, (void *)t);
@@ -372,11 +395,21 @@ KEEL_NOINLINE static void put_misuse(keel_table_t *t, keel_table_node_t *n, uint
 void keel_table_put(keel_table_t *t, keel_table_node_t *n) {
   keel_atomic(uint32_t) *ref = node_ref(n);
   if (keel_unlikely(n->_tag != t->tag)) put_misuse(t, n, keel_load_relaxed(ref));
-  /* Release: the caller's use of the entry happens before its free. */
+  /* Release: the caller's use of the entry happens before its free. While
+   * the count stays above zero our reference keeps the entry alive, so one
+   * CAS that leaves it above zero needs nothing more. */
+  uint32_t v = keel_load_relaxed(ref);
+  if (keel_likely((v & REF_COUNT) > 1) && keel_cas_weak_acq_rel(ref, &v, v - 1)) return;
+  /* Maybe the last reference. From the moment the count reads zero a
+   * remover or the shrinker may mark the entry dead and bury it, and it is
+   * freed a grace period later; the read-side section, entered before the
+   * decrement, keeps it allocated until put_last has done with its LRU
+   * links (without it, lru_add could touch a freed node). */
+  put_read_lock();
   uint32_t old = keel_fetch_sub_acq_rel(ref, 1);
   if (keel_unlikely((old & REF_COUNT) == 0)) put_misuse(t, n, old);
-  if (keel_likely((old & REF_COUNT) > 1)) return;
-  _keel_table_put_last(t, n, old - 1);
+  if ((old & REF_COUNT) == 1) _keel_table_put_last(t, n, old - 1);
+  put_read_unlock();
 }
 
 int keel_table_remove(keel_table_t *t, keel_table_node_t *n) {
