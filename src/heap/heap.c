@@ -630,6 +630,12 @@ static void shared_collect(bool force) {
 
 void *_keel_malloc_generic(keel_heap_t *heap, size_t size) {
   if (size > KEEL_LARGE_MAX) return _keel_large_alloc(size, 0, false);
+  /* The class table before the class: a preloaded malloc is called by other
+   * libraries' constructors (libselinux's, in ls, cp, id, sed, tar, find)
+   * before ours has run, and an unbuilt table maps every size to class 0.
+   * The fast path needs no such test: it only runs on a real heap, and
+   * heap_or_init builds the table before it makes one. */
+  _keel_classes_init();
   unsigned cls = _keel_class_of(size);
   if (_keel_class_size[cls] > KEEL_SHARED_MIN) return malloc_shared(cls, size);
   if ((heap = heap_or_init(heap)) == NULL) {

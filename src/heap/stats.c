@@ -12,6 +12,7 @@
  * by line, to a FILE or, at exit (KEEL_OPTIONS=stats=1), with write(2): the
  * exit report must not allocate from the heap it is describing.
  */
+#include <fcntl.h>
 #include <string.h>
 #include <unistd.h>
 
@@ -133,9 +134,19 @@ void _keel_heap_print_stats_fd(int fd) {
   print_table(to_fd, &fd);
 }
 
+/* stats=1 prints at exit through a private duplicate of stderr taken at
+ * start-up: coreutils (ls, cp, ...) close stderr from an atexit handler,
+ * which runs before this destructor. A program that closes every descriptor
+ * still loses the table; nothing else does. */
+static int stats_fd = -1;
+
+__attribute__((constructor)) static void stats_at_start(void) {
+  if (_keel_option(KEEL_OPT_stats)) stats_fd = fcntl(STDERR_FILENO, F_DUPFD_CLOEXEC, 3);
+}
+
 __attribute__((destructor)) static void stats_at_exit(void) {
   if (_keel_option(KEEL_OPT_stats)) {
-    int fd = STDERR_FILENO;
+    int fd = stats_fd >= 0 ? stats_fd : STDERR_FILENO;
     to_fd(&fd, "keel heap statistics at exit:\n");
     _keel_heap_print_stats_fd(fd);
   }
