@@ -339,12 +339,29 @@ static void page_push_thread_free(keel_page_t *page, keel_block_t *b) {
                                   KEEL_TF_MAKE(b, KEEL_TF_COUNT(w) + 1, KEEL_TF_STATE(w))));
 }
 
+/* A delayed-list link is a plain pointer to a block of a small page (or
+ * NULL). A block freed again while it waits there gets a page link instead
+ * (encoded: the page key's top bit is set, no user pointer has it) and so
+ * does one the owner freed and drained already; a write after free leaves
+ * anything. Following such a link would corrupt another page's lists. */
+static bool delayed_link_ok(const keel_block_t *next) {
+  if (next == NULL) return true;
+  if ((uintptr_t)next >> 47 != 0) return false;
+  keel_segment_t *seg = _keel_segment_of(next);
+  if (!_keel_segmap_has(seg) || seg->kind != KEEL_SEG_SMALL) return false;
+  const keel_page_t *page = _keel_page_of(seg, next);
+  size_t off = (size_t)((const uint8_t *)next - page->start);
+  return page->bsize != 0 && (const uint8_t *)next >= page->start &&
+         off < (size_t)page->capacity * page->bsize && _keel_page_is_block_offset(page, off);
+}
+
 static void __drain_delayed(keel_heap_t *heap, bool owner) {
   if (keel_load_relaxed(&heap->delayed) == NULL) return;
   /* Acquire: the pushers' link writes happen before their release CAS. */
   keel_block_t *b = keel_xchg_acquire(&heap->delayed, NULL);
   while (b != NULL) {
     keel_block_t *next = (keel_block_t *)b->next;
+    if (keel_unlikely(!delayed_link_ok(next))) _keel_die_double_free("free", b);
     keel_page_t *page = _keel_page_of(_keel_segment_of(b), b);
     /* Its freer has pushed it but not yet reset the page's DELAYING state:
      * freeing it now could retire the page under that freer's last CAS.
@@ -810,6 +827,20 @@ void _keel_free_generic(void *p, const char *call) {
     return;
   }
   if (off >= (size_t)page->capacity * page->bsize) _keel_die_invalid(call, p);
+  if (keel_load_relaxed(&page->flags) != 0 && keel_load_relaxed(&heap->delayed) != NULL) {
+    /* A full page: a remote free of one of its blocks went to this heap's
+     * delayed list, where its link is a plain pointer the test below cannot
+     * recognise. Drained, such a block is on a list of its page; and if it
+     * was the page's last block in use, the page is gone and so this free
+     * is a double one (a live block keeps its page). */
+    owner_enter(heap);
+    __drain_delayed(heap, true);
+    owner_exit(heap);
+    if (keel_load_relaxed(&page->heap) != heap || page->bsize == 0 || (uint8_t *)p < page->start ||
+        !_keel_page_is_block_offset(page, off) || off >= (size_t)page->capacity * page->bsize) {
+      _keel_die_double_free(call, p);
+    }
+  }
   /* On a list of the page: its first word decodes to a link into this
    * segment, confirmed by a walk. */
   if (_keel_block_maybe_free(page, b) && _keel_page_has_free_block(page, b)) {

@@ -990,6 +990,64 @@ static void double_free_across_threads(void) {
     }
 }
 
+/* The same through a full page: a remote free of a block of a page the
+ * owner filled goes to the owner heap's delayed list, not to the page, and
+ * its link there is a plain pointer to the previous delayed block (or
+ * NULL), not a link of its page. The second free must still be named: by
+ * the owner's free at once, by another thread's at the owner's next drain
+ * (the bound for that case). */
+static void **full_blocks;
+static size_t full_n;
+
+static void fill_page_of(size_t size, void *p) {
+  /* Allocate until the owner has taken a fresh page: p's page is full then. */
+  full_n = 0;
+  for (int i = 0; i < 4096; i++) {
+    void *q = keel_malloc(size);
+    full_blocks[full_n++] = q;
+    if (((uintptr_t)q ^ (uintptr_t)p) >= 65536 && i > 64) break; /* well into another page */
+  }
+}
+
+static void delayed_remote_remote_child(void *p) {
+  free_by_thread(p);
+  free_by_thread(ht_launder(p));
+  /* Neither freer can see the owner's delayed list: the owner's next drain
+   * (its malloc slow path, when a page runs out) finds the block's link
+   * rewritten. */
+  for (int i = 0; i < 20000; i++) ht_launder(keel_malloc(64));
+}
+
+static void delayed_remote_owner_child(void *p) {
+  free_by_thread(p);
+  keel_free(ht_launder(p));
+}
+
+static void delayed_remote_owner_malloc_child(void *p) {
+  free_by_thread(p);
+  /* The owner's slow path drains the delayed list before it frees again. */
+  for (int i = 0; i < 10000; i++) keel_free(keel_malloc(64));
+  keel_free(ht_launder(p));
+}
+
+static void double_free_through_delayed_list(void) {
+  void (*children[])(void *) = {delayed_remote_remote_child, delayed_remote_owner_child,
+                                delayed_remote_owner_malloc_child};
+  full_blocks = keel_malloc(4096 * sizeof(void *));
+  KT_REQUIRE(full_blocks != NULL);
+  for (size_t i = 0; i < sizeof(children) / sizeof(children[0]); i++) {
+    void *p = keel_malloc(64);
+    KT_REQUIRE(p != NULL);
+    fill_page_of(64, p);
+    char expect[64];
+    snprintf(expect, sizeof(expect), "keel: free: double free of %p", p);
+    KT_EXPECT_ABORT(children[i], p, expect);
+    keel_free(p);
+    for (size_t j = 0; j < full_n; j++) keel_free(full_blocks[j]);
+  }
+  keel_free(full_blocks);
+}
+
 static void double_free_large(void) {
   void *p = keel_malloc(8 * MiB);
   KT_REQUIRE(p != NULL);
@@ -1061,5 +1119,6 @@ KT_MAIN(KT_CASE(malloc_zero_unique), KT_CASE(free_null), KT_CASE(malloc_alignmen
         KT_CASE(collect_returns_rss_large), KT_CASE(purge_after_delay),
         KT_CASE(bad_free_stack_address), KT_CASE(bad_free_interior_pointer),
         KT_CASE(bad_free_foreign_mmap), KT_CASE(bad_realloc_invalid_pointer),
-        KT_CASE(double_free_small), KT_CASE(double_free_across_threads), KT_CASE(double_free_large),
+        KT_CASE(double_free_small), KT_CASE(double_free_across_threads),
+        KT_CASE(double_free_through_delayed_list), KT_CASE(double_free_large),
         KT_CASE(realloc_after_free_aborts), KT_CASE(realloc_in_place_of_freed_block_aborts))
