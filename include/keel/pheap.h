@@ -77,9 +77,11 @@ KEEL_API keel_pheap_t *keel_pheap_open(const char *path, const char *layout);
 KEEL_API int keel_pheap_close(keel_pheap_t *ph);
 
 /* Background work: the pool hands `fn(work_arg)` to `defer(arg, fn,
- * work_arg)`, which must run it later on some thread (a keel_sched job,
- * say: pheap itself needs no thread and no link to sched) and return 0, or
- * return nonzero to refuse (the pool then does the work inline when it must).
+ * work_arg)`, which must run it exactly once later on some thread (a
+ * keel_sched_run job with KEEL_JOB_RUN_IF_CANCELLED, say: pheap itself needs
+ * no thread and no link to sched; a deferrer that drops the work would leave
+ * keel_pheap_close waiting for it) and return 0, or return nonzero to
+ * refuse (the pool then does the work inline when it must).
  * Used for checkpoints: a lane past half its log ring or dirty list asks for
  * one, so the lanes rarely stop for a checkpoint of their own. At most one
  * request is outstanding per pool. NULL turns it off. Set it while no other

@@ -55,10 +55,14 @@ typedef struct keel_sched_client keel_sched_client_t;
 typedef void (*keel_job_fn)(keel_job_t *job);
 
 /* Job flags: one priority (default normal) or'ed with KEEL_JOB_BLOCKING. */
-#define KEEL_JOB_NORMAL   0u
-#define KEEL_JOB_HIGH     1u
-#define KEEL_JOB_LOW      2u
-#define KEEL_JOB_BLOCKING 4u /* may sleep: the pool may grow past the CPU count */
+#define KEEL_JOB_NORMAL           0u
+#define KEEL_JOB_HIGH             1u
+#define KEEL_JOB_LOW              2u
+#define KEEL_JOB_BLOCKING         4u /* may sleep: the pool may grow past the CPU count */
+/* keel_sched_run only: a job that shutdown cancels runs fn(arg) at once in
+ * the cancelling thread instead of being dropped (work that must happen,
+ * e.g. a keel_pheap deferrer's, whose pool close waits for it). */
+#define KEEL_JOB_RUN_IF_CANCELLED 8u
 
 /* Scheduling bounds (see above). */
 #define KEEL_SCHED_QUANTUM      4  /* jobs per client turn within a level */
@@ -109,9 +113,10 @@ KEEL_API int keel_sched_init(const keel_sched_config_t *cfg);
  * the job). Never blocks or allocates; lock-free, any thread. */
 KEEL_API int keel_sched_submit(keel_job_t *job);
 
-/* Runs fn(arg) on a worker: malloc's a small job (glibc's per-thread tcache
- * makes that a freelist pop), freed after fn returns or when shutdown
- * cancels it (fn then never runs). 0, KEEL_EINVAL, KEEL_ENOMEM, KEEL_ESHUTDOWN. */
+/* Runs fn(arg) on a worker: malloc's a small job, freed before fn runs or
+ * when shutdown cancels it (fn then never runs, unless flags has
+ * KEEL_JOB_RUN_IF_CANCELLED: then it runs in the shutting-down thread).
+ * 0, KEEL_EINVAL, KEEL_ENOMEM, KEEL_ESHUTDOWN (fn not run). */
 KEEL_API int keel_sched_run(void (*fn)(void *arg), void *arg, unsigned flags);
 
 /* Submits the job after `ms` milliseconds (never earlier; ms 0 submits now).

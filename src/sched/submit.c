@@ -96,6 +96,10 @@ static void run_job_fn(keel_job_t *job) {
 }
 
 static void run_job_cancel(keel_job_t *job) {
+  if (job->flags & KEEL_JOB_RUN_IF_CANCELLED) {
+    run_job_fn(job); /* in the cancelling thread: keel_sched_shutdown's */
+    return;
+  }
   free(job);
 }
 

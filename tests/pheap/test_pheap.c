@@ -4,12 +4,15 @@
 #define _GNU_SOURCE
 #include <errno.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <string.h>
 #include <sys/wait.h>
 
 #include "common.h"
 #include "harness.h"
 #include "pheap/pheap_int.h"
+
+#include <keel/sched.h>
 
 #define LAYOUT "test-layout"
 #define NSLOTS 256
@@ -629,6 +632,69 @@ static void test_deferred_checkpoints(void) {
   _keel_ph_ring_limit = limit;
 }
 
+/* The README's deferrer on keel_sched: a checkpoint request still queued
+ * when a cancelling keel_sched_shutdown comes runs in the shutting-down
+ * thread (KEEL_JOB_RUN_IF_CANCELLED), so keel_pheap_close, which waits for
+ * the request it handed out, returns. Without the flag the request was
+ * dropped and close spun for ever. */
+static atomic_int sched_defers, blocker_open, blocker_in;
+
+static int defer_on_sched(void *a, keel_pheap_work_fn fn, void *w) {
+  (void)a;
+  int rc = keel_sched_run(fn, w, KEEL_JOB_RUN_IF_CANCELLED);
+  if (rc == 0) atomic_fetch_add(&sched_defers, 1);
+  return rc;
+}
+
+static void blocker_fn(void *a) {
+  (void)a;
+  atomic_store(&blocker_in, 1);
+  while (!atomic_load(&blocker_open)) usleep(1000);
+}
+
+static void *open_blocker_later(void *a) {
+  (void)a;
+  usleep(50 * 1000);
+  atomic_store(&blocker_open, 1);
+  return NULL;
+}
+
+static void test_deferrer_on_sched_cancelled(void) {
+  unsigned limit = _keel_ph_ring_limit;
+  _keel_ph_ring_limit = 8;
+  keel_sched_config_t cfg;
+  keel_sched_config_default(&cfg);
+  cfg.min_threads = cfg.max_threads = 1; /* the blocker holds the only worker */
+  KT_REQUIRE(keel_sched_init(&cfg) == 0);
+  atomic_store(&blocker_open, 0);
+  atomic_store(&blocker_in, 0);
+  atomic_store(&sched_defers, 0);
+  KT_REQUIRE(keel_sched_run(blocker_fn, NULL, 0) == 0);
+  while (!atomic_load(&blocker_in)) usleep(1000);
+  char p[256];
+  tp_path(p, sizeof p, "defersched");
+  keel_pheap_t *ph = keel_pheap_create(p, LAYOUT, KEEL_PHEAP_MIN_SIZE, 0);
+  KT_REQUIRE(ph != NULL);
+  root_t *r = keel_pheap_root(ph, sizeof *r);
+  keel_pheap_set_deferrer(ph, defer_on_sched, NULL);
+  for (int i = 0; i < 100000 && atomic_load(&sched_defers) == 0; i++) {
+    keel_poff_t *s = &r->slot[i % 16];
+    KT_EQ(*s ? keel_pheap_free(ph, s) : keel_pheap_alloc(ph, s, 64, 40), 0);
+  }
+  KT_REQUIRE(atomic_load(&sched_defers) == 1); /* queued behind the blocker */
+  pthread_t th;
+  pthread_create(&th, NULL, open_blocker_later, NULL);
+  KT_EQ(keel_sched_shutdown(KEEL_SCHED_CANCEL), 0);
+  pthread_join(th, NULL);
+  keel_pheap_stats_t st;
+  KT_EQ(keel_pheap_stats(ph, &st), 0);
+  KT_EQ(st.deferred_checkpoints, 1); /* ran, in the shutdown */
+  KT_EQ(keel_pheap_close(ph), 0);
+  KT_EQ(keel_pheap_check(p), 0);
+  unlink(p);
+  _keel_ph_ring_limit = limit;
+}
+
 static void test_full_pool_free_never_fails(void) {
   char p[256];
   tp_path(p, sizeof p, "full");
@@ -858,6 +924,6 @@ KT_MAIN(KT_CASE(test_create_open_close), KT_CASE(test_bad_wrong_layout),
         KT_CASE(test_tx_publish_and_zalloc), KT_CASE(test_tx_out_of_space_aborts),
         KT_CASE(test_tx_undo_overflow), KT_CASE(test_tx_undo_overflow_out_of_space),
         KT_CASE(test_lazy_rebuild_on_open), KT_CASE(test_deferred_checkpoints),
-        KT_CASE(test_full_pool_free_never_fails), KT_CASE(test_grow), KT_CASE(test_barrier_counts),
-        KT_CASE(test_check_detects_corruption), KT_CASE(test_stress_threads),
-        KT_CASE(test_classes_fragmentation))
+        KT_CASE(test_deferrer_on_sched_cancelled), KT_CASE(test_full_pool_free_never_fails),
+        KT_CASE(test_grow), KT_CASE(test_barrier_counts), KT_CASE(test_check_detects_corruption),
+        KT_CASE(test_stress_threads), KT_CASE(test_classes_fragmentation))

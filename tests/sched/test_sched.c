@@ -500,14 +500,23 @@ static void run_convenience(void) {
     KT_EQ(keel_sched_run(run_fn, &one, i % 3 == 0 ? KEEL_JOB_LOW : 0), 0);
   KT_CHECK(wait_for(all_done, NULL, 10));
   KT_EQ(atomic_load(&run_hits), 1000);
-  /* Queued ones are freed by a cancelling shutdown (LeakSanitizer checks). */
+  /* Queued ones are freed by a cancelling shutdown (LeakSanitizer checks);
+   * those with KEEL_JOB_RUN_IF_CANCELLED run in the shutting-down thread,
+   * the others never run (the one worker is held by the gate job). */
+  static int thousand = 1000;
   start(1, 1, 1000, 20);
   gate_close();
-  for (int i = 0; i < 100; i++) KT_EQ(keel_sched_run(run_fn, &one, 0), 0);
+  atomic_store(&run_hits, 0);
+  for (int i = 0; i < 100; i++) {
+    KT_EQ(i % 2 ? keel_sched_run(run_fn, &one, 0)
+                : keel_sched_run(run_fn, &thousand, KEEL_JOB_RUN_IF_CANCELLED | KEEL_JOB_LOW),
+          0);
+  }
   pthread_t th;
   pthread_create(&th, NULL, open_gate_later, NULL);
   KT_EQ(keel_sched_shutdown(KEEL_SCHED_CANCEL), 0);
   pthread_join(th, NULL);
+  KT_EQ(atomic_load(&run_hits), 50 * 1000);
 }
 
 /* A job that resubmits itself from its own fn (the lock module's pattern). */
