@@ -234,7 +234,7 @@ KEEL_API int keel_table_for_each(keel_table_t *table, int (*fn)(keel_table_node_
 KEEL_API size_t keel_table_count(const keel_table_t *table);
 
 /* Removes up to n unreferenced entries, least recently used first (an entry
- * looked up since the last pass gets a second chance); returns how many were
+ * inserted or looked up since the last pass gets a second chance); returns how many were
  * removed. What a memory-pressure callback calls. Takes the LRU shard locks
  * in turn; never waits for a grace period. */
 KEEL_API size_t keel_table_shrink(keel_table_t *table, size_t n);

