@@ -192,6 +192,12 @@ static keel_job_t *take_staged(bool *stuck) {
     track(&s->stage_mask, i, &s->stage[i]);
     if (n == NULL) continue;
     s->stage_next = (i + 1) % SCHED_SHARDS;
+    /* The shard's next job is read (its link, its fields) only when the
+     * rotation comes back here: fetch it now, so that with many shards
+     * staged their misses overlap instead of running one after another
+     * under the lock (a deep queue of jobs from 64 producers is cold). */
+    struct cds_wfcq_node *next = CMM_LOAD_SHARED(s->stage[i].head.node.next);
+    if (next != NULL) __builtin_prefetch(next);
     return staged_job(n);
   }
   return NULL;
