@@ -349,10 +349,7 @@ static bool delayed_link_ok(const keel_block_t *next) {
   if ((uintptr_t)next >> 47 != 0) return false;
   keel_segment_t *seg = _keel_segment_of(next);
   if (!_keel_segmap_has(seg) || seg->kind != KEEL_SEG_SMALL) return false;
-  const keel_page_t *page = _keel_page_of(seg, next);
-  size_t off = (size_t)((const uint8_t *)next - page->start);
-  return page->bsize != 0 && (const uint8_t *)next >= page->start &&
-         off < (size_t)page->capacity * page->bsize && _keel_page_is_block_offset(page, off);
+  return _keel_page_has_block(_keel_page_of(seg, next), next);
 }
 
 static void __drain_delayed(keel_heap_t *heap, bool owner) {
@@ -836,10 +833,8 @@ void _keel_free_generic(void *p, const char *call) {
     owner_enter(heap);
     __drain_delayed(heap, true);
     owner_exit(heap);
-    if (keel_load_relaxed(&page->heap) != heap || page->bsize == 0 || (uint8_t *)p < page->start ||
-        !_keel_page_is_block_offset(page, off) || off >= (size_t)page->capacity * page->bsize) {
+    if (keel_load_relaxed(&page->heap) != heap || !_keel_page_has_block(page, p))
       _keel_die_double_free(call, p);
-    }
   }
   /* On a list of the page: its first word decodes to a link into this
    * segment, confirmed by a walk. */

@@ -431,4 +431,13 @@ KEEL_INLINE bool _keel_page_is_block_offset(const keel_page_t *page, size_t off)
   return off * page->div_magic < page->div_magic;
 }
 
+/* Whether p is a block the page has carved: a page in use (bsize 0 marks a
+ * free span or a large block's header), on a block boundary, below the
+ * carved end. Reads capacity: the owner's, or a racy hint for others. */
+KEEL_INLINE bool _keel_page_has_block(const keel_page_t *page, const void *p) {
+  size_t off = (size_t)((const uint8_t *)p - page->start);
+  return page->bsize != 0 && (const uint8_t *)p >= page->start &&
+         off < (size_t)page->capacity * page->bsize && _keel_page_is_block_offset(page, off);
+}
+
 #endif /* KEEL_HEAP_INTERNAL_H */
