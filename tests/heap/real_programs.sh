@@ -6,7 +6,8 @@
 #                                          then build/lib/libkeel-malloc.so
 #   KEEL_REAL_ONLY=sqlite3 ...             runs only the named case(s)
 #
-# Cases: python3 (large dicts, lists, sets built and dropped), perl, git
+# Cases: python3 (large dicts, lists, sets built and dropped; and threads,
+# a fork-context process pool and a fork), perl, git
 # (init/add/commit/log/repack/archive in a temporary repository with fixed
 # author and dates), sort of a million lines, gcc compiling and running a C
 # program, xz round trip (multi-threaded), sqlite3 inserting and querying
@@ -134,6 +135,30 @@ for rnd in range(3):
     h.update(str(len(objs)).encode())
     del objs
 print(h.hexdigest())
+EOF
+}
+
+# Threads, a process pool and a bare fork: blocks cross threads (results
+# handed back to the main thread), and children inherit a heap other
+# threads were using at the fork.
+case_python3_threads() {
+  PYTHONHASHSEED=0 "$(find_prog python3)" - <<'EOF'
+import hashlib, json, multiprocessing as mp, os, threading
+def work(i):
+    d = {str(j): [j] * (j % 13) for j in range(20000 + i)}
+    return hashlib.md5(json.dumps(d, sort_keys=True).encode()).hexdigest()
+res = [None] * 16
+def run(i): res[i] = work(i)
+threads = [threading.Thread(target=run, args=(i,)) for i in range(16)]
+for t in threads: t.start()
+for t in threads: t.join()
+print(res)
+with mp.get_context("fork").Pool(4) as pool: print(pool.map(work, range(8)))
+pid = os.fork()
+if pid == 0:
+    print("child", work(99), flush=True)
+    os._exit(0)
+os.waitpid(pid, 0)
 EOF
 }
 
@@ -292,6 +317,7 @@ check_loaded
 if wanted sort && [ -n "$(find_prog sort)" ]; then make_sort_input; fi
 if wanted xz && [ -n "$(find_prog xz)" ]; then make_xz_input; fi
 run_case python3 case_python3 python3
+run_case python3-threads case_python3_threads python3
 run_case perl case_perl perl
 run_case git case_git git seq md5sum
 run_case sort case_sort sort md5sum
