@@ -80,9 +80,7 @@ void *_keel_realloc(void *p, size_t size) {
 void *_keel_aligned_alloc(size_t align, size_t size) {
   if (align <= KEEL_MIN_ALIGN) return _keel_malloc_fast(size);
   /* A class whose size is a multiple of align: its blocks, laid out from an
-   * aligned page start, are all aligned; no interior pointers to track.
-   * The table may not be built yet (see _keel_malloc_generic). */
-  _keel_classes_init();
+   * aligned page start, are all aligned; no interior pointers to track. */
   int cls = _keel_class_aligned(size, align);
   if (cls >= 0) return _keel_malloc_in_class((unsigned)cls, size);
   return _keel_large_alloc(size, align, false);

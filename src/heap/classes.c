@@ -80,6 +80,13 @@ __attribute__((constructor(101))) static void classes_ctor(void) {
 }
 
 unsigned _keel_class_of(size_t size) {
+  /* Every slow-path class lookup comes here, so the table is built first
+   * here: a preloaded malloc is called by other libraries' constructors
+   * (libselinux's, in ls, cp, id, sed, tar, find) before ours has run, and
+   * an unbuilt table maps every size to class 0. The malloc fast path reads
+   * the table directly; it needs no such test, as it only runs on a real
+   * heap, and making a thread heap builds the table. */
+  _keel_classes_init();
   if (size <= KEEL_SMALL_MAX) return _keel_class_small[(size + 7) >> 3];
   /* 2^k < size <= 2^(k+1): class 2^k + j * step with j = ceil((size - 2^k) / step). */
   unsigned k = 63u - (unsigned)__builtin_clzl(size - 1);
@@ -102,7 +109,6 @@ int _keel_class_aligned(size_t size, size_t align) {
 }
 
 KEEL_API int keel_heap_class_of(size_t size) {
-  _keel_classes_init();
   return size > KEEL_LARGE_MAX ? -1 : (int)_keel_class_of(size);
 }
 

@@ -608,7 +608,6 @@ static void *malloc_shared(unsigned cls, size_t size) {
   pthread_mutex_lock(&sh->lock);
   keel_heap_t *heap = keel_load_relaxed(&sh->heap);
   if (heap == NULL) {
-    _keel_classes_init();
     heap = heap_get();
     if (heap != NULL) {
       for (unsigned c = 0; c < KEEL_CLASS_COUNT_MAX; c++) heap->direct[c] = &_keel_empty_page;
@@ -623,7 +622,6 @@ static void *malloc_shared(unsigned cls, size_t size) {
 
 void *_keel_malloc_shared(size_t size, size_t align) {
   if (align < 16) align = 16;
-  _keel_classes_init();
   int cls = size <= KEEL_LARGE_MAX ? _keel_class_aligned(size, align) : -1;
   if (cls < 0) return _keel_large_alloc(size, align, false);
   return malloc_shared((unsigned)cls, size);
@@ -644,12 +642,6 @@ static void shared_collect(bool force) {
 
 void *_keel_malloc_generic(keel_heap_t *heap, size_t size) {
   if (size > KEEL_LARGE_MAX) return _keel_large_alloc(size, 0, false);
-  /* The class table before the class: a preloaded malloc is called by other
-   * libraries' constructors (libselinux's, in ls, cp, id, sed, tar, find)
-   * before ours has run, and an unbuilt table maps every size to class 0.
-   * The fast path needs no such test: it only runs on a real heap, and
-   * heap_or_init builds the table before it makes one. */
-  _keel_classes_init();
   unsigned cls = _keel_class_of(size);
   if (_keel_class_size[cls] > KEEL_SHARED_MIN) return malloc_shared(cls, size);
   if ((heap = heap_or_init(heap)) == NULL) {
