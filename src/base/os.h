@@ -51,8 +51,8 @@ void _keel_os_advise_huge(void *p, size_t size) KEEL_HIDDEN;
 /* Fault injection, for tests of out-of-memory paths (compiled into every
  * build, off unless a test turns it on). After _keel_os_fault_set(n) with
  * n >= 0, the next n calls that obtain memory (_keel_os_reserve,
- * _keel_os_alloc, _keel_os_commit, a growing _keel_os_remap) succeed and every later one fails as if
- * the kernel refused it (NULL + ENOMEM, or KEEL_ENOMEM), until
+ * _keel_os_alloc, _keel_os_commit, a growing _keel_os_remap) succeed and
+ * every later one fails as if the kernel refused it (NULL + ENOMEM, or KEEL_ENOMEM), until
  * _keel_os_fault_set(-1). Cost while off: one relaxed load per call that is
  * about to make a system call. Any thread may call it. */
 void _keel_os_fault_set(long n) KEEL_HIDDEN;

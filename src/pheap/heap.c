@@ -88,6 +88,13 @@ static ph_run_t *run_new(uint32_t chunk, uint32_t cls, uint32_t nblocks) {
   return r;
 }
 
+/* Puts r on its class's list of runs with free blocks; q->lock held. */
+static void __run_list(ph_classq_t *q, ph_run_t *r) {
+  r->listed = true;
+  r->next = q->partial;
+  q->partial = r;
+}
+
 /* Formats a new run for class cls. A checkpoint, then two barriers: header and zeroed bitmap
  * first, then the chunk word that makes it a run (a crash in between leaves
  * free chunks with some bytes written, which is harmless). */
@@ -147,9 +154,7 @@ static KEEL_NOINLINE int refill(keel_pheap_t *ph, ph_tcache_t *tc, unsigned cls)
       ph_run_t *r;
       if ((rc = run_create(ph, tc, cls, &r)) != 0) return rc;
       pthread_mutex_lock(&q->lock);
-      r->listed = true;
-      r->next = q->partial;
-      q->partial = r;
+      __run_list(q, r);
       continue;
     }
     pthread_mutex_lock(&q->lock);
@@ -210,11 +215,7 @@ static void give_run(keel_pheap_t *ph, keel_poff_t off) {
   KEEL_ASSERT(!(r->vfree[i / 64] & (1ull << (i % 64))));
   r->vfree[i / 64] |= 1ull << (i % 64);
   r->navail++;
-  if (!r->listed) {
-    r->listed = true;
-    r->next = q->partial;
-    q->partial = r;
-  }
+  if (!r->listed) __run_list(q, r);
   pthread_mutex_unlock(&q->lock);
 }
 
@@ -362,9 +363,7 @@ static int __boot_one(keel_pheap_t *ph, ph_tcache_t *tc) {
       if (r->navail) {
         ph_classq_t *q = &ph->classq[cls];
         pthread_mutex_lock(&q->lock);
-        r->listed = true;
-        r->next = q->partial;
-        q->partial = r;
+        __run_list(q, r);
         pthread_mutex_unlock(&q->lock);
       }
     }

@@ -96,7 +96,10 @@ int64_t _keel_sched_submitted(int64_t by_prio[PRIO_COUNT]) {
   cds_list_for_each_entry(p, &producers, link) for (int i = 0; i < PRIO_COUNT; i++) n[i] +=
       keel_load_relaxed(&p->submitted[i]);
   pthread_mutex_unlock(&prod_lock);
-  if (by_prio != NULL)
-    for (int i = 0; i < PRIO_COUNT; i++) by_prio[i] = n[i];
-  return n[0] + n[1] + n[2];
+  int64_t total = 0;
+  for (int i = 0; i < PRIO_COUNT; i++) {
+    total += n[i];
+    if (by_prio != NULL) by_prio[i] = n[i];
+  }
+  return total;
 }

@@ -19,8 +19,9 @@
  * levels, clients, worker list), a worker's tlock (its timer heap), then
  * either idle_lock (the parked-worker stack) or gate.c's prod_lock (the
  * producer registry). Two tlocks are held together only by a retiring
- * worker handing its timers on (its own, then its heir's), under sched.lock. A submit takes none of them unless it must wake a
- * parked worker (idle_lock) or is its thread's first (prod_lock).
+ * worker handing its timers on (its own, then its heir's), under
+ * sched.lock. A submit takes none of them unless it must wake a parked
+ * worker (idle_lock) or is its thread's first (prod_lock).
  */
 #ifndef KEEL_SCHED_INT_H
 #define KEEL_SCHED_INT_H
