@@ -14,7 +14,8 @@
  * its peers) and a function that runs one measurement. The harness runs every
  * (case, threads, impl) in a child process of its own (so peak RSS, user and
  * sys time belong to that impl alone), interleaving impls within each
- * repetition, and reports the median of the repetitions.
+ * repetition, and reports the median of the repetitions (--reps, 3 by
+ * default; a case may ask for more with min_reps when --reps is not given).
  *
  * An impl that names a `preload` runs its child with LD_PRELOAD set to that
  * allocator ("jemalloc", "mimalloc", "tcmalloc", "keel" = build/lib/
@@ -86,6 +87,10 @@ typedef struct kb_case {
    * "peak_rss_kb", "sys_s", "ns_per_op" or an extra's key. */
   const char *metric;
   bool lower_is_better;
+  /* Repetitions at least, unless --reps is given (0: the default). For cases
+   * whose timed window is a few tens of milliseconds, where one scheduler
+   * hiccup on a shared machine moves a single run by 1.5x. */
+  int min_reps;
 } kb_case_t;
 
 typedef struct kb_suite {

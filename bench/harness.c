@@ -1034,6 +1034,7 @@ typedef struct kb_case_ctx {
   bool stop[KB_MAX_IMPLS];         /* no more repetitions at this thread count */
   kb_status_t worst[KB_MAX_IMPLS]; /* why an impl has fewer repetitions */
   bool ok;                         /* nothing crashed or timed out */
+  int reps;                        /* repetitions for this case (kb_case_reps) */
 } kb_case_ctx_t;
 
 /* Runs impl j once at `threads`; records the sample or notes why not. */
@@ -1052,9 +1053,9 @@ static void kb_run_once(kb_case_ctx_t *x, int j, int threads, int rep) {
                   (char *)o->size,
                   NULL};
   kb_progress(o, "  %s/%s threads=%d rep %d/%d %s", x->s->name, x->c->name, threads, rep + 1,
-              o->reps, m->impl->name);
+              x->reps, m->impl->name);
   kb_status_t r =
-      kb_spawn(argv, m->env, o->timeout_s, &x->samples[j * o->reps + x->got[j]], why, sizeof(why));
+      kb_spawn(argv, m->env, o->timeout_s, &x->samples[j * x->reps + x->got[j]], why, sizeof(why));
   kb_progress(o, "%s", "");
   if (r == KB_OK) {
     x->got[j]++;
@@ -1071,7 +1072,7 @@ static void kb_run_once(kb_case_ctx_t *x, int j, int threads, int rep) {
     x->ok = x->ok && r == KB_SKIP;
     fprintf(stderr, "note: %s/%s %s threads=%d rep %d: %s%s\n", x->s->name, x->c->name,
             m->impl->name, threads, rep + 1, why,
-            x->stop[j] && rep + 1 < o->reps ? " (remaining repetitions skipped)" : "");
+            x->stop[j] && rep + 1 < x->reps ? " (remaining repetitions skipped)" : "");
   }
 }
 
@@ -1084,11 +1085,11 @@ static void kb_measure(kb_case_ctx_t *x, int threads, kb_cell_t *row) {
     x->stop[j] = false;
     x->worst[j] = x->st[j].available ? KB_OK : KB_SKIP;
   }
-  for (int rep = 0; rep < o->reps; rep++)
+  for (int rep = 0; rep < x->reps; rep++)
     for (int j = 0; j < x->n_impl; j++)
       if (x->st[j].available && !x->stop[j]) kb_run_once(x, j, threads, rep);
   for (int j = 0; j < x->n_impl; j++) {
-    kb_cell_fill(&row[j], &x->samples[j * o->reps], x->got[j]);
+    kb_cell_fill(&row[j], &x->samples[j * x->reps], x->got[j]);
     row[j].worst = x->worst[j];
     if (x->got[j] == 0) continue;
     const char *impl = x->st[j].impl->name;
@@ -1125,13 +1126,15 @@ static void kb_impls_release(kb_case_ctx_t *x) {
 /* Runs one case at every thread count; returns true when nothing failed. */
 static bool kb_case_run(const kb_suite_t *s, const kb_case_t *c, const kb_opts_t *o,
                         const int *threads, int n_threads) {
-  kb_case_ctx_t x = {.s = s, .c = c, .o = o, .ok = true};
+  kb_case_ctx_t x = {.s = s, .c = c, .o = o, .ok = true, .reps = o->reps};
+  if (!o->reps_given && c->min_reps > x.reps)
+    x.reps = c->min_reps < KB_MAX_REPS ? c->min_reps : KB_MAX_REPS;
   x.n_impl = kb_impls_prepare(c, o, x.st);
   if (x.n_impl == 0) return true;
   int one = 1;
   if (!c->threaded) threads = &one, n_threads = 1;
   kb_cell_t *cells = calloc((size_t)n_threads * (size_t)x.n_impl, sizeof(*cells));
-  x.samples = calloc((size_t)x.n_impl * (size_t)o->reps, sizeof(*x.samples));
+  x.samples = calloc((size_t)x.n_impl * (size_t)x.reps, sizeof(*x.samples));
   if (cells == NULL || x.samples == NULL) abort();
   for (int t = 0; t < n_threads; t++) kb_measure(&x, threads[t], &cells[t * x.n_impl]);
   if (!o->json) kb_report(&x, threads, n_threads, cells);

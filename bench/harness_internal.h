@@ -19,6 +19,7 @@ typedef struct kb_opts {
   const char *size;    /* as given; "default" when absent */
   double scale;        /* what `size` means as a factor (kb_params_t.scale) */
   int reps;            /* repetitions per (case, threads, impl) */
+  bool reps_given;     /* --reps was on the command line (overrides min_reps) */
   bool json;           /* JSON lines on stdout instead of tables */
   const char *cases;   /* comma list of case names to run; NULL = all */
   bool all_suites;     /* `keel-bench all`: a suite may lack a --case name */

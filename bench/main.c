@@ -16,7 +16,8 @@ static void usage(FILE *f) {
              "\n"
              "  --threads LIST   thread counts, e.g. 1,2,8,64,256 (default: the suite's)\n"
              "  --size S         small | default | large | a scale factor (default: default)\n"
-             "  --reps N         repetitions per implementation (default 3)\n"
+             "  --reps N         repetitions per implementation (default 3, or more where a\n"
+             "                   case asks: sched throughput, cpu and latency take 7)\n"
              "  --json           JSON lines on stdout instead of tables\n"
              "  --out FILE       also write the JSON lines to FILE (tables still printed)\n"
              "  --case LIST      only these cases (comma-separated)\n"
@@ -52,6 +53,7 @@ static int parse_options(int argc, char **argv, kb_opts_t *o) {
       }
     } else if (strcmp(a, "--reps") == 0) {
       o->reps = atoi(arg_value(argc, argv, &i));
+      o->reps_given = true;
     } else if (strcmp(a, "--json") == 0) {
       o->json = true;
     } else if (strcmp(a, "--out") == 0) {
