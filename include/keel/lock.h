@@ -114,7 +114,9 @@ typedef enum keel_lock_mode {
 /* keel_lock / keel_lock_convert flags. */
 #define KEEL_LOCK_NOQUEUE 0x01u /* fail with KEEL_EAGAIN instead of waiting */
 #define KEEL_LOCK_CONVERT 0x02u /* keel_lock converts lksb's lock (name ignored) */
-#define KEEL_LOCK_QUECVT  0x04u /* a conversion queues behind pending ones */
+#define KEEL_LOCK_QUECVT                                                                           \
+  0x04u                         /* an up-conversion queues behind pending ones (a
+                                   down-conversion with it: KEEL_EINVAL, as in the DLM) */
 #define KEEL_LOCK_VALBLK  0x08u /* read the value block on grant, write it on release */
 #define KEEL_LOCK_TIMEOUT 0x10u /* give up after lksb->timeout_ms: KEEL_ETIMEDOUT */
 /* keel_unlock flag: cancel the pending request instead (KEEL_ECANCELED). */
@@ -199,7 +201,9 @@ KEEL_API int keel_lock(keel_lockspace_t *ls, const void *name, size_t namelen, i
  * KEEL_ENOENT if lksb holds no lock, KEEL_EBUSY if a request is pending. */
 KEEL_API int keel_lock_convert(keel_lksb_t *lksb, int mode, unsigned flags);
 
-/* Note on KEEL_LOCK_CANCEL: a new request that can also fail by itself (one
+/* Note on KEEL_LOCK_CANCEL: it may come from another thread than the request's
+ * (the only way to cancel a blocked keel_lock without AST: that call then
+ * returns KEEL_ECANCELED). A new request that can also fail by itself (one
  * with KEEL_LOCK_TIMEOUT) frees its lkb when it fails; cancelling it from
  * another thread at that moment would race with the free, so cancel requests
  * without a timeout, or let the timeout do the cancelling. */

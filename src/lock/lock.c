@@ -24,7 +24,7 @@
  * is not a live lkb of this lksb (a copied or corrupted lksb: acting on it
  * would write through a stale pointer). */
 static keel_lkb_t *lksb_lock(keel_lksb_t *lksb, const char *call) {
-  keel_lkb_t *lkb = lksb->lock;
+  keel_lkb_t *lkb = __atomic_load_n(&lksb->lock, __ATOMIC_ACQUIRE);
   if (lkb == NULL) return NULL;
   if (keel_unlikely(lkb->magic != KEEL_LKB_MAGIC))
     keel_die(call, "lksb %p holds %p, which is not a live lock (%s)", (void *)lksb, (void *)lkb,
@@ -63,15 +63,21 @@ static void cancel_timed_out(keel_lkb_t *lkb) {
   if (last) _keel_dir_put(res);
 }
 
+/* Counts a blocking caller in, under its resource's mutex, before that is
+ * released: a forced release (which takes every resource's mutex) then waits
+ * for it to leave before it frees the lkb or the resource, however soon the
+ * request is granted or cancelled. seq_cst pairs with release's wake
+ * exchange and sleepers load. */
+static void sleeper_enter(keel_lockspace_t *ls) {
+  __atomic_fetch_add(&ls->sleepers, 1, __ATOMIC_SEQ_CST);
+}
+
 /* Blocks until lkb's pending request completes or its deadline passes (then
  * cancels it with KEEL_ETIMEDOUT). Returns the request's status. A new request
- * that did not succeed is freed and lksb->lock cleared. */
-static KEEL_NOINLINE int wait_blocking(keel_lkb_t *lkb) {
+ * that did not succeed is freed and lksb->lock cleared. The caller counted
+ * itself in (sleeper_enter); this counts it out. */
+static KEEL_NOINLINE int wait_blocking(keel_lockspace_t *ls, keel_lkb_t *lkb) {
   bool timed = lkb->flags & KEEL_LOCK_TIMEOUT;
-  keel_lockspace_t *ls = lkb->res->ls;
-  /* Counted in so that a forced release waits for this call to leave its
-   * resource; seq_cst pairs with release's wake exchange and sleepers load. */
-  __atomic_fetch_add(&ls->sleepers, 1, __ATOMIC_SEQ_CST);
   for (;;) {
     /* Acquire (seq_cst for the pairing above) pairs with notify()'s release
      * exchange: status is visible. */
@@ -87,11 +93,16 @@ static KEEL_NOINLINE int wait_blocking(keel_lkb_t *lkb) {
     }
     keel_futex_wait_until(&lkb->wake, 2, timed ? lkb->deadline_ns : UINT64_MAX);
   }
-  __atomic_fetch_sub(&ls->sleepers, 1, __ATOMIC_RELEASE); /* res untouched from here */
+  /* Read while still counted in: a forced release frees a lock it found
+   * granted (the grant may have woken us just before) only once every
+   * sleeper has left. gr is final here: set before the wake (grant, or a
+   * cancel's -1); status may still be overwritten by a forced release. */
   keel_lksb_t *lksb = lkb->lksb;
-  int status = lksb->status;
-  if (lkb->gr < 0) { /* timed out (detached already) or cancelled by a forced release */
-    lksb->lock = NULL;
+  int status = __atomic_load_n(&lksb->status, __ATOMIC_RELAXED);
+  bool failed = lkb->gr < 0;
+  __atomic_fetch_sub(&ls->sleepers, 1, __ATOMIC_RELEASE); /* lkb and res untouched from here */
+  if (failed) { /* timed out or cancelled (by keel_unlock or a forced release): ours to free */
+    _keel_lksb_set_lock(lksb, NULL);
     _keel_lkb_free(lkb);
   }
   return status;
@@ -117,16 +128,18 @@ int keel_lock(keel_lockspace_t *ls, const void *name, size_t namelen, int mode, 
                       .ast = ast,
                       .bast = bast,
                       .arg = arg};
-  lksb->lock = lkb; /* before any AST can run and look at it */
-  lksb->status = 0;
+  _keel_lksb_set_status(lksb, 0);
   set_deadline(lkb, flags);
   keel_res_t *res = _keel_dir_attach(ls, name, namelen); /* res->mu held from here */
   if (keel_unlikely(res == NULL)) {
-    lksb->lock = NULL;
+    _keel_lksb_set_lock(lksb, NULL);
     free(lkb);
     return KEEL_ENOMEM;
   }
   lkb->res = res;
+  /* Published before any AST can run and look at it, and only once res is
+   * set: a canceller on another thread may pick it up from here. */
+  _keel_lksb_set_lock(lksb, lkb);
 
   keel_dispatch_t d;
   keel_dispatch_init(&d, res->ls->cbq);
@@ -135,15 +148,16 @@ int keel_lock(keel_lockspace_t *ls, const void *name, size_t namelen, int mode, 
   bool waiting = lkb->queue == KEEL_Q_WAIT;
   if (keel_unlikely(rc != 0)) last = __keel_dir_detach(res);
   if (waiting && ast != NULL && (flags & KEEL_LOCK_TIMEOUT)) _keel_ls_timer_add(ls, lkb);
+  if (rc == 0 && waiting && ast == NULL) sleeper_enter(ls);
   __keel_mutex_unlock(&res->mu);
   keel_dispatch(&d);
   if (keel_unlikely(rc != 0)) {
-    lksb->lock = NULL;
+    _keel_lksb_set_lock(lksb, NULL);
     _keel_lkb_free(lkb);
     if (last) _keel_dir_put(res);
     return rc;
   }
-  if (waiting && ast == NULL) return wait_blocking(lkb);
+  if (waiting && ast == NULL) return wait_blocking(ls, lkb);
   return 0;
 }
 
@@ -171,10 +185,12 @@ int _keel_lock_convert(keel_lksb_t *lksb, int mode, unsigned flags, bool set_cb,
   /* Read under the mutex: once it is dropped, a queued asynchronous
    * conversion may be granted, notified and unlocked by other threads. */
   bool blocking = lkb->ast == NULL;
-  if (waiting && !blocking && (flags & KEEL_LOCK_TIMEOUT)) _keel_ls_timer_add(res->ls, lkb);
+  keel_lockspace_t *ls = res->ls;
+  if (waiting && !blocking && (flags & KEEL_LOCK_TIMEOUT)) _keel_ls_timer_add(ls, lkb);
+  if (rc == 0 && waiting && blocking) sleeper_enter(ls);
   __keel_mutex_unlock(&res->mu);
   keel_dispatch(&d);
-  if (rc == 0 && waiting && blocking) return wait_blocking(lkb);
+  if (rc == 0 && waiting && blocking) return wait_blocking(ls, lkb);
   return rc;
 }
 
@@ -199,15 +215,20 @@ int keel_unlock(keel_lksb_t *lksb, unsigned flags) {
       __keel_mutex_unlock(&res->mu);
       return KEEL_EBUSY;
     }
+    /* A request with no AST has its caller blocked in wait_blocking (or on
+     * its way there), which frees a cancelled new request itself: freeing it
+     * here too would be a double free, and clearing lksb->lock would race
+     * with it. Read under the mutex: after it, lkb may be gone. */
+    bool waiter = lkb->ast == NULL;
     __keel_res_cancel(res, lkb, KEEL_ECANCELED, &d);
     bool gone = lkb->queue == KEEL_Q_NONE, last = false;
     if (gone) {
-      lksb->lock = NULL; /* before the AST sees it */
+      if (!waiter) _keel_lksb_set_lock(lksb, NULL); /* before the AST sees it */
       last = __keel_dir_detach(res);
     }
     __keel_mutex_unlock(&res->mu);
     keel_dispatch(&d);
-    if (gone) _keel_lkb_free(lkb);
+    if (gone && !waiter) _keel_lkb_free(lkb);
     if (last) _keel_dir_put(res);
     return 0;
   }
@@ -217,7 +238,7 @@ int keel_unlock(keel_lksb_t *lksb, unsigned flags) {
   }
   __keel_res_unlock(res, lkb, flags, &d);
   bool last = __keel_dir_detach(res);
-  lksb->lock = NULL;
+  _keel_lksb_set_lock(lksb, NULL);
   __keel_mutex_unlock(&res->mu);
   keel_dispatch(&d);
   _keel_lkb_free(lkb);

@@ -135,6 +135,17 @@ void __keel_res_cancel(keel_res_t *res, keel_lkb_t *lkb, int status,
  * head is compatible. */
 void __keel_res_grant_pending(keel_res_t *res, keel_dispatch_t *d) KEEL_HIDDEN;
 
+/* lksb->lock and lksb->status are read by a thread cancelling a blocked
+ * request (keel_unlock with KEEL_LOCK_CANCEL) while the caller's thread, or
+ * a forced release, may write them: atomic accesses. Publishing a new lock
+ * is a release, so a canceller that finds it also finds lkb->res set. */
+KEEL_INLINE void _keel_lksb_set_lock(keel_lksb_t *lksb, keel_lkb_t *lkb) {
+  __atomic_store_n(&lksb->lock, lkb, __ATOMIC_RELEASE);
+}
+KEEL_INLINE void _keel_lksb_set_status(keel_lksb_t *lksb, int status) {
+  __atomic_store_n(&lksb->status, status, __ATOMIC_RELAXED);
+}
+
 /* Debug validator: checks the invariants above (counts, masks, queue states);
  * returns false and prints the first broken one. For tests and KEEL_ASSERT_FULL. */
 bool __keel_res_validate(const keel_res_t *res) KEEL_HIDDEN;

@@ -198,7 +198,7 @@ static void expire(keel_res_t *res) {
   while ((l = first_expired(res, now)) != NULL) {
     __keel_res_cancel(res, l, KEEL_ETIMEDOUT, &d);
     if (l->queue == KEEL_Q_NONE) {
-      l->lksb->lock = NULL;
+      _keel_lksb_set_lock(l->lksb, NULL);
       cds_list_add(&l->q, &gone);
       last = __keel_dir_detach(res);
     }
@@ -319,11 +319,11 @@ static void cancel_queue(struct cds_list_head *q, cancel_ctx_t *c) {
     bool sleeper = l->ast == NULL && l->queue != KEEL_Q_GRANT;
     cds_list_del(&l->q);
     l->queue = KEEL_Q_NONE;
-    l->lksb->status = KEEL_ECANCELED;
-    l->lksb->lock = NULL;
+    _keel_lksb_set_status(l->lksb, KEEL_ECANCELED);
+    _keel_lksb_set_lock(l->lksb, NULL);
     if (sleeper) {
       l->gr = -1;
-      /* seq_cst: pairs with wait_blocking's increment of ls->sleepers before
+      /* seq_cst: pairs with sleeper_enter's increment of ls->sleepers before
        * its load of wake (see keel_lockspace_release). */
       if (__atomic_exchange_n(&l->wake, 1, __ATOMIC_SEQ_CST) == 2) {
         keel_delivery_t e = {.kind = KEEL_DELIVER_WAKE, .fn.wake = &l->wake};
@@ -368,14 +368,16 @@ int keel_lockspace_release(keel_lockspace_t *ls, unsigned flags) {
     /* Notices run outside the table walk's read-side section: an AST may call
      * anything but keel_lockspace_release on this lockspace. */
     keel_dispatch(&c.d);
-    keel_lkb_t *l, *tmp;
-    cds_list_for_each_entry_safe(l, tmp, &c.gone, q) _keel_lkb_free(l);
     /* Blocked callers may still be inside a wait (a timed one about to take
      * its resource's mutex): the resources stay until all have left. Each
      * counts itself in before its first load of wake, and every wake word was
      * set above (seq_cst on both sides), so a caller that counts itself in
-     * later sees wake == 1 and touches no resource. */
+     * later sees wake == 1 and touches no resource. The locks found granted
+     * stay too: one may belong to a caller that a grant has just woken and
+     * that still reads its lkb on the way out. */
     while (__atomic_load_n(&ls->sleepers, __ATOMIC_SEQ_CST) != 0) sched_yield();
+    keel_lkb_t *l, *tmp;
+    cds_list_for_each_entry_safe(l, tmp, &c.gone, q) _keel_lkb_free(l);
   }
   timer_stop(ls);
   if (ls->cbq != NULL) { /* callbacks already posted (the notices above too) run first */

@@ -58,7 +58,7 @@ static void res_count(keel_res_t *res, int mode, int delta) {
  * during the owner's own call (granted at once), where a blocking caller is
  * not waiting and needs no wake: it saves a locked exchange on the fast path. */
 static void notify(keel_lkb_t *lkb, int status, bool now, keel_dispatch_t *d) {
-  lkb->lksb->status = status;
+  _keel_lksb_set_status(lkb->lksb, status);
   if (lkb->ast != NULL) {
     keel_delivery_t e = {.kind = KEEL_DELIVER_AST, .fn.ast = lkb->ast, .arg = lkb->arg};
     _keel_dispatch_push(d, &e);
@@ -144,6 +144,13 @@ static bool conversion_deadlock(const keel_res_t *res, int gr) {
 int __keel_res_convert(keel_res_t *res, keel_lkb_t *lkb, int mode, unsigned flags,
                        keel_dispatch_t *d) {
   KEEL_ASSERT(lkb->queue == KEEL_Q_GRANT);
+  /* QUECVT only on an up-conversion, as in the DLM: one to a mode that is
+   * compatible with less than the granted one. A down-conversion never has
+   * to wait, and queueing it behind a conversion it blocks would report a
+   * deadlock that granting it would have resolved. */
+  if ((flags & KEEL_LOCK_QUECVT) &&
+      (_keel_lock_compat_mask[lkb->gr] & ~_keel_lock_compat_mask[mode]) == 0)
+    return KEEL_EINVAL;
   bool cvt_waiting = !keel_q_empty(&res->convertq);
   if ((!(flags & KEEL_LOCK_QUECVT) || !cvt_waiting) && __keel_res_compat(res, mode, lkb->gr)) {
     lkb->flags = flags;

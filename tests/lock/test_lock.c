@@ -144,9 +144,92 @@ static void quecvt(void) {
   KT_EQ(keel_lock_convert(&b, KEEL_LOCK_NL, 0), 0); /* unblocks a, then c */
   KT_EQ(a.lock->gr, KEEL_LOCK_PW);
   KT_EQ(c.lock->gr, KEEL_LOCK_CR);
-  KT_EQ(keel_lock_convert(&c, KEEL_LOCK_NL, KEEL_LOCK_QUECVT), 0); /* nothing pending: at once */
-  for (keel_lksb_t *s = &a; s; s = s == &a ? &b : s == &b ? &c : NULL) KT_EQ(keel_unlock(s, 0), 0);
+  KT_EQ(keel_unlock(&a, 0), 0);
+  KT_EQ(keel_lock_convert(&c, KEEL_LOCK_PR, KEEL_LOCK_QUECVT), 0); /* nothing pending: at once */
+  KT_EQ(c.lock->gr, KEEL_LOCK_PR);
+  KT_EQ(keel_unlock(&b, 0), 0);
+  KT_EQ(keel_unlock(&c, 0), 0);
   KT_EQ(keel_lockspace_release(ls, 0), 0);
+}
+
+/* QUECVT on a conversion that is not an up-conversion: KEEL_EINVAL, as in the
+ * DLM, and nothing changes. (Queued, EX -> PR behind a CR request that EX
+ * blocks was reported as a deadlock that the demotion would have resolved.) */
+static void quecvt_down(void) {
+  keel_lockspace_t *ls = new_ls();
+  rec_t r = {0};
+  keel_lksb_t a = {0}, b = {0};
+  KT_EQ(keel_lock(ls, NAME("qd"), KEEL_LOCK_EX, 0, &a, NULL, NULL, NULL), 0);
+  KT_EQ(keel_lock(ls, NAME("qd"), KEEL_LOCK_NL, 0, &b, rec_ast, NULL, &r), 0);
+  KT_EQ(keel_lock_convert(&b, KEEL_LOCK_CR, 0), 0); /* waits behind EX */
+  KT_EQ(b.lock->queue, KEEL_Q_CONVERT);
+  KT_EQ(keel_lock_convert(&a, KEEL_LOCK_PR, KEEL_LOCK_QUECVT), KEEL_EINVAL);
+  KT_EQ(keel_lock_convert(&a, KEEL_LOCK_EX, KEEL_LOCK_QUECVT), KEEL_EINVAL); /* same mode */
+  KT_EQ(a.lock->gr, KEEL_LOCK_EX);
+  KT_EQ(a.lock->queue, KEEL_Q_GRANT);
+  KT_EQ(keel_lock_convert(&a, KEEL_LOCK_PR, 0), 0); /* without it: granted, b follows */
+  KT_EQ(a.lock->gr, KEEL_LOCK_PR);
+  KT_EQ(b.lock->gr, KEEL_LOCK_CR);
+  KT_EQ(keel_unlock(&a, 0), 0);
+  KT_EQ(keel_unlock(&b, 0), 0);
+  KT_EQ(keel_lockspace_release(ls, 0), 0);
+}
+
+typedef struct blocked {
+  keel_lockspace_t *ls;
+  keel_lksb_t lksb;
+  int rc;
+} blocked_t;
+
+static void *blocked_lock(void *arg) {
+  blocked_t *b = arg;
+  b->rc = keel_lock(b->ls, NAME("blk"), KEEL_LOCK_EX, 0, &b->lksb, NULL, NULL, NULL);
+  return NULL;
+}
+
+/* A blocked keel_lock (no AST) cancelled from another thread: the blocked
+ * call returns KEEL_ECANCELED and owns the cleanup (the cancel used to free
+ * the request too: a double free). */
+static void cancel_blocked_from_thread(void) {
+  for (int it = 0; it < 50; it++) {
+    keel_lockspace_t *ls = new_ls();
+    keel_lksb_t h = {0};
+    KT_EQ(keel_lock(ls, NAME("blk"), KEEL_LOCK_EX, 0, &h, NULL, NULL, NULL), 0);
+    blocked_t b = {.ls = ls, .rc = 1};
+    pthread_t t;
+    KT_EQ(pthread_create(&t, NULL, blocked_lock, &b), 0);
+    int rc;
+    /* ENOENT until the request is published; from then on it waits on h. */
+    while ((rc = keel_unlock(&b.lksb, KEEL_LOCK_CANCEL)) == KEEL_ENOENT) usleep(it % 2 ? 200 : 10);
+    KT_EQ(rc, 0);
+    KT_EQ(pthread_join(t, NULL), 0);
+    KT_EQ(b.rc, KEEL_ECANCELED);
+    KT_EQ(__atomic_load_n(&b.lksb.lock, __ATOMIC_ACQUIRE), NULL);
+    KT_EQ(keel_unlock(&b.lksb, 0), KEEL_ENOENT);
+    KT_EQ(keel_unlock(&h, 0), 0);
+    KT_EQ(keel_lockspace_release(ls, 0), 0);
+  }
+}
+
+/* A forced release right after an unlock granted a blocked caller, which may
+ * not have left its wait yet: release used to free that lock under it. */
+static void force_release_after_grant(void) {
+  for (int it = 0; it < 50; it++) {
+    keel_lockspace_t *ls = new_ls();
+    keel_lksb_t h = {0};
+    KT_EQ(keel_lock(ls, NAME("blk"), KEEL_LOCK_EX, 0, &h, NULL, NULL, NULL), 0);
+    blocked_t b = {.ls = ls, .rc = 1};
+    pthread_t t;
+    KT_EQ(pthread_create(&t, NULL, blocked_lock, &b), 0);
+    /* Queued once it counts as a sleeper; then sometimes asleep, sometimes not. */
+    while (__atomic_load_n(&ls->sleepers, __ATOMIC_ACQUIRE) == 0) usleep(10);
+    if (it % 2) usleep(500);
+    KT_EQ(keel_unlock(&h, 0), 0); /* grants the blocked caller and wakes it */
+    KT_EQ(keel_lockspace_release(ls, KEEL_LOCKSPACE_FORCE), 0);
+    KT_EQ(pthread_join(t, NULL), 0);
+    /* Granted (its status read before the release overwrote it) or not. */
+    KT_CHECK(b.rc == 0 || b.rc == KEEL_ECANCELED);
+  }
 }
 
 /* Value blocks: written by PW/EX on unlock and on down-conversion, read on
@@ -603,7 +686,9 @@ static void lookup_spare(void) {
 }
 
 KT_MAIN(KT_CASE(compat_matrix), KT_CASE(fifo_no_barging), KT_CASE(conversion_deadlock),
-        KT_CASE(quecvt), KT_CASE(value_blocks), KT_CASE(timeouts_blocking), KT_CASE(timeouts_async),
-        KT_CASE(blocking_wait), KT_CASE(cancel), KT_CASE(convert_flag), KT_CASE(resource_cache),
-        KT_CASE(cache_option), KT_CASE(callbacks_reenter), KT_CASE(sched_callbacks),
-        KT_CASE(mutex_basic), KT_CASE(mutex_stress), KT_CASE(lookup_spare))
+        KT_CASE(quecvt), KT_CASE(quecvt_down), KT_CASE(cancel_blocked_from_thread),
+        KT_CASE(force_release_after_grant), KT_CASE(value_blocks), KT_CASE(timeouts_blocking),
+        KT_CASE(timeouts_async), KT_CASE(blocking_wait), KT_CASE(cancel), KT_CASE(convert_flag),
+        KT_CASE(resource_cache), KT_CASE(cache_option), KT_CASE(callbacks_reenter),
+        KT_CASE(sched_callbacks), KT_CASE(mutex_basic), KT_CASE(mutex_stress),
+        KT_CASE(lookup_spare))

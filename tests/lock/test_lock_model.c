@@ -156,8 +156,17 @@ static int m_request(tlock_t *t, int r, int mode, unsigned flags) {
   return 0;
 }
 
+/* An up-conversion: some mode gets along with the granted one but not with
+ * the requested one (the DLM allows QUECVT only on these). */
+static bool m_up(int gr, int mode) {
+  for (int x = 0; x < KEEL_LOCK_MODES; x++)
+    if (kt_compat[gr][x] && !kt_compat[mode][x]) return true;
+  return false;
+}
+
 static int m_convert(tlock_t *t, int mode, unsigned flags) {
   int r = t->res;
+  if ((flags & KEEL_LOCK_QUECVT) && !m_up(t->gr, mode)) return KEEL_EINVAL;
   if ((!(flags & KEEL_LOCK_QUECVT) || !convq[r].n) && m_compat(r, t->id, mode)) {
     t->rq = mode;
     t->flags = flags;
