@@ -108,9 +108,10 @@ KEEL_INLINE void _keel_free_fast(void *p, const char *call) {
     keel_heap_t *heap = _keel_heap_tls;
     keel_heap_t *owner = keel_load_relaxed(&page->heap);
     keel_block_t *b = p;
+    size_t off = (size_t)((uint8_t *)p - page->start);
     if (keel_likely(owner == heap &&
                     keel_load_acquire(&page->flags) == 0 && /* pairs with a collector's unfull */
-                    _keel_page_is_block_offset(page, (size_t)((uint8_t *)p - page->start)))) {
+                    _keel_page_in_span(page, off) && _keel_page_is_block_offset(page, off))) {
       /* Double free: a block on any list of its page (free, local_free,
        * thread_free) has a link that decodes into its own segment; the slow
        * path confirms by walking the lists. The first word is read and then

@@ -782,7 +782,8 @@ void _keel_free_other(keel_page_t *page, void *p, const char *call) {
   size_t off = (size_t)((uint8_t *)p - page->start);
   /* bsize 0: a large block, a header, a free span: the generic path sorts
    * them out (and dies for the invalid ones). */
-  if (page->bsize == 0 || (uint8_t *)p < page->start || !_keel_page_is_block_offset(page, off)) {
+  if (page->bsize == 0 || !_keel_page_in_span(page, off) ||
+      !_keel_page_is_block_offset(page, off)) {
     _keel_free_generic(p, call);
     return;
   }

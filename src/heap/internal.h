@@ -431,6 +431,15 @@ KEEL_INLINE bool _keel_page_is_block_offset(const keel_page_t *page, size_t off)
   return off * page->div_magic < page->div_magic;
 }
 
+/* Whether offset `off` from page->start (a pointer below start wraps to a
+ * huge one) lies within the page's span. The slice map sends every slice of
+ * a retired large span to whatever page now starts at its first slice, so a
+ * stale pointer far past that page's end can still be a multiple of its
+ * block size: without this bound a second free of it was accepted. */
+KEEL_INLINE bool _keel_page_in_span(const keel_page_t *page, size_t off) {
+  return off < ((size_t)page->slices << KEEL_SLICE_SHIFT);
+}
+
 /* Whether p is a block the page has carved: a page in use (bsize 0 marks a
  * free span or a large block's header), on a block boundary, below the
  * carved end. Reads capacity: the owner's, or a racy hint for others. */

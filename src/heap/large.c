@@ -179,6 +179,10 @@ size_t _keel_huge_usable(const void *p) {
 }
 
 void *_keel_large_alloc(size_t size, size_t align, bool zero) {
+  /* A zero-size block still needs a byte of its own: with an alignment of
+   * 2 MiB or more, size 0 put the pointer one past its own mapping, so
+   * usable_size and free called it invalid. */
+  if (size == 0) size = 1;
   size_t off = KEEL_LARGE_HDR;
   if (align > off) off = align;
   if (align > KEEL_SEGMENT_SIZE / 2) return huge_alloc(size, align); /* zero: fresh mapping */

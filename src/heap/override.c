@@ -95,9 +95,11 @@ KEEL_EXPORT void *aligned_alloc(size_t align, size_t size) {
 }
 
 KEEL_EXPORT void *memalign(size_t align, size_t size) {
-  /* glibc rounds an alignment that is not a power of two up to one. */
+  /* glibc rounds an alignment that is not a power of two up to one, and
+   * refuses (EINVAL) only one above the largest power of two; 2^63 itself
+   * then fails for want of memory (ENOMEM), as there. */
   if (!KEEL_IS_POW2(align)) {
-    if (align > ((size_t)1 << 62)) {
+    if (align > ((size_t)1 << 63)) {
       errno = EINVAL;
       return NULL;
     }

@@ -1048,6 +1048,43 @@ static void double_free_through_delayed_list(void) {
   keel_free(full_blocks);
 }
 
+/* A 100 KB block's span is retired once freed; a new small page then starts
+ * at its first slice, and the slice map sends the stale pointer's slice to
+ * that page, where it is a multiple of the block size but past the page's
+ * span. Its second free used to be accepted and the block handed out again. */
+static void stale_span_free_child(void *arg) {
+  (void)arg;
+  static const size_t sizes[] = {8, 16, 24, 32, 40, 48, 56, 64, 72, 80, 88, 96, 104, 112, 120};
+  void *keep[sizeof(sizes) / sizeof(sizes[0])];
+  for (size_t i = 0; i < sizeof(sizes) / sizeof(sizes[0]); i++) keep[i] = keel_malloc(sizes[i]);
+  char *p1 = keel_malloc(100000), *p2 = keel_malloc(100000);
+  keel_free(p1);
+  keel_free(p2);
+  keel_heap_collect(true);
+  void *s = keel_malloc(128); /* a class not used yet: a new page */
+  (void)s;
+  (void)keep;
+  keel_free(ht_launder(p2));
+}
+
+static void double_free_stale_span(void) {
+  KT_EXPECT_ABORT(stale_span_free_child, NULL, "keel: free: ");
+}
+
+/* Size 0 with an alignment of 256 KiB or more is a real block: it used to
+ * point one past its own mapping (usable size "invalid pointer"). */
+static void aligned_alloc_size_zero(void) {
+  for (size_t align = 256 * KiB; align <= 16 * MiB; align *= 2) {
+    void *p = keel_aligned_alloc(align, 0);
+    KT_REQUIRE(p != NULL);
+    KT_EQ((uintptr_t)p % align, 0);
+    KT_CHECK(keel_usable_size(p) >= 1);
+    void *q = keel_realloc(p, 10);
+    KT_REQUIRE(q != NULL);
+    keel_free(q);
+  }
+}
+
 static void double_free_large(void) {
   void *p = keel_malloc(8 * MiB);
   KT_REQUIRE(p != NULL);
@@ -1121,4 +1158,5 @@ KT_MAIN(KT_CASE(malloc_zero_unique), KT_CASE(free_null), KT_CASE(malloc_alignmen
         KT_CASE(bad_free_foreign_mmap), KT_CASE(bad_realloc_invalid_pointer),
         KT_CASE(double_free_small), KT_CASE(double_free_across_threads),
         KT_CASE(double_free_through_delayed_list), KT_CASE(double_free_large),
+        KT_CASE(double_free_stale_span), KT_CASE(aligned_alloc_size_zero),
         KT_CASE(realloc_after_free_aborts), KT_CASE(realloc_in_place_of_freed_block_aborts))
