@@ -764,15 +764,21 @@ static void free_foreign(keel_page_t *page, keel_block_t *b, const char *call) {
 }
 
 void _keel_check_not_free(keel_page_t *page, void *p, const char *call) {
-  /* Only the owner may read its page's lists (a shared heap's, under its
-   * mutex); another thread's block is checked by its own free later, or
-   * not if it sits on another list. */
+  /* The owner reads its page's lists (a shared heap's, under its mutex);
+   * another thread's page gets the racy walk a remote free makes, since
+   * realloc may return the block in place, where no free of ours follows
+   * to find it (a block freed by its owner came back to life). */
   shared_shard_t *sh = NULL;
+  keel_block_t *b = p;
   if (keel_load_relaxed(&page->heap) != _keel_heap_tls) {
-    if ((sh = shard_of(page)) == NULL) return;
+    if ((sh = shard_of(page)) == NULL) {
+      if (keel_unlikely(_keel_block_maybe_free(page, b)) &&
+          _keel_page_has_free_block_remote(page, b))
+        _keel_die_double_free(call, p);
+      return;
+    }
     pthread_mutex_lock(&sh->lock);
   }
-  keel_block_t *b = p;
   bool freed = _keel_block_maybe_free(page, b) && _keel_page_has_free_block(page, b);
   if (sh != NULL) pthread_mutex_unlock(&sh->lock);
   if (freed) _keel_die_double_free(call, p);

@@ -1071,6 +1071,25 @@ static void double_free_stale_span(void) {
   KT_EXPECT_ABORT(stale_span_free_child, NULL, "keel: free: ");
 }
 
+static void *realloc_in_thread(void *p) {
+  return keel_realloc(p, 40);
+}
+
+/* realloc of a block its owner has freed, from another thread: the in-place
+ * path returned it live while it was still on the owner's free list. */
+static void realloc_freed_from_other_thread_child(void *arg) {
+  (void)arg;
+  void *p = keel_malloc(48);
+  keel_free(p);
+  pthread_t t;
+  if (pthread_create(&t, NULL, realloc_in_thread, ht_launder(p)) != 0) return;
+  pthread_join(t, NULL);
+}
+
+static void realloc_freed_from_other_thread_aborts(void) {
+  KT_EXPECT_ABORT(realloc_freed_from_other_thread_child, NULL, "keel: realloc: double free of");
+}
+
 /* Size 0 with an alignment of 256 KiB or more is a real block: it used to
  * point one past its own mapping (usable size "invalid pointer"). */
 static void aligned_alloc_size_zero(void) {
@@ -1159,4 +1178,5 @@ KT_MAIN(KT_CASE(malloc_zero_unique), KT_CASE(free_null), KT_CASE(malloc_alignmen
         KT_CASE(double_free_small), KT_CASE(double_free_across_threads),
         KT_CASE(double_free_through_delayed_list), KT_CASE(double_free_large),
         KT_CASE(double_free_stale_span), KT_CASE(aligned_alloc_size_zero),
-        KT_CASE(realloc_after_free_aborts), KT_CASE(realloc_in_place_of_freed_block_aborts))
+        KT_CASE(realloc_freed_from_other_thread_aborts), KT_CASE(realloc_after_free_aborts),
+        KT_CASE(realloc_in_place_of_freed_block_aborts))
