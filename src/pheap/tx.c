@@ -518,6 +518,17 @@ static int tx_commit_outer(void) {
      * logs instead. */
     uint64_t chk = 0;
     bool vouched = true, named = true;
+    /* Queued stores into bytes the log vouches for (a snapshot range or a
+     * new object) are made now, before the checksum is taken: made by the
+     * apply after it, they would change vouched-for bytes, and a crash once
+     * they reached the media but before the undo log was emptied would make
+     * recovery take the commit log for a torn one and roll the snapshots
+     * back under the replayed allocation changes. The undo log (or the
+     * object's being new) covers them until the commit is durable. */
+    for (size_t i = 0; i < tx.na; i++)
+      if (tx.acts[i].kind == PH_ACT_SET &&
+          covered((uint64_t)((char *)tx.acts[i].dest - ph->view.base)))
+        *tx.acts[i].dest = tx.acts[i].value;
     for (size_t i = 0; i < tx.nr; i++) {
       uint64_t lo = tx.ranges[i].lo, len = tx.ranges[i].hi - lo;
       _keel_pm_flush(ph, tc, ph->view.base + lo, len, PH_S_TXDATA);
