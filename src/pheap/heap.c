@@ -25,6 +25,7 @@
  * the partial list and the vfree bitmaps of runs of class c. The allocation
  * fast path (tcache pop) takes neither.
  */
+#include <sched.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -95,7 +96,7 @@ static void __run_list(ph_classq_t *q, ph_run_t *r) {
   q->partial = r;
 }
 
-/* Formats a new run for class cls. A checkpoint, then two barriers: header and zeroed bitmap
+/* Formats a new run for class cls. Checkpoints, then two barriers: header and zeroed bitmap
  * first, then the chunk word that makes it a run (a crash in between leaves
  * free chunks with some bytes written, which is harmless). */
 static int run_create(keel_pheap_t *ph, ph_tcache_t *tc, unsigned cls, ph_run_t **out) {
@@ -115,6 +116,14 @@ static int run_create(keel_pheap_t *ph, ph_tcache_t *tc, unsigned cls, ph_run_t 
   if (rc != 0) {
     pthread_mutex_unlock(&ph->lock);
     return rc;
+  }
+  /* A free that gave these chunks back after the checkpoint above drew its
+   * log's seq before we took them (it logs, then gives under ph->lock):
+   * retire it too. Logs in flight need no ph->lock to finish. */
+  uint64_t need = atomic_load(&ph->seq);
+  while (keel_load_acquire(&ph->ckpt_seq) < need) {
+    _keel_ph_checkpoint(ph, tc);
+    if (keel_load_acquire(&ph->ckpt_seq) < need) sched_yield();
   }
   ph_run_hdr_t *h = (ph_run_hdr_t *)(ph->view.base + ph_chunk_off(ph, c));
   *h = (ph_run_hdr_t){

@@ -1067,6 +1067,85 @@ static void test_tx_publish_set_in_range_survives_crash(void) {
   unlink(g_trial);
 }
 
+/* Regression (found by review): a new run checkpointed, then took its
+ * chunks; a large free that finished in between left its log above the
+ * watermark, and the run reused those chunks with no log of its own (the
+ * run word is written unlogged), so recovery replayed the free over it:
+ * the run's chunks came back free and its live object was handed out
+ * again. The checkpoint's first barrier lets another thread free a large
+ * object whose chunks the run then takes; the process ends with no close. */
+static pthread_t g_run_main;
+static bool g_run_armed;
+static pthread_mutex_t g_run_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t g_run_cv = PTHREAD_COND_INITIALIZER;
+static int g_run_go, g_run_done;
+static keel_pheap_t *g_run_ph;
+static root_t *g_run_r;
+
+static void *large_freer(void *arg) {
+  (void)arg;
+  pthread_mutex_lock(&g_run_mu);
+  while (!g_run_go) pthread_cond_wait(&g_run_cv, &g_run_mu);
+  pthread_mutex_unlock(&g_run_mu);
+  keel_pheap_free(g_run_ph, &g_run_r->slot[0]);
+  pthread_mutex_lock(&g_run_mu);
+  g_run_done = 1;
+  pthread_cond_broadcast(&g_run_cv);
+  pthread_mutex_unlock(&g_run_mu);
+  return NULL;
+}
+
+static void run_checkpoint_hook(keel_pheap_t *ph, ph_tcache_t *tc) {
+  (void)ph;
+  (void)tc;
+  if (!g_run_armed || !pthread_equal(pthread_self(), g_run_main)) return;
+  g_run_armed = false; /* the first barrier: inside run_create's checkpoint */
+  pthread_mutex_lock(&g_run_mu);
+  g_run_go = 1;
+  pthread_cond_broadcast(&g_run_cv);
+  while (!g_run_done) pthread_cond_wait(&g_run_cv, &g_run_mu);
+  pthread_mutex_unlock(&g_run_mu);
+}
+
+static void fn_run_after_large_free(void) {
+  g_run_ph = keel_pheap_open(g_trial, LAYOUT);
+  if (g_run_ph == NULL) _exit(3);
+  g_run_r = keel_pheap_root(g_run_ph, sizeof *g_run_r);
+  g_run_main = pthread_self();
+  pthread_t t;
+  pthread_create(&t, NULL, large_freer, NULL);
+  _keel_ph_barrier_hook = run_checkpoint_hook;
+  g_run_armed = true;
+  if (keel_pheap_alloc(g_run_ph, &g_run_r->slot[1], 5000, TYPE) != 0) _exit(4); /* a new run */
+  pthread_join(t, NULL);
+  if (g_run_r->slot[0] != 0 || g_run_armed) _exit(5);
+  _exit(0); /* no close: the next open replays the logs */
+}
+
+static void test_new_run_survives_large_free_replay(void) {
+  tp_path(g_trial, sizeof g_trial, "runfree");
+  keel_pheap_t *ph = keel_pheap_create(g_trial, LAYOUT, KEEL_PHEAP_MIN_SIZE, 0);
+  KT_REQUIRE(ph != NULL);
+  root_t *r = keel_pheap_root(ph, sizeof *r);
+  KT_REQUIRE(keel_pheap_alloc(ph, &r->slot[0], 1 << 20, TYPE) == 0); /* whole chunks */
+  keel_pheap_close(ph);
+  KT_EQ(run_child(fn_run_after_large_free), 0);
+  ph = keel_pheap_open(g_trial, LAYOUT);
+  KT_REQUIRE(ph != NULL);
+  r = keel_pheap_root(ph, sizeof *r);
+  KT_REQUIRE(r->slot[1] != 0);
+  offs_t s = {.n = 0};
+  keel_pheap_foreach(ph, KEEL_PHEAP_ANY_TYPE, collect, &s); /* skips the root */
+  KT_EQ(s.n, 1);
+  KT_CHECK(s.o[0] == r->slot[1]);
+  keel_poff_t again = 0;
+  KT_EQ(keel_pheap_alloc(ph, &again, 5000, TYPE), 0);
+  KT_CHECK(again != r->slot[1]); /* not handed out twice */
+  keel_pheap_close(ph);
+  KT_EQ(keel_pheap_check(g_trial), 0);
+  unlink(g_trial);
+}
+
 KT_MAIN(KT_CASE(test_torn_commit_log_not_replayed_after_recovery_crash),
         KT_CASE(test_crash_points_mmap), KT_CASE(test_crash_points_sim_media),
         KT_CASE(test_mutation_removing_a_flush_fails), KT_CASE(test_store_outside_tx_detected),
@@ -1075,4 +1154,5 @@ KT_MAIN(KT_CASE(test_torn_commit_log_not_replayed_after_recovery_crash),
         KT_CASE(test_tx_alloc_header_survives_older_alloc_log),
         KT_CASE(test_tx_past_chk_budget_keeps_its_stores),
         KT_CASE(test_new_object_body_survives_older_dest_log),
-        KT_CASE(test_tx_publish_set_in_range_survives_crash))
+        KT_CASE(test_tx_publish_set_in_range_survives_crash),
+        KT_CASE(test_new_run_survives_large_free_replay))
