@@ -101,7 +101,7 @@ static uint64_t data_sum(keel_pheap_t *ph, const ph_redo_entry_t *e, size_t n) {
   for (size_t i = 0; i < n; i++) {
     if ((e[i].off_op & 7) != PH_OP_CHK) continue;
     uint64_t off = e[i].off_op & ~(uint64_t)7;
-    if (off + e[i].val > size) return 0; /* cannot match: the data is not there */
+    if (off > size || e[i].val > size - off) return 0; /* cannot match: the data is not there */
     h = _keel_ph_csum(ph->view.base + off, e[i].val, h);
   }
   return h;
@@ -215,7 +215,7 @@ static uint64_t apply_one(keel_pheap_t *ph, ph_tcache_t *tc, const ph_redo_entry
                           bool deferred) {
   uint64_t off = e->off_op & ~(uint64_t)7;
   if ((e->off_op & 7) == PH_OP_CHK || (e->off_op & 7) == PH_OP_COVER) return UINT64_MAX;
-  if (off + 8 > keel_load_relaxed(&ph->size)) return UINT64_MAX; /* defensive */
+  if (off > keel_load_relaxed(&ph->size) - 8) return UINT64_MAX; /* defensive */
   keel_atomic(uint64_t) *w = ATOMIC64(ph->view.base + off);
   switch (e->off_op & 7) {
     case PH_OP_SET:
@@ -376,7 +376,7 @@ void _keel_ph_undo_rollback(keel_pheap_t *ph, ph_tcache_t *tc, ph_undo_t *u) {
   uint64_t size = keel_load_relaxed(&ph->size);
   while (n--) {
     e = v[n];
-    if (e->off + e->len > size || e->off < PH_HDR_BYTES) continue;
+    if (e->off < PH_HDR_BYTES || e->off > size || e->len > size - e->off) continue; /* defensive */
     memcpy(ph->view.base + e->off, e + 1, e->len);
     _keel_pm_flush(ph, tc, ph->view.base + e->off, e->len, PH_S_ROLLBACK);
   }
@@ -412,7 +412,69 @@ static bool overwritten_later(const rec_item_t *items, unsigned n, unsigned i, u
   return false;
 }
 
+/* Whether every entry of a redo log names bytes inside the pool past the
+ * pool header (a store may also name the header's root word). Checksums
+ * catch tearing, not a corrupted or crafted file: an offset near 2^64 would
+ * wrap a plain `off + len` bound and send a store or a checksum read
+ * outside the mapping. */
+static bool redo_in_bounds(uint64_t size, const ph_redo_t *r) {
+  for (size_t k = 0; k < r->n; k++) {
+    uint64_t off = r->e[k].off_op & ~(uint64_t)7;
+    unsigned op = (unsigned)(r->e[k].off_op & 7);
+    if (op == PH_OP_CHK || op == PH_OP_COVER) {
+      if (off < PH_HDR_BYTES || off > size || r->e[k].val > size - off) return false;
+    } else if (off != offsetof(ph_header_t, root_off) && (off < PH_HDR_BYTES || off > size - 8)) {
+      return false;
+    }
+  }
+  return true;
+}
+
+/* The same for an undo log's snapshots, the overflow chain included. */
+static bool undo_in_bounds(keel_pheap_t *ph, const ph_undo_t *u) {
+  uint64_t size = keel_load_relaxed(&ph->size), seq = u->seq, next = u->next, hops = 0, dcap;
+  const uint8_t *data = u->data;
+  const ph_undo_entry_t *e;
+  for (dcap = sizeof u->data; data;) {
+    uint64_t pos = 0;
+    while (_keel_ph_undo_next(data, dcap, seq, &pos, &e))
+      if (e->off < PH_HDR_BYTES || e->off > size || e->len > size - e->off) return false;
+    const ph_undo_ovf_t *b = _keel_ph_undo_ovf(ph, next, seq);
+    if (b == NULL || ++hops > size / PH_OVF_BYTES) break;
+    data = b->data;
+    dcap = PH_OVF_CAP;
+    next = b->next;
+  }
+  return true;
+}
+
+/* Checks every log recovery would act on before it writes anything, so a
+ * rejected pool is left as it was. */
+static int logs_check(keel_pheap_t *ph) {
+  uint64_t w = ph->hdr->ckpt_seq, size = keel_load_relaxed(&ph->size);
+  for (unsigned i = 0; i < PH_NLANES; i++) {
+    ph_lane_t *l = &ph->lanes[i];
+    for (unsigned pos = 0; pos < PH_RING_LINES;) {
+      const ph_redo_t *r = _keel_ph_ring_log(l->ring, pos, w);
+      if (r == NULL) {
+        pos++;
+        continue;
+      }
+      if (!redo_in_bounds(size, r))
+        return _keel_ph_err(KEEL_ECORRUPT, ph->path,
+                            "redo log at line %u of lane %u names bytes outside the pool", pos, i);
+      pos += log_lines(r->n);
+    }
+    if (l->undo->seq != 0 && !undo_in_bounds(ph, l->undo))
+      return _keel_ph_err(KEEL_ECORRUPT, ph->path,
+                          "undo log of lane %u names bytes outside the pool", i);
+  }
+  return 0;
+}
+
 int _keel_ph_recover(keel_pheap_t *ph, ph_tcache_t *tc) {
+  int rc = logs_check(ph);
+  if (rc != 0) return rc;
   uint64_t w = ph->hdr->ckpt_seq, top = w;
   rec_item_t *items = malloc(PH_NLANES * (PH_RING_LINES + 1) * sizeof *items);
   if (items == NULL) keel_die("keel_pheap recovery", "out of memory");

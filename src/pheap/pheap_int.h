@@ -408,7 +408,8 @@ bool _keel_ph_redo_data_ok(keel_pheap_t *ph, const ph_redo_t *r) KEEL_HIDDEN;
  * false otherwise: the caller then needs a barrier before writing the log. */
 bool _keel_ph_chk_add(ph_redo_entry_t *e, size_t *n, size_t cap, uint64_t off, uint64_t len,
                       uint64_t *chk_bytes) KEEL_HIDDEN;
-/* Crash recovery (see log.c). Returns logs processed. */
+/* Crash recovery (see log.c). Returns logs processed, or KEEL_ECORRUPT
+ * (with the pool's error set) for a log naming bytes outside the pool. */
 int _keel_ph_recover(keel_pheap_t *ph, ph_tcache_t *tc) KEEL_HIDDEN;
 /* Undo log entry walk in one segment (the lane's area or an overflow
  * block's data) of `cap` bytes. */

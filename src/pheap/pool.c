@@ -152,7 +152,8 @@ static keel_pheap_t *ph_start(const char *path, int fd, uint64_t size, unsigned 
     rc = _keel_ph_err(KEEL_ENOMEM, path, "out of memory");
     goto fail;
   }
-  ph->recovered = (uint64_t)_keel_ph_recover(ph, tc);
+  if ((rc = _keel_ph_recover(ph, tc)) < 0) goto fail; /* a corrupted log: nothing written */
+  ph->recovered = (uint64_t)rc;
   /* A new epoch: every seq of this session is above every log on media
    * (and above the watermark), so no stale log can ever pass for a new one. */
   ph->hdr->epoch++;

@@ -161,6 +161,70 @@ static void test_bad_version(void) {
   unlink(p);
 }
 
+uint64_t _keel_ph_undo_csum(uint64_t seq, const ph_undo_entry_t *e); /* log.c, for tx.c */
+
+/* Writes a one-entry redo log, valid and above any watermark, at lane 0's
+ * first ring line. */
+static void patch_redo(const char *p, uint64_t off_op, uint64_t val) {
+  struct {
+    ph_redo_t r;
+    ph_redo_entry_t e[1];
+  } l = {{.seq = 1ull << 62, .n = 1}, {{off_op, val}}};
+  uint64_t h = _keel_ph_csum(&l.r, offsetof(ph_redo_t, csum), 0x7265646f);
+  l.r.csum = _keel_ph_csum(l.e, sizeof l.e, h);
+  patch(p, PH_HDR_BYTES, &l, sizeof l);
+}
+
+/* Regression (found by review): a log entry whose offset made `off + 8` or
+ * `off + len` wrap passed the bounds checks, and recovery stored (or read,
+ * or restored a snapshot) outside the mapping: the opener crashed. The
+ * checksums catch tearing, not a corrupted or crafted file; such a log is
+ * now rejected before recovery writes anything. */
+static void test_bad_log_offsets(void) {
+  char p[256];
+  tp_path(p, sizeof p, "badlog");
+  const uint64_t wrap = 0xfffffffffffffff8ull;
+  const struct {
+    uint64_t off_op, val;
+  } bad[] = {
+      {wrap | PH_OP_SET, 1},                     /* off + 8 wraps */
+      {wrap | PH_OP_OR, 1},                      /* the same, another op */
+      {(PH_HDR_BYTES + 64) | PH_OP_CHK, wrap},   /* off + len wraps */
+      {(PH_HDR_BYTES + 64) | PH_OP_COVER, wrap}, /* the same, not checksummed */
+      {8 | PH_OP_SET, 1},                        /* inside the pool header */
+      {KEEL_PHEAP_MIN_SIZE | PH_OP_SET, 1},      /* past the end */
+  };
+  for (size_t i = 0; i < KEEL_ARRAY_SIZE(bad); i++) {
+    make_pool(p);
+    patch_redo(p, bad[i].off_op, bad[i].val);
+    expect_open_fails(p, LAYOUT, KEEL_ECORRUPT, "redo log at line 0 of lane 0");
+    unlink(p);
+  }
+  /* An undo snapshot whose offset wraps. */
+  make_pool(p);
+  struct {
+    ph_undo_entry_t e;
+    uint64_t data[2];
+  } u = {{wrap, 16, 0}, {0, 0}};
+  uint64_t seq = 1ull << 62;
+  u.e.csum = _keel_ph_undo_csum(seq, &u.e);
+  patch(p, PH_HDR_BYTES + PH_REDO_BYTES + offsetof(ph_undo_t, data), &u, sizeof u);
+  patch(p, PH_HDR_BYTES + PH_REDO_BYTES, &seq, 8);
+  expect_open_fails(p, LAYOUT, KEEL_ECORRUPT, "undo log of lane 0");
+  unlink(p);
+  /* The root word is a store target (keel_pheap_root's allocation). */
+  make_pool(p);
+  keel_pheap_t *ph = keel_pheap_open(p, LAYOUT);
+  KT_REQUIRE(ph != NULL);
+  uint64_t root = ph->hdr->root_off;
+  keel_pheap_close(ph);
+  patch_redo(p, offsetof(ph_header_t, root_off) | PH_OP_SET, root);
+  ph = keel_pheap_open(p, LAYOUT);
+  KT_CHECK(ph != NULL);
+  if (ph) keel_pheap_close(ph);
+  unlink(p);
+}
+
 static void test_bad_already_open(void) {
   char p[256];
   tp_path(p, sizeof p, "locked");
@@ -918,8 +982,8 @@ static void test_classes_fragmentation(void) {
 
 KT_MAIN(KT_CASE(test_create_open_close), KT_CASE(test_bad_wrong_layout),
         KT_CASE(test_bad_truncated), KT_CASE(test_bad_corrupt_header),
-        KT_CASE(test_bad_below_minimum), KT_CASE(test_bad_version), KT_CASE(test_bad_already_open),
-        KT_CASE(test_alloc_free_sizes), KT_CASE(test_misuse_aborts),
+        KT_CASE(test_bad_below_minimum), KT_CASE(test_bad_version), KT_CASE(test_bad_log_offsets),
+        KT_CASE(test_bad_already_open), KT_CASE(test_alloc_free_sizes), KT_CASE(test_misuse_aborts),
         KT_CASE(test_reserve_publish_cancel), KT_CASE(test_tx_commit_abort_nested),
         KT_CASE(test_tx_publish_and_zalloc), KT_CASE(test_tx_out_of_space_aborts),
         KT_CASE(test_tx_undo_overflow), KT_CASE(test_tx_undo_overflow_out_of_space),
