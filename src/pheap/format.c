@@ -106,6 +106,12 @@ int _keel_ph_header_check(const ph_header_t *h, const char *path, uint64_t file_
   if (file_size < size)
     return _keel_ph_err(KEEL_ECORRUPT, path, "truncated: file has %llu bytes, pool has %llu",
                         (unsigned long long)file_size, (unsigned long long)size);
+  /* Opening bumps the epoch; past the limit the seqs of new logs would wrap
+   * below the watermark and recovery would ignore them. */
+  if (h->epoch >= PH_EPOCH_LIMIT)
+    return _keel_ph_err(KEEL_ECORRUPT, path,
+                        "epoch %llu has reached the limit of %llu opens (or is corrupted)",
+                        (unsigned long long)h->epoch, (unsigned long long)PH_EPOCH_LIMIT);
   return 0;
 }
 

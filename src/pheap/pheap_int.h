@@ -54,6 +54,9 @@
 #define PH_RUN_HDR        64u
 #define PH_MAX_RUN_CHUNKS 16u
 #define PH_LINE           64u
+/* seq = epoch << 40 | counter must not wrap: a pool whose epoch has reached
+ * this (after 2^24 - 1 opens, or corrupted) is not opened. */
+#define PH_EPOCH_LIMIT    ((1ull << 24) - 1)
 
 /* Chunk word: type in the top byte, length in chunks in the low 32 bits. */
 #define PH_CW_FREE       0u

@@ -225,6 +225,27 @@ static void test_bad_log_offsets(void) {
   unlink(p);
 }
 
+/* Regression (found by review): seq = epoch << 40 wrapped once the epoch,
+ * bumped at every open, reached 2^24: new logs fell below the watermark
+ * and recovery ignored them (an allocation that had returned was lost). A
+ * pool at the limit, or with a corrupted epoch, is refused. */
+static void test_bad_epoch(void) {
+  char p[256];
+  make_pool(tp_path(p, sizeof p, "epoch"));
+  uint64_t e = PH_EPOCH_LIMIT - 1; /* one open left */
+  patch(p, offsetof(ph_header_t, epoch), &e, 8);
+  keel_pheap_t *ph = keel_pheap_open(p, LAYOUT);
+  KT_REQUIRE(ph != NULL);
+  KT_EQ(ph->hdr->epoch, PH_EPOCH_LIMIT);
+  keel_pheap_close(ph);
+  expect_open_fails(p, LAYOUT, KEEL_ECORRUPT, "epoch 16777215 has reached the limit");
+  KT_EQ(keel_pheap_check(p), KEEL_ECORRUPT);
+  e = 0x5a5a5a5a5a5a5a5aull; /* corrupted */
+  patch(p, offsetof(ph_header_t, epoch), &e, 8);
+  expect_open_fails(p, LAYOUT, KEEL_ECORRUPT, "epoch 6510615555426900570");
+  unlink(p);
+}
+
 static void test_bad_already_open(void) {
   char p[256];
   tp_path(p, sizeof p, "locked");
@@ -983,11 +1004,12 @@ static void test_classes_fragmentation(void) {
 KT_MAIN(KT_CASE(test_create_open_close), KT_CASE(test_bad_wrong_layout),
         KT_CASE(test_bad_truncated), KT_CASE(test_bad_corrupt_header),
         KT_CASE(test_bad_below_minimum), KT_CASE(test_bad_version), KT_CASE(test_bad_log_offsets),
-        KT_CASE(test_bad_already_open), KT_CASE(test_alloc_free_sizes), KT_CASE(test_misuse_aborts),
-        KT_CASE(test_reserve_publish_cancel), KT_CASE(test_tx_commit_abort_nested),
-        KT_CASE(test_tx_publish_and_zalloc), KT_CASE(test_tx_out_of_space_aborts),
-        KT_CASE(test_tx_undo_overflow), KT_CASE(test_tx_undo_overflow_out_of_space),
-        KT_CASE(test_lazy_rebuild_on_open), KT_CASE(test_deferred_checkpoints),
-        KT_CASE(test_deferrer_on_sched_cancelled), KT_CASE(test_full_pool_free_never_fails),
-        KT_CASE(test_grow), KT_CASE(test_barrier_counts), KT_CASE(test_check_detects_corruption),
-        KT_CASE(test_stress_threads), KT_CASE(test_classes_fragmentation))
+        KT_CASE(test_bad_epoch), KT_CASE(test_bad_already_open), KT_CASE(test_alloc_free_sizes),
+        KT_CASE(test_misuse_aborts), KT_CASE(test_reserve_publish_cancel),
+        KT_CASE(test_tx_commit_abort_nested), KT_CASE(test_tx_publish_and_zalloc),
+        KT_CASE(test_tx_out_of_space_aborts), KT_CASE(test_tx_undo_overflow),
+        KT_CASE(test_tx_undo_overflow_out_of_space), KT_CASE(test_lazy_rebuild_on_open),
+        KT_CASE(test_deferred_checkpoints), KT_CASE(test_deferrer_on_sched_cancelled),
+        KT_CASE(test_full_pool_free_never_fails), KT_CASE(test_grow), KT_CASE(test_barrier_counts),
+        KT_CASE(test_check_detects_corruption), KT_CASE(test_stress_threads),
+        KT_CASE(test_classes_fragmentation))
