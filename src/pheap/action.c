@@ -144,6 +144,13 @@ long _keel_ph_acts_entries(keel_pheap_t *ph, const keel_pheap_act_t *acts, size_
         k += _keel_ph_publish_entries(ph, (int)acts[i].cls, acts[i].off, e + k);
         break;
       case PH_ACT_FREE:
+        /* The block is still allocated until the log is applied, so the
+         * live check of defer_free passes twice; given back twice, it would
+         * be handed out twice. */
+        for (size_t j = 0; j < i; j++)
+          if (acts[j].kind == PH_ACT_FREE && acts[j].off == acts[i].off)
+            keel_die("keel_pheap_publish", "offset 0x%llx is freed twice in one publish of %s",
+                     (unsigned long long)acts[i].off, ph->path);
         e[k++] = _keel_ph_mark(ph, (int)acts[i].cls, acts[i].off, false);
         break;
       case PH_ACT_SET:

@@ -388,6 +388,12 @@ int keel_tx_free(keel_poff_t off) {
     tx.news[i] = tx.news[--tx.nn];
     return 0;
   }
+  /* The block stays allocated until commit, so the live check passes
+   * twice (commit would also catch it, later and under another name). */
+  for (size_t i = 0; i < tx.na; i++)
+    if (tx.acts[i].kind == PH_ACT_FREE && tx.acts[i].off == off)
+      keel_die("keel_tx_free", "offset 0x%llx is freed twice in one transaction on %s",
+               (unsigned long long)off, tx.ph->path);
   if (grow((void **)&tx.acts, &tx.acap, tx.na + 1, sizeof *tx.acts)) return tx_fail(KEEL_ENOMEM);
   keel_pheap_defer_free(tx.ph, &tx.acts[tx.na++], off);
   return 0;

@@ -322,11 +322,40 @@ static void bad_offset_child(void *arg) {
   keel_pheap_free(ph, &bogus);
 }
 
+/* Regression (found by review): the block stays allocated until the commit
+ * or publish, so freeing it twice in one passed the live check and the
+ * block was given back twice (two later allocations shared it). */
+static void tx_double_free_child(void *arg) {
+  keel_pheap_t *ph = keel_pheap_open(arg, LAYOUT);
+  root_t *r = keel_pheap_root(ph, sizeof *r);
+  keel_pheap_alloc(ph, &r->slot[3], 200, 1);
+  keel_tx_begin(ph);
+  keel_tx_free(r->slot[3]);
+  keel_tx_free(r->slot[3]);
+}
+
+static void publish_double_free_child(void *arg) {
+  keel_pheap_t *ph = keel_pheap_open(arg, LAYOUT);
+  root_t *r = keel_pheap_root(ph, sizeof *r);
+  keel_pheap_act_t a[3];
+  keel_pheap_alloc(ph, &r->slot[3], 200, 1);
+  keel_pheap_defer_free(ph, &a[0], r->slot[3]);
+  keel_pheap_set_value(ph, &a[1], &r->slot[3], 0);
+  keel_pheap_defer_free(ph, &a[2], r->slot[3]);
+  keel_pheap_publish(ph, a, 3);
+}
+
 static void test_misuse_aborts(void) {
   char p[256];
   make_pool(tp_path(p, sizeof p, "misuse"));
   KT_EXPECT_ABORT(double_free_child, p, "keel_pheap_free: offset");
   KT_EXPECT_ABORT(bad_offset_child, p, "is not a live object");
+  KT_EXPECT_ABORT(tx_double_free_child, p, "keel_tx_free: offset");
+  KT_EXPECT_ABORT(tx_double_free_child, p, "freed twice in one transaction");
+  KT_EXPECT_ABORT(publish_double_free_child, p, "keel_pheap_publish: offset");
+  KT_EXPECT_ABORT(publish_double_free_child, p, "freed twice in one publish");
+  /* The children died before committing anything: the pool is intact. */
+  KT_EQ(keel_pheap_check(p), 0);
   unlink(p);
 }
 
