@@ -146,7 +146,8 @@ KEEL_API int keel_sched_shutdown(int how);
 
 /* A fairness domain (e.g. one per connection). create: NULL + errno ENOMEM
  * or ESHUTDOWN; allocates. destroy: KEEL_EBUSY while any of its jobs is
- * queued (cancel or let them run first); takes the dispatch mutex. */
+ * queued or timed (keel_sched_after, not yet fired: cancel or let them run
+ * first); takes the dispatch mutex. */
 KEEL_API keel_sched_client_t *keel_sched_client_create(void);
 KEEL_API int keel_sched_client_destroy(keel_sched_client_t *client);
 

@@ -39,6 +39,7 @@ static void client_init(struct keel_sched_client *c) {
     c->n[p] = c->used[p] = 0;
     c->in_ring[p] = false;
   }
+  atomic_init(&c->ntimers, 0);
 }
 
 /* Resets the dispatch state; no worker exists and no job is queued. */
@@ -270,6 +271,10 @@ int keel_sched_client_destroy(keel_sched_client_t *c) {
   int busy = 0;
   pthread_mutex_lock(&s->lock);
   if (atomic_load(&s->state) != SCHED_UNINIT) {
+    /* Its timers, read before the flatten: one that fired and is no longer
+     * counted here was enqueued first (acquire), so the flatten sorts it
+     * onto c's lists and n[] counts it. */
+    busy = keel_load_acquire(&c->ntimers) != 0;
     while (__keel_sched_flatten()) { /* its jobs may sit in staging */
       pthread_mutex_unlock(&s->lock);
       sched_yield();

@@ -53,6 +53,11 @@ struct keel_sched_client {
   uint32_t n[PRIO_COUNT];
   uint32_t used[PRIO_COUNT]; /* dispatches in the current turn */
   bool in_ring[PRIO_COUNT];
+  /* Its jobs in a timer heap, or just fired and not yet enqueued: no list
+   * of the client holds them, so destroy counts them here. Incremented when
+   * armed, decremented when cancelled or (release) once fired and enqueued,
+   * where a flatten can find it. */
+  keel_atomic(uint32_t) ntimers;
 };
 
 /* One priority level: the clients with queued jobs, served round-robin. */

@@ -92,6 +92,12 @@ static void publish_min(sched_worker_t *w) {
   atomic_store(&w->next_deadline, w->nheap ? w->heap[0]->_t : UINT64_MAX);
 }
 
+/* A timer of client c left its heap without being enqueued (cancelled).
+ * Relaxed: every caller holds sched.lock, as client_destroy does. */
+static void client_untimed(struct keel_sched_client *c) {
+  if (c != NULL) keel_fetch_sub_relaxed(&c->ntimers, 1);
+}
+
 /* Submits every job of w's heap whose deadline has passed, earliest first. */
 void _keel_sched_timers_fire(sched_worker_t *w, uint64_t now) {
   pthread_mutex_lock(&w->tlock);
@@ -99,8 +105,13 @@ void _keel_sched_timers_fire(sched_worker_t *w, uint64_t now) {
     keel_job_t *job = w->heap[0];
     heap_remove(w, 0);
     bool fast = _keel_sched_fast_lane(job);
-    _keel_job_set_state(job, JOB_QUEUED);     /* counted as submitted when armed */
-    _keel_sched_enqueue(job, fast, w->shard); /* not the caller's: see sched_worker_t */
+    struct keel_sched_client *c = job->client; /* once enqueued, job may run and be freed */
+    _keel_job_set_state(job, JOB_QUEUED);      /* counted as submitted when armed */
+    _keel_sched_enqueue(job, fast, w->shard);  /* not the caller's: see sched_worker_t */
+    /* Only now (without sched.lock): before the enqueue no flatten could
+     * find the job, so client_destroy would free c under place(). Release:
+     * whoever reads the count without this timer sees the job enqueued. */
+    if (c != NULL) atomic_fetch_sub_explicit(&c->ntimers, 1, memory_order_release);
   }
   publish_min(w);
   pthread_mutex_unlock(&w->tlock);
@@ -111,6 +122,7 @@ unsigned _keel_sched_timers_cancel_all(sched_worker_t *w, struct cds_list_head *
   pthread_mutex_lock(&w->tlock);
   unsigned n = w->nheap;
   for (uint32_t i = 0; i < w->nheap; i++) {
+    client_untimed(w->heap[i]->client);
     _keel_job_set_state(w->heap[i], JOB_CANCELLING); /* before _l is reused */
     cds_list_add_tail(_keel_job_link(w->heap[i]), out);
   }
@@ -124,11 +136,12 @@ unsigned _keel_sched_timers_cancel_all(sched_worker_t *w, struct cds_list_head *
 /* A retiring worker's heap goes to `heir`: each entry keeps its deadline and
  * is re-pushed, so the heir fires them with its own in one deadline order
  * (the entries of one heap never split: timers armed together stay in
- * order). Caller holds sched.lock, which keel_sched_after and cancel also
- * hold while they pick or follow an owner (job->_l[0]), so neither sees a
- * timer between heaps. Only this path holds two tlocks; sched.lock
- * serialises it, so their order (w's first) cannot deadlock. 0, or
- * KEEL_ENOMEM with both heaps unchanged (w then stays). */
+ * order), and stays counted in its client's ntimers. Caller holds
+ * sched.lock, which keel_sched_after and cancel also hold while they pick or
+ * follow an owner (job->_l[0]), so neither sees a timer between heaps. Only
+ * this path holds two tlocks; sched.lock serialises it, so their order (w's
+ * first) cannot deadlock. 0, or KEEL_ENOMEM with both heaps unchanged (w
+ * then stays). */
 int __keel_sched_timers_hand_over(sched_worker_t *w, sched_worker_t *heir) {
   KEEL_ASSERT(w != heir);
   pthread_mutex_lock(&w->tlock);
@@ -158,6 +171,7 @@ int _keel_sched_timer_cancel(keel_job_t *job) {
   if (_keel_job_state(job) == JOB_TIMER && job->_l[0] == w) {
     heap_remove(w, slot_of(job));
     publish_min(w);
+    client_untimed(job->client);
     _keel_job_set_state(job, JOB_CANCELLING);
     rc = 0;
   }
@@ -190,6 +204,8 @@ static int arm(keel_job_t *job, uint64_t deadline, sched_worker_t **owner, bool 
   if (rc == 0) {
     *earliest = w->heap[0] == job;
     publish_min(w);
+    /* Under sched.lock, as client_destroy's look. */
+    if (job->client != NULL) keel_fetch_add_relaxed(&job->client->ntimers, 1);
     /* Counted under sched.lock, which orders it before shutdown's look. */
     _keel_sched_count_submit(&_keel_sched_me, _keel_job_prio(job));
   } else {

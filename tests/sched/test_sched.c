@@ -786,6 +786,45 @@ static void queued_prio_counts(void) {
   KT_EQ(keel_sched_shutdown(KEEL_SCHED_DRAIN), 0);
 }
 
+/* A client's timed jobs keep it alive: keel_sched_after's job sits in a
+ * timer heap, on none of the client's lists, and place() writes into the
+ * client when the timer fires (destroy freed it: a use after free). Busy
+ * until the job has run, been cancelled, or been cancelled by a shutdown. */
+static bool runs_1(void *a) {
+  return atomic_load(&((tjob_t *)a)->runs) == 1;
+}
+static void client_destroy_timed(void) {
+  start(1, 1, 1000, 20); /* one worker fires the timer and runs the job itself */
+  keel_sched_client_t *c = keel_sched_client_create();
+  KT_REQUIRE(c != NULL);
+  tjob_t t;
+  tjob_init(&t, 0, 0);
+  t.job.client = c;
+  KT_EQ(keel_sched_after(&t.job, 30), 0);
+  KT_EQ(keel_sched_client_destroy(c), KEEL_EBUSY);
+  KT_CHECK(wait_for(runs_1, &t, 10));
+  KT_EQ(keel_sched_client_destroy(c), 0);
+
+  c = keel_sched_client_create(); /* cancelled */
+  KT_REQUIRE(c != NULL);
+  tjob_init(&t, 1, KEEL_JOB_LOW);
+  t.job.client = c;
+  KT_EQ(keel_sched_after(&t.job, 600000), 0);
+  KT_EQ(keel_sched_client_destroy(c), KEEL_EBUSY);
+  KT_EQ(keel_sched_cancel(&t.job), 0);
+  KT_EQ(keel_sched_client_destroy(c), 0);
+
+  c = keel_sched_client_create(); /* cancelled by a shutdown */
+  KT_REQUIRE(c != NULL);
+  tjob_init(&t, 2, KEEL_JOB_HIGH);
+  t.job.client = c;
+  KT_EQ(keel_sched_after(&t.job, 600000), 0);
+  KT_EQ(keel_sched_client_destroy(c), KEEL_EBUSY);
+  KT_EQ(keel_sched_shutdown(KEEL_SCHED_DRAIN), 0);
+  KT_EQ(atomic_load(&t.cancels), 1);
+  KT_EQ(keel_sched_client_destroy(c), 0);
+}
+
 KT_MAIN(KT_CASE(lazy_init), KT_CASE(bad_input), KT_CASE(submit_after_shutdown),
         KT_CASE(resubmit_queued), KT_CASE(shutdown_from_job), KT_CASE(shutdown_from_cancel),
         KT_CASE(cancel_queued_and_running), KT_CASE(cancel_timer), KT_CASE(shutdown_drains),
@@ -793,4 +832,4 @@ KT_MAIN(KT_CASE(lazy_init), KT_CASE(bad_input), KT_CASE(submit_after_shutdown),
         KT_CASE(timers_in_order), KT_CASE(grow_long_jobs), KT_CASE(grow_blocking_jobs),
         KT_CASE(run_convenience), KT_CASE(resubmit_from_inside), KT_CASE(timer_of_stuck_worker),
         KT_CASE(one_wakeup_per_burst), KT_CASE(stats_counts), KT_CASE(drain_grows_pool),
-        KT_CASE(timers_move_on_retire), KT_CASE(queued_prio_counts))
+        KT_CASE(timers_move_on_retire), KT_CASE(queued_prio_counts), KT_CASE(client_destroy_timed))
