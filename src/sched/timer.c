@@ -17,6 +17,7 @@
  * array grows by doubling (the only allocation in sched besides threads,
  * clients and keel_sched_run).
  */
+#include <sched.h>
 #include <stdlib.h>
 
 #include "base/clock.h"
@@ -179,9 +180,17 @@ int _keel_sched_timer_cancel(keel_job_t *job) {
   return rc;
 }
 
+/* The worker whose heap takes a new timer, or NULL if sched.workers is
+ * empty. It can be while RUNNING: init publishes RUNNING before its first
+ * spawn puts a worker on the list, and a spawn whose pthread_create fails
+ * takes its worker off again before init's stop() leaves RUNNING. Storing
+ * RUNNING after the first spawn would not close the second window (nor could
+ * that spawn pass __may_spawn, which wants RUNNING), so the empty list is
+ * handled here, where it is read, and keel_sched_after retries. */
 static sched_worker_t *timer_owner(void) {
   sched_t *s = &_keel_sched;
   if (_keel_sched_self != NULL) return _keel_sched_self;
+  if (cds_list_empty(&s->workers)) return NULL;
   sched_worker_t *w = cds_list_first_entry(&s->workers, sched_worker_t, link);
   _keel_list_move_tail(&w->link, &s->workers);
   return w;
@@ -197,6 +206,10 @@ static int arm(keel_job_t *job, uint64_t deadline, sched_worker_t **owner, bool 
                                    __ATOMIC_ACQUIRE))
     return KEEL_EBUSY;
   sched_worker_t *w = timer_owner();
+  if (w == NULL) {
+    _keel_job_set_state(job, JOB_IDLE); /* not armed: still the caller's */
+    return KEEL_EAGAIN;
+  }
   pthread_mutex_lock(&w->tlock);
   job->_t = deadline;
   job->_l[0] = w;
@@ -231,8 +244,17 @@ int keel_sched_after(keel_job_t *job, uint64_t ms) {
   uint64_t deadline = keel_clock_ns() + ms * 1000000u;
   sched_worker_t *w = NULL;
   bool earliest = false;
-  pthread_mutex_lock(&_keel_sched.lock);
-  int rc = arm(job, deadline, &w, &earliest);
+  int rc;
+  for (;;) {
+    pthread_mutex_lock(&_keel_sched.lock);
+    rc = arm(job, deadline, &w, &earliest);
+    if (rc != KEEL_EAGAIN) break;
+    /* RUNNING with no worker listed yet: init is between its state store
+     * and its first spawn (which needs sched.lock), or about to stop after
+     * a failed one (then arm says KEEL_ESHUTDOWN). Either ends soon. */
+    pthread_mutex_unlock(&_keel_sched.lock);
+    sched_yield();
+  }
   /* Under the lock: once it is released, w may retire (handing the timer
    * on) and be freed. */
   if (rc == 0 && earliest && w != _keel_sched_self) _keel_sched_kick_worker(w);

@@ -307,5 +307,64 @@ static void timers_retire_churn(void) {
   free(ps);
 }
 
+/* keel_sched_after racing a re-init: init publishes RUNNING before its
+ * first worker is on sched.workers, and keel_sched_after took the first
+ * entry of that empty list (its head, as a worker): memory corrupted, the
+ * next shutdown hung. Armers time their jobs (some due within the
+ * iteration, some never) while the main thread shuts down and re-inits;
+ * every accepted timer must run or be cancelled with notice, and the
+ * client's count of timers must be back at 0. */
+static atomic_int reinit_stop;
+static keel_sched_client_t *reinit_client;
+static void *rearmer_main(void *arg) {
+  producer_t *p = arg;
+  uint64_t seed = (uint64_t)p->index * 104729 + 3;
+  while (!atomic_load(&reinit_stop)) {
+    uint64_t r = xs(&seed);
+    sjob_t *s = &p->jobs[r % JOBS_PER_PRODUCER];
+    atomic_fetch_add(&s->accepted, 1);
+    int rc = keel_sched_after(&s->job, (r >> 8) % 2 ? 1 : 600000);
+    if (rc != 0) atomic_fetch_sub(&s->accepted, 1);
+    KT_CHECK(rc == 0 || rc == KEEL_EBUSY || rc == KEEL_ESHUTDOWN);
+    if (rc == KEEL_ESHUTDOWN) sched_yield(); /* let the re-init in */
+  }
+  return NULL;
+}
+
+static void after_reinit_race(void) {
+  enum { NARM = 4 };
+  enum { REINITS = 300 }; /* not scaled: each is short, and the window is hit rarely */
+  keel_sched_shutdown(KEEL_SCHED_DRAIN);
+  keel_sched_config_t cfg = {1, 2, 1000, 20};
+  KT_REQUIRE(keel_sched_init(&cfg) == 0);
+  KT_REQUIRE((reinit_client = keel_sched_client_create()) != NULL);
+  producer_t *ps = calloc(NARM, sizeof(*ps));
+  KT_REQUIRE(ps != NULL);
+  atomic_store(&reinit_stop, 0);
+  for (int i = 0; i < NARM; i++) {
+    ps[i].index = i;
+    for (int j = 0; j < JOBS_PER_PRODUCER; j++) {
+      keel_job_init(&ps[i].jobs[j].job, sjob_fn, j % 3 == 0 ? KEEL_JOB_LOW : 0);
+      ps[i].jobs[j].job.on_cancel = sjob_cancel;
+      ps[i].jobs[j].job.client = j % 2 ? reinit_client : NULL;
+    }
+    pthread_create(&ps[i].th, NULL, rearmer_main, &ps[i]);
+  }
+  for (long i = 0; i < REINITS; i++) {
+    KT_EQ(keel_sched_shutdown(i % 2 ? KEEL_SCHED_CANCEL : KEEL_SCHED_DRAIN), 0);
+    KT_EQ(keel_sched_init(&cfg), 0);
+    if (i % 8 == 0) { /* now and then a pool that lives long enough to fire timers */
+      struct timespec ts = {0, 2000000};
+      nanosleep(&ts, NULL);
+    }
+  }
+  atomic_store(&reinit_stop, 1);
+  for (int i = 0; i < NARM; i++) pthread_join(ps[i].th, NULL);
+  KT_EQ(keel_sched_shutdown(KEEL_SCHED_CANCEL), 0);
+  check_jobs(ps, NARM);
+  KT_EQ(keel_sched_client_destroy(reinit_client), 0);
+  free(ps);
+}
+
 KT_MAIN(KT_CASE(stress_drain), KT_CASE(stress_cancel), KT_CASE(shutdown_race),
-        KT_CASE(timers_retire_churn))
+        KT_CASE(timers_retire_churn), KT_CASE(after_reinit_race))
