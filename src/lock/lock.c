@@ -218,10 +218,11 @@ int keel_unlock(keel_lksb_t *lksb, unsigned flags) {
     /* A request with no AST has its caller blocked in wait_blocking (or on
      * its way there), which frees a cancelled new request itself: freeing it
      * here too would be a double free, and clearing lksb->lock would race
-     * with it. Read under the mutex: after it, lkb may be gone. */
-    bool waiter = lkb->ast == NULL;
+     * with it. Both read before the cancel: its wake-up lets the waiter
+     * free lkb at once, even while we still hold the mutex. A cancelled new
+     * request leaves every queue; a cancelled conversion keeps its grant. */
+    bool waiter = lkb->ast == NULL, gone = lkb->queue == KEEL_Q_WAIT, last = false;
     __keel_res_cancel(res, lkb, KEEL_ECANCELED, &d);
-    bool gone = lkb->queue == KEEL_Q_NONE, last = false;
     if (gone) {
       if (!waiter) _keel_lksb_set_lock(lksb, NULL); /* before the AST sees it */
       last = __keel_dir_detach(res);
