@@ -25,7 +25,6 @@
  * the partial list and the vfree bitmaps of runs of class c. The allocation
  * fast path (tcache pop) takes neither.
  */
-#include <sched.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -120,11 +119,7 @@ static int run_create(keel_pheap_t *ph, ph_tcache_t *tc, unsigned cls, ph_run_t 
   /* A free that gave these chunks back after the checkpoint above drew its
    * log's seq before we took them (it logs, then gives under ph->lock):
    * retire it too. Logs in flight need no ph->lock to finish. */
-  uint64_t need = atomic_load(&ph->seq);
-  while (keel_load_acquire(&ph->ckpt_seq) < need) {
-    _keel_ph_checkpoint(ph, tc);
-    if (keel_load_acquire(&ph->ckpt_seq) < need) sched_yield();
-  }
+  _keel_ph_checkpoint_past(ph, tc, atomic_load(&ph->seq));
   ph_run_hdr_t *h = (ph_run_hdr_t *)(ph->view.base + ph_chunk_off(ph, c));
   *h = (ph_run_hdr_t){
       .block = k->block, .nblocks = k->nblocks, .data_off = k->data_off, .magic = PH_RUN_MAGIC};

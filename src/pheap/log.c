@@ -140,11 +140,7 @@ uint64_t _keel_ph_log_write(keel_pheap_t *ph, ph_tcache_t *tc, ph_lane_t *l, uin
   if (l->ring_pos + lines > limit) {
     /* Reuse the ring only once the watermark covers every log in it, so no
      * log above the watermark is ever overwritten (see the file comment). */
-    uint64_t need = keel_load_relaxed(&l->ring_max_seq);
-    while (keel_load_acquire(&ph->ckpt_seq) < need) {
-      _keel_ph_checkpoint(ph, tc);
-      if (keel_load_acquire(&ph->ckpt_seq) < need) sched_yield();
-    }
+    _keel_ph_checkpoint_past(ph, tc, keel_load_relaxed(&l->ring_max_seq));
     l->ring_pos = 0;
   }
   /* Announce a lower bound of our seq before drawing it: the checkpoint
@@ -286,6 +282,15 @@ void _keel_ph_checkpoint(keel_pheap_t *ph, ph_tcache_t *tc) {
     keel_store_release(&ph->ckpt_seq, w);
   }
   pthread_mutex_unlock(&ph->ckpt_lock);
+}
+
+void _keel_ph_checkpoint_past(keel_pheap_t *ph, ph_tcache_t *tc, uint64_t need) {
+  while (keel_load_acquire(&ph->ckpt_seq) < need) {
+    _keel_ph_checkpoint(ph, tc);
+    /* Still short: a log at or below `need` is in flight on another lane;
+     * let its thread finish it. */
+    if (keel_load_acquire(&ph->ckpt_seq) < need) sched_yield();
+  }
 }
 
 /* The deferred job: a checkpoint with the worker thread's own cache. */

@@ -405,6 +405,9 @@ bool _keel_ph_deferred(keel_pheap_t *ph) KEEL_HIDDEN;
 void _keel_ph_checkpoint_soon(keel_pheap_t *ph) KEEL_HIDDEN;
 /* Flushes every deferred line and raises the durable watermark (2 barriers). */
 void _keel_ph_checkpoint(keel_pheap_t *ph, ph_tcache_t *tc) KEEL_HIDDEN;
+/* Checkpoints (yielding between tries) until the watermark is at least `need`:
+ * every log up to that seq then has its effects durable. */
+void _keel_ph_checkpoint_past(keel_pheap_t *ph, ph_tcache_t *tc, uint64_t need) KEEL_HIDDEN;
 /* True if the data named by a log's CHK entries still matches its dsum. */
 bool _keel_ph_redo_data_ok(keel_pheap_t *ph, const ph_redo_t *r) KEEL_HIDDEN;
 /* Appends a CHK entry for [off, off+len) if the budget (*chk_bytes) allows;

@@ -44,7 +44,6 @@
  * the lane kept the block).
  */
 #define _GNU_SOURCE
-#include <sched.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
@@ -227,11 +226,7 @@ static int ovf_take(keel_poff_t *off) {
   /* Every log that could name the block was drawn before we took it (its
    * free returned first); seq_cst: read after the take. Our lane is not in
    * flight, so the checkpoints below do not wait on us. */
-  uint64_t need = atomic_load(&ph->seq);
-  while (keel_load_acquire(&ph->ckpt_seq) < need) {
-    _keel_ph_checkpoint(ph, tx.tc);
-    if (keel_load_acquire(&ph->ckpt_seq) < need) sched_yield();
-  }
+  _keel_ph_checkpoint_past(ph, tx.tc, atomic_load(&ph->seq));
   return 0;
 }
 
