@@ -146,13 +146,26 @@ static int check_file(const char *path, walk_t *w, void **map, uint64_t *maplen)
       w->base = p;
       w->h = p;
       w->nchunks = _keel_ph_chunks_for(h.heap_off, w->size);
-      for (unsigned i = 0; i < PH_NLANES; i++) {
+      for (unsigned i = 0; i < PH_NLANES && rc == 0; i++) {
         const char *l = w->base + h.lanes_off + i * PH_LANE_BYTES;
-        for (unsigned pos = 0; pos < PH_RING_LINES; pos++)
-          if (_keel_ph_ring_log(l, pos, h.ckpt_seq)) w->pending_logs++;
-        if (((const ph_undo_t *)(l + PH_REDO_BYTES))->seq) w->pending_logs++;
+        uint64_t useq = ((const ph_undo_t *)(l + PH_REDO_BYTES))->seq;
+        for (unsigned pos = 0; pos < PH_RING_LINES && rc == 0; pos++) {
+          const ph_redo_t *r = _keel_ph_ring_log(l, pos, h.ckpt_seq);
+          if (r == NULL) continue;
+          w->pending_logs++;
+          if ((r->seq >> 40) > h.epoch) /* as open's recovery refuses it (log.c) */
+            rc = _keel_ph_err(KEEL_ECORRUPT, path,
+                              "redo log at line %u of lane %u has seq %#llx, beyond the pool's "
+                              "epoch %llu",
+                              pos, i, (unsigned long long)r->seq, (unsigned long long)h.epoch);
+        }
+        if (useq != 0) w->pending_logs++;
+        if (rc == 0 && (useq >> 40) > h.epoch)
+          rc = _keel_ph_err(KEEL_ECORRUPT, path,
+                            "undo log of lane %u has seq %#llx, beyond the pool's epoch %llu", i,
+                            (unsigned long long)useq, (unsigned long long)h.epoch);
       }
-      rc = walk_heap(w, path);
+      if (rc == 0) rc = walk_heap(w, path);
     }
   }
   close(fd);

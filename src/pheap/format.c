@@ -112,6 +112,13 @@ int _keel_ph_header_check(const ph_header_t *h, const char *path, uint64_t file_
     return _keel_ph_err(KEEL_ECORRUPT, path,
                         "epoch %llu has reached the limit of %llu opens (or is corrupted)",
                         (unsigned long long)h->epoch, (unsigned long long)PH_EPOCH_LIMIT);
+  /* Every seq the pool ever drew is below (epoch + 1) << 40 (open persists
+   * the bump before the session's first log), so a watermark above that is
+   * corrupt; trusted, it would hide the logs the next sessions write. */
+  if ((h->ckpt_seq >> 40) > h->epoch)
+    return _keel_ph_err(KEEL_ECORRUPT, path,
+                        "checkpoint watermark %#llx is beyond the pool's epoch %llu (corrupted)",
+                        (unsigned long long)h->ckpt_seq, (unsigned long long)h->epoch);
   return 0;
 }
 

@@ -465,11 +465,23 @@ static int logs_check(keel_pheap_t *ph) {
         pos++;
         continue;
       }
+      /* Recovery raises the watermark to the highest seq it replays: one
+       * from a later epoch than the pool's would put the watermark above
+       * every seq of the sessions to come. */
+      if ((r->seq >> 40) > ph->hdr->epoch)
+        return _keel_ph_err(KEEL_ECORRUPT, ph->path,
+                            "redo log at line %u of lane %u has seq %#llx, beyond the pool's "
+                            "epoch %llu",
+                            pos, i, (unsigned long long)r->seq, (unsigned long long)ph->hdr->epoch);
       if (!redo_in_bounds(size, r))
         return _keel_ph_err(KEEL_ECORRUPT, ph->path,
                             "redo log at line %u of lane %u names bytes outside the pool", pos, i);
       pos += log_lines(r->n);
     }
+    if ((l->undo->seq >> 40) > ph->hdr->epoch)
+      return _keel_ph_err(KEEL_ECORRUPT, ph->path,
+                          "undo log of lane %u has seq %#llx, beyond the pool's epoch %llu", i,
+                          (unsigned long long)l->undo->seq, (unsigned long long)ph->hdr->epoch);
     if (l->undo->seq != 0 && !undo_in_bounds(ph, l->undo))
       return _keel_ph_err(KEEL_ECORRUPT, ph->path,
                           "undo log of lane %u names bytes outside the pool", i);

@@ -163,16 +163,27 @@ static void test_bad_version(void) {
 
 uint64_t _keel_ph_undo_csum(uint64_t seq, const ph_undo_entry_t *e); /* log.c, for tx.c */
 
-/* Writes a one-entry redo log, valid and above any watermark, at lane 0's
- * first ring line. */
-static void patch_redo(const char *p, uint64_t off_op, uint64_t val) {
+/* A seq above any watermark of pool p, from its current epoch (a later
+ * epoch marks the log corrupt: test_bad_log_seq). */
+static uint64_t high_seq(const char *p) {
+  return read_hdr(p).epoch << 40 | 1ull << 39;
+}
+
+/* Writes a one-entry redo log with sequence number `seq` at lane 0's first
+ * ring line. */
+static void patch_redo_seq(const char *p, uint64_t seq, uint64_t off_op, uint64_t val) {
   struct {
     ph_redo_t r;
     ph_redo_entry_t e[1];
-  } l = {{.seq = 1ull << 62, .n = 1}, {{off_op, val}}};
+  } l = {{.seq = seq, .n = 1}, {{off_op, val}}};
   uint64_t h = _keel_ph_csum(&l.r, offsetof(ph_redo_t, csum), 0x7265646f);
   l.r.csum = _keel_ph_csum(l.e, sizeof l.e, h);
   patch(p, PH_HDR_BYTES, &l, sizeof l);
+}
+
+/* The same, valid and above any watermark. */
+static void patch_redo(const char *p, uint64_t off_op, uint64_t val) {
+  patch_redo_seq(p, high_seq(p), off_op, val);
 }
 
 /* Regression (found by review): a log entry whose offset made `off + 8` or
@@ -206,7 +217,7 @@ static void test_bad_log_offsets(void) {
     ph_undo_entry_t e;
     uint64_t data[2];
   } u = {{wrap, 16, 0}, {0, 0}};
-  uint64_t seq = 1ull << 62;
+  uint64_t seq = high_seq(p);
   u.e.csum = _keel_ph_undo_csum(seq, &u.e);
   patch(p, PH_HDR_BYTES + PH_REDO_BYTES + offsetof(ph_undo_t, data), &u, sizeof u);
   patch(p, PH_HDR_BYTES + PH_REDO_BYTES, &seq, 8);
@@ -222,6 +233,47 @@ static void test_bad_log_offsets(void) {
   ph = keel_pheap_open(p, LAYOUT);
   KT_CHECK(ph != NULL);
   if (ph) keel_pheap_close(ph);
+  unlink(p);
+}
+
+/* Regression (found by review): recovery raised the watermark to the
+ * highest seq it found, so a crafted or corrupted log from a later epoch
+ * (or a corrupted watermark) put it above every seq of the sessions to
+ * come, and their logs were then ignored by recovery: a committed
+ * allocation vanished at the next crash. Such a log or watermark is now
+ * refused, by open and by the offline check, before anything is written. */
+static void test_bad_log_seq(void) {
+  char p[256];
+  make_pool(tp_path(p, sizeof p, "badseq"));
+  uint64_t epoch = read_hdr(p).epoch;
+  /* A valid SET of the root word, one epoch ahead. */
+  ph_header_t h = read_hdr(p);
+  patch_redo_seq(p, (epoch + 1) << 40 | 5, offsetof(ph_header_t, root_off) | PH_OP_SET, h.root_off);
+  expect_open_fails(p, LAYOUT, KEEL_ECORRUPT, "redo log at line 0 of lane 0 has seq");
+  KT_EQ(keel_pheap_check(p), KEEL_ECORRUPT);
+  KT_CONTAINS(keel_pheap_errmsg(), "beyond the pool's epoch");
+  /* The same log from the current epoch is replayed. */
+  patch_redo_seq(p, epoch << 40 | 5, offsetof(ph_header_t, root_off) | PH_OP_SET, h.root_off);
+  KT_EQ(keel_pheap_check(p), 0);
+  keel_pheap_t *ph = keel_pheap_open(p, LAYOUT);
+  KT_REQUIRE(ph != NULL);
+  KT_EQ(ph->recovered, 1);
+  keel_pheap_close(ph);
+  /* An undo log one epoch ahead. */
+  uint64_t useq = (read_hdr(p).epoch + 1) << 40;
+  patch(p, PH_HDR_BYTES + PH_REDO_BYTES, &useq, 8);
+  expect_open_fails(p, LAYOUT, KEEL_ECORRUPT, "undo log of lane 0 has seq");
+  KT_EQ(keel_pheap_check(p), KEEL_ECORRUPT);
+  useq = 0;
+  patch(p, PH_HDR_BYTES + PH_REDO_BYTES, &useq, 8);
+  /* A watermark one epoch ahead. */
+  h = read_hdr(p);
+  uint64_t w = (h.epoch + 1) << 40;
+  patch(p, offsetof(ph_header_t, ckpt_seq), &w, 8);
+  expect_open_fails(p, LAYOUT, KEEL_ECORRUPT, "checkpoint watermark");
+  KT_EQ(keel_pheap_check(p), KEEL_ECORRUPT);
+  patch(p, offsetof(ph_header_t, ckpt_seq), &h.ckpt_seq, 8);
+  KT_EQ(keel_pheap_check(p), 0);
   unlink(p);
 }
 
@@ -1033,12 +1085,12 @@ static void test_classes_fragmentation(void) {
 KT_MAIN(KT_CASE(test_create_open_close), KT_CASE(test_bad_wrong_layout),
         KT_CASE(test_bad_truncated), KT_CASE(test_bad_corrupt_header),
         KT_CASE(test_bad_below_minimum), KT_CASE(test_bad_version), KT_CASE(test_bad_log_offsets),
-        KT_CASE(test_bad_epoch), KT_CASE(test_bad_already_open), KT_CASE(test_alloc_free_sizes),
-        KT_CASE(test_misuse_aborts), KT_CASE(test_reserve_publish_cancel),
-        KT_CASE(test_tx_commit_abort_nested), KT_CASE(test_tx_publish_and_zalloc),
-        KT_CASE(test_tx_out_of_space_aborts), KT_CASE(test_tx_undo_overflow),
-        KT_CASE(test_tx_undo_overflow_out_of_space), KT_CASE(test_lazy_rebuild_on_open),
-        KT_CASE(test_deferred_checkpoints), KT_CASE(test_deferrer_on_sched_cancelled),
-        KT_CASE(test_full_pool_free_never_fails), KT_CASE(test_grow), KT_CASE(test_barrier_counts),
-        KT_CASE(test_check_detects_corruption), KT_CASE(test_stress_threads),
-        KT_CASE(test_classes_fragmentation))
+        KT_CASE(test_bad_epoch), KT_CASE(test_bad_log_seq), KT_CASE(test_bad_already_open),
+        KT_CASE(test_alloc_free_sizes), KT_CASE(test_misuse_aborts),
+        KT_CASE(test_reserve_publish_cancel), KT_CASE(test_tx_commit_abort_nested),
+        KT_CASE(test_tx_publish_and_zalloc), KT_CASE(test_tx_out_of_space_aborts),
+        KT_CASE(test_tx_undo_overflow), KT_CASE(test_tx_undo_overflow_out_of_space),
+        KT_CASE(test_lazy_rebuild_on_open), KT_CASE(test_deferred_checkpoints),
+        KT_CASE(test_deferrer_on_sched_cancelled), KT_CASE(test_full_pool_free_never_fails),
+        KT_CASE(test_grow), KT_CASE(test_barrier_counts), KT_CASE(test_check_detects_corruption),
+        KT_CASE(test_stress_threads), KT_CASE(test_classes_fragmentation))
