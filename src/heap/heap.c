@@ -975,6 +975,7 @@ void _keel_heap_fork_child(void) {
   /* membarrier registration belongs to the parent's mm; the child has one
    * thread, so switching mode here races with no one. */
   if (asym_ok) asym_init();
+  _keel_segments_fork_child();
   _keel_purge_fork_child();
 }
 

@@ -144,6 +144,7 @@ typedef struct keel_segment {
   uint64_t used_mask;               /* slices in use (bit 0: this header) */
   uint64_t dirty_mask;              /* free slices whose memory is still resident */
   uint64_t purge_at;                /* coarse ms after which dirty slices may be purged */
+  uint64_t purging_mask;            /* dirty slices a purger holds (as used) without the lock */
   struct keel_segment *next, *prev; /* all small segments */
   /* large mappings: */
   size_t mapped;   /* bytes mapped from base */
@@ -249,6 +250,11 @@ size_t _keel_segments_collect(bool force) KEEL_HIDDEN;
 void _keel_segments_lock(void) KEEL_HIDDEN;
 void _keel_segments_unlock(void) KEEL_HIDDEN;
 void _keel_segments_child_reset(void) KEEL_HIDDEN;
+/* fork child: slices whose purge a thread of the parent had under way go
+ * back to the dirty set (that thread does not exist here to free them). */
+void _keel_segments_fork_child(void) KEEL_HIDDEN;
+/* Tests: called by a purger while it holds slices without the segment lock. */
+extern void (*_keel_segment_purge_pause)(void) KEEL_HIDDEN;
 
 typedef struct keel_seg_totals {
   size_t mapped, committed, purged, abandoned_pages;

@@ -264,14 +264,21 @@ static size_t __abandoned_collect(bool force) {
   return bytes;
 }
 
+void (*_keel_segment_purge_pause)(void);
+
 /* Purges the dirty runs of one segment, dropping the lock around madvise.
- * Caller holds seg_lock; returns with it held. */
+ * Caller holds seg_lock; returns with it held, and clears the slices from
+ * used_mask itself. While the lock is dropped they are in purging_mask too,
+ * so that a fork child, which does not have the purging thread, can give
+ * them back (_keel_segments_fork_child). */
 static size_t __segment_purge(keel_segment_t *seg) {
-  uint64_t dirty = seg->dirty_mask;
+  uint64_t dirty = seg->dirty_mask, held = dirty;
   seg->dirty_mask = 0;
   seg->used_mask |= dirty; /* nobody allocates a span while it is purged */
+  seg->purging_mask |= held;
   dirty_slices -= (size_t)__builtin_popcountll(dirty);
   pthread_mutex_unlock(&seg_lock);
+  if (keel_unlikely(_keel_segment_purge_pause != NULL)) _keel_segment_purge_pause();
   size_t bytes = 0;
   while (dirty != 0) {
     unsigned first = (unsigned)__builtin_ctzll(dirty);
@@ -283,7 +290,24 @@ static size_t __segment_purge(keel_segment_t *seg) {
     dirty &= ~span_mask(first, n);
   }
   pthread_mutex_lock(&seg_lock);
+  seg->purging_mask &= ~held;
   return bytes;
+}
+
+/* Whether the parent's purger had madvised them or not, the slices are free:
+ * dirty is right either way (a second purge of purged memory is harmless). */
+void _keel_segments_fork_child(void) {
+  pthread_mutex_lock(&seg_lock);
+  for (keel_segment_t *seg = segments; seg != NULL; seg = seg->next) {
+    uint64_t m = seg->purging_mask;
+    if (m == 0) continue;
+    seg->purging_mask = 0;
+    seg->used_mask &= ~m;
+    seg->dirty_mask |= m;
+    dirty_slices += (size_t)__builtin_popcountll(m);
+    seg->purge_at = keel_clock_coarse_ms();
+  }
+  pthread_mutex_unlock(&seg_lock);
 }
 
 size_t _keel_segments_collect(bool force) {

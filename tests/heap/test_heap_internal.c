@@ -6,6 +6,7 @@
 #define _GNU_SOURCE
 #include <errno.h>
 #include <pthread.h>
+#include <semaphore.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -768,6 +769,67 @@ static void test_fork(void) {
   for (int i = 0; i < T; i++) pthread_join(t[i], NULL);
 }
 
+/* Regression (found by review): a fork while another thread purged a
+ * segment (its slices held as in use, the segment lock dropped around
+ * madvise) left the child with those slices in use for good: the thread
+ * that would have freed them does not exist there. The child now gets them
+ * back as dirty (free) slices. */
+static sem_t fp_in, fp_out;
+static __thread bool fp_me;
+static keel_page_t *fp_page;
+
+static void fp_pause(void) {
+  if (!fp_me) return; /* the purge thread, say */
+  sem_post(&fp_in);
+  sem_wait(&fp_out);
+}
+
+static void *fp_purger(void *arg) {
+  (void)arg;
+  fp_me = true;
+  keel_heap_t *h = _keel_heap_init_thread();
+  fp_page = _keel_page_alloc(_keel_class_of(100000), h);
+  KT_REQUIRE(fp_page != NULL);
+  _keel_page_free(fp_page); /* heap_purge_ms=0: purges here, pausing in fp_pause */
+  return NULL;
+}
+
+static void test_fork_during_purge(void) {
+  sem_init(&fp_in, 0, 0);
+  sem_init(&fp_out, 0, 0);
+  int64_t old = _keel_option(KEEL_OPT_heap_purge_ms);
+  _keel_option_set(KEEL_OPT_heap_purge_ms, 0);
+  _keel_segment_purge_pause = fp_pause;
+  pthread_t t;
+  pthread_create(&t, NULL, fp_purger, NULL);
+  sem_wait(&fp_in); /* the purger holds the span, without the lock */
+  keel_segment_t *seg = _keel_segment_of(fp_page);
+  unsigned first = (unsigned)(fp_page - seg->pages), n = fp_page->slices;
+  uint64_t span = (n == 64 ? ~0ull : ((1ull << n) - 1)) << first;
+  _keel_segments_lock(); /* the purge thread may be in another segment */
+  KT_CHECK((seg->used_mask & span) == span);
+  _keel_segments_unlock();
+  pid_t pid = fork();
+  if (pid == 0) {
+    int bad =
+        (seg->used_mask & span) != 0 || (seg->dirty_mask & span) != span || seg->purging_mask != 0;
+    _exit(bad);
+  }
+  int status = -1;
+  waitpid(pid, &status, 0);
+  KT_CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+  sem_post(&fp_out);
+  pthread_join(t, NULL);
+  _keel_segments_lock();
+  KT_EQ(seg->used_mask & span, 0);
+  KT_EQ(seg->purging_mask, 0);
+  _keel_segments_unlock();
+  _keel_segment_purge_pause = NULL;
+  _keel_option_set(KEEL_OPT_heap_purge_ms, old);
+  sem_destroy(&fp_in);
+  sem_destroy(&fp_out);
+}
+
 KT_MAIN(KT_CASE(test_class_steps), KT_CASE(test_class_info), KT_CASE(test_page_validate),
         KT_CASE(test_encoded_lists), KT_CASE(test_collect_no_loss),
         KT_CASE(test_abandon_and_collect), KT_CASE(test_idle_owner_full_pages),
@@ -775,4 +837,4 @@ KT_MAIN(KT_CASE(test_class_steps), KT_CASE(test_class_info), KT_CASE(test_page_v
         KT_CASE(test_purge_partial), KT_CASE(test_purge_background), KT_CASE(test_large),
         KT_CASE(test_aligned), KT_CASE(test_enomem), KT_CASE(test_enomem_injected),
         KT_CASE(test_enomem_new_thread), KT_CASE(test_cross_thread_stress), KT_CASE(test_bad_input),
-        KT_CASE(test_fork))
+        KT_CASE(test_fork), KT_CASE(test_fork_during_purge))
