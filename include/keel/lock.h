@@ -191,7 +191,10 @@ KEEL_API size_t keel_lockspace_shrink(keel_lockspace_t *ls, size_t n);
  * blocks until it completes and returns lksb->status. Either way, failures
  * known at once are returned with no AST: KEEL_EINVAL (bad argument),
  * KEEL_EAGAIN (NOQUEUE and not grantable), KEEL_EDEADLK (conversion
- * deadlock), KEEL_ENOMEM, KEEL_ESHUTDOWN (lockspace released). */
+ * deadlock), KEEL_ENOMEM, KEEL_ESHUTDOWN (lockspace released).
+ * With KEEL_LOCK_CONVERT, ast, bast and arg become the lock's when the
+ * conversion is granted or queued, and stay (a queued one's cancel or timeout
+ * completes through the new ast); one that fails at once changes nothing. */
 KEEL_API int keel_lock(keel_lockspace_t *ls, const void *name, size_t namelen, int mode,
                        unsigned flags, keel_lksb_t *lksb, keel_lock_ast_t ast,
                        keel_lock_bast_t bast, void *arg);

@@ -112,7 +112,10 @@ int keel_lock(keel_lockspace_t *ls, const void *name, size_t namelen, int mode, 
               keel_lksb_t *lksb, keel_lock_ast_t ast, keel_lock_bast_t bast, void *arg) {
   if (keel_unlikely(lksb == NULL || !keel_mode_valid(mode) || (flags & ~LOCK_FLAGS)))
     return KEEL_EINVAL;
-  if (flags & KEEL_LOCK_CONVERT) return _keel_lock_convert(lksb, mode, flags, true, ast, bast, arg);
+  if (flags & KEEL_LOCK_CONVERT) {
+    keel_lock_cbs_t cb = {.ast = ast, .bast = bast, .arg = arg};
+    return _keel_lock_convert(lksb, mode, flags, &cb);
+  }
   int rc = _keel_ls_check(ls);
   if (keel_unlikely(rc != 0)) return rc;
   if (keel_unlikely(namelen == 0 || namelen > KEEL_LOCK_NAME_MAX || name == NULL))
@@ -161,8 +164,7 @@ int keel_lock(keel_lockspace_t *ls, const void *name, size_t namelen, int mode, 
   return 0;
 }
 
-int _keel_lock_convert(keel_lksb_t *lksb, int mode, unsigned flags, bool set_cb,
-                       keel_lock_ast_t ast, keel_lock_bast_t bast, void *arg) {
+int _keel_lock_convert(keel_lksb_t *lksb, int mode, unsigned flags, const keel_lock_cbs_t *cb) {
   keel_lkb_t *lkb = lksb_lock(lksb, "keel_lock_convert");
   if (keel_unlikely(lkb == NULL)) return KEEL_ENOENT;
   keel_res_t *res = lkb->res;
@@ -173,14 +175,9 @@ int _keel_lock_convert(keel_lksb_t *lksb, int mode, unsigned flags, bool set_cb,
     __keel_mutex_unlock(&res->mu);
     return KEEL_EBUSY;
   }
-  if (set_cb) {
-    lkb->ast = ast;
-    lkb->bast = bast;
-    lkb->arg = arg;
-  }
   lkb->wake = 0;
   set_deadline(lkb, flags);
-  int rc = __keel_res_convert(res, lkb, mode, flags, &d);
+  int rc = __keel_res_convert(res, lkb, mode, flags, cb, &d);
   bool waiting = lkb->queue == KEEL_Q_CONVERT;
   /* Read under the mutex: once it is dropped, a queued asynchronous
    * conversion may be granted, notified and unlocked by other threads. */
@@ -198,7 +195,7 @@ int keel_lock_convert(keel_lksb_t *lksb, int mode, unsigned flags) {
   if (keel_unlikely(lksb == NULL || !keel_mode_valid(mode) ||
                     (flags & ~(LOCK_FLAGS & ~KEEL_LOCK_CONVERT))))
     return KEEL_EINVAL;
-  return _keel_lock_convert(lksb, mode, flags, false, NULL, NULL, NULL);
+  return _keel_lock_convert(lksb, mode, flags, NULL);
 }
 
 int keel_unlock(keel_lksb_t *lksb, unsigned flags) {

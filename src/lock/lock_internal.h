@@ -115,10 +115,19 @@ KEEL_INLINE bool __keel_res_compat(const keel_res_t *res, int mode, int self_gr)
  * or fails with KEEL_EAGAIN (NOQUEUE; lkb untouched, not on any queue). */
 int __keel_res_request(keel_res_t *res, keel_lkb_t *lkb, keel_dispatch_t *d) KEEL_HIDDEN;
 
-/* A conversion of the granted lkb to mode with flags: grants it, queues it on
- * the convert queue, or fails with KEEL_EDEADLK / KEEL_EAGAIN (lkb unchanged). */
+/* The callbacks a conversion by keel_lock (KEEL_LOCK_CONVERT) brings. */
+typedef struct keel_lock_cbs {
+  keel_lock_ast_t ast;
+  keel_lock_bast_t bast;
+  void *arg;
+} keel_lock_cbs_t;
+
+/* A conversion of the granted lkb to mode with flags: grants it or queues it
+ * on the convert queue, and only then takes cb (NULL: keep lkb's callbacks)
+ * as lkb's; or fails with KEEL_EINVAL (QUECVT down), KEEL_EDEADLK or
+ * KEEL_EAGAIN with lkb unchanged, callbacks included. */
 int __keel_res_convert(keel_res_t *res, keel_lkb_t *lkb, int mode, unsigned flags,
-                       keel_dispatch_t *d) KEEL_HIDDEN;
+                       const keel_lock_cbs_t *cb, keel_dispatch_t *d) KEEL_HIDDEN;
 
 /* Releases the granted lkb (not converting): takes it off its queue and
  * grants what that unblocks. With VALBLK and gr PW/EX, stores lksb->valblk. */

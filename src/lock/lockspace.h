@@ -82,9 +82,9 @@ void _keel_ls_timer_add(keel_lockspace_t *ls, keel_lkb_t *lkb) KEEL_HIDDEN;
 /* Frees an lkb that is on no queue and was detached from its resource. */
 void _keel_lkb_free(keel_lkb_t *lkb) KEEL_HIDDEN;
 
-/* keel_lock_convert with the option of replacing ast, bast and arg (keel_lock
- * with KEEL_LOCK_CONVERT). */
-int _keel_lock_convert(keel_lksb_t *lksb, int mode, unsigned flags, bool set_cb,
-                       keel_lock_ast_t ast, keel_lock_bast_t bast, void *arg) KEEL_HIDDEN;
+/* keel_lock_convert with the option of replacing ast, bast and arg once the
+ * conversion is accepted (keel_lock with KEEL_LOCK_CONVERT; cb NULL: keep). */
+int _keel_lock_convert(keel_lksb_t *lksb, int mode, unsigned flags,
+                       const keel_lock_cbs_t *cb) KEEL_HIDDEN;
 
 #endif /* KEEL_LOCK_LOCKSPACE_H */

@@ -141,8 +141,24 @@ static bool conversion_deadlock(const keel_res_t *res, int gr) {
   return false;
 }
 
+/* The conversion is accepted (granted or queued): its flags, mode and
+ * callbacks become lkb's, so a grant at once already notifies cb's ast. Never
+ * before: keel returns a refusal (KEEL_EINVAL, EDEADLK, EAGAIN) with no AST,
+ * so the lock must stay as it was, as the DLM leaves a convert its argument
+ * check refuses. (The DLM installs them once that check passes and reports
+ * EAGAIN and EDEADLK through the new AST; keel returns those at once.) */
+static void convert_accept(keel_lkb_t *lkb, int mode, unsigned flags, const keel_lock_cbs_t *cb) {
+  lkb->flags = flags;
+  lkb->rq = (int8_t)mode;
+  if (cb != NULL) {
+    lkb->ast = cb->ast;
+    lkb->bast = cb->bast;
+    lkb->arg = cb->arg;
+  }
+}
+
 int __keel_res_convert(keel_res_t *res, keel_lkb_t *lkb, int mode, unsigned flags,
-                       keel_dispatch_t *d) {
+                       const keel_lock_cbs_t *cb, keel_dispatch_t *d) {
   KEEL_ASSERT(lkb->queue == KEEL_Q_GRANT);
   /* QUECVT only on an up-conversion, as in the DLM: one to a mode that is
    * compatible with less than the granted one. A down-conversion never has
@@ -153,8 +169,7 @@ int __keel_res_convert(keel_res_t *res, keel_lkb_t *lkb, int mode, unsigned flag
     return KEEL_EINVAL;
   bool cvt_waiting = !keel_q_empty(&res->convertq);
   if ((!(flags & KEEL_LOCK_QUECVT) || !cvt_waiting) && __keel_res_compat(res, mode, lkb->gr)) {
-    lkb->flags = flags;
-    lkb->rq = (int8_t)mode;
+    convert_accept(lkb, mode, flags, cb);
     grant(res, lkb, true, d);
     /* A weaker mode may unblock the heads; checking them costs two loads. */
     if (!keel_q_empty(&res->convertq) || !keel_q_empty(&res->waitq))
@@ -163,8 +178,7 @@ int __keel_res_convert(keel_res_t *res, keel_lkb_t *lkb, int mode, unsigned flag
   }
   if (conversion_deadlock(res, lkb->gr)) return KEEL_EDEADLK;
   if (flags & KEEL_LOCK_NOQUEUE) return KEEL_EAGAIN;
-  lkb->flags = flags;
-  lkb->rq = (int8_t)mode;
+  convert_accept(lkb, mode, flags, cb);
   lkb->queue = KEEL_Q_CONVERT;
   keel_q_move_tail(&lkb->q, &res->convertq);
   send_basts(res, lkb, d);

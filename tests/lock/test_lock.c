@@ -425,6 +425,69 @@ static void convert_flag(void) {
   KT_EQ(keel_lockspace_release(ls, 0), 0);
 }
 
+/* A conversion by keel_lock (KEEL_LOCK_CONVERT) that fails at once with
+ * KEEL_EAGAIN, KEEL_EDEADLK or KEEL_EINVAL leaves the lock's AST, BAST and
+ * arg as they were. They used to be replaced before the conversion was
+ * tried, so the lock's next BAST and AST went to the failed request's. */
+static void convert_failure_keeps_callbacks(void) {
+  keel_lockspace_t *ls = new_ls();
+  rec_t r1 = {0}, rn[3] = {{0}}, rb = {0}, rc_ = {0}; /* rn: each failed request's */
+  keel_lksb_t a = {0}, b = {0}, c = {0};
+  KT_EQ(keel_lock(ls, NAME("cbf"), KEEL_LOCK_PR, 0, &a, rec_ast, rec_bast, &r1), 0);
+  KT_EQ(keel_lock(ls, NAME("cbf"), KEEL_LOCK_PR, 0, &b, rec_ast, NULL, &rb), 0);
+  unsigned cvt = KEEL_LOCK_CONVERT;
+  /* b's PR blocks EX: KEEL_EAGAIN under NOQUEUE. */
+  KT_EQ(
+      keel_lock(ls, NULL, 0, KEEL_LOCK_EX, cvt | KEEL_LOCK_NOQUEUE, &a, rec_ast, rec_bast, &rn[0]),
+      KEEL_EAGAIN);
+  KT_EQ(keel_lock_convert(&b, KEEL_LOCK_EX, 0), 0); /* waits for a's PR */
+  KT_EQ(r1.basts, 1);
+  KT_EQ(r1.last_bast, KEEL_LOCK_EX);
+  /* b's EX waits for a's PR: a's EX would wait for b's PR. */
+  KT_EQ(keel_lock(ls, NULL, 0, KEEL_LOCK_EX, cvt, &a, rec_ast, rec_bast, &rn[1]), KEEL_EDEADLK);
+  /* QUECVT on a down-conversion. */
+  KT_EQ(keel_lock(ls, NULL, 0, KEEL_LOCK_NL, cvt | KEEL_LOCK_QUECVT, &a, rec_ast, rec_bast, &rn[2]),
+        KEEL_EINVAL);
+  KT_EQ(a.lock->gr, KEEL_LOCK_PR);
+  KT_EQ(keel_lock(ls, NAME("cbf"), KEEL_LOCK_PW, 0, &c, rec_ast, NULL, &rc_), 0); /* waits */
+  KT_EQ(r1.basts, 2);
+  KT_EQ(r1.last_bast, KEEL_LOCK_PW);
+  KT_EQ(keel_lock_convert(&a, KEEL_LOCK_NL, 0), 0); /* granted at once; b's EX follows */
+  KT_EQ(r1.asts, 2);
+  KT_EQ(rb.asts, 2);
+  for (int i = 0; i < 3; i++) KT_EQ(rn[i].asts + rn[i].basts, 0);
+  KT_EQ(keel_unlock(&b, 0), 0); /* c's PW follows */
+  KT_EQ(rc_.asts, 1);
+  KT_EQ(keel_unlock(&c, 0), 0);
+  KT_EQ(keel_unlock(&a, 0), 0);
+  KT_EQ(keel_lockspace_release(ls, 0), 0);
+}
+
+/* A conversion that is queued has its callbacks installed: its cancel
+ * completes through the new AST, and the lock keeps the new ones (as in the
+ * DLM, where they are set when the request is accepted). */
+static void convert_cancel_callbacks(void) {
+  keel_lockspace_t *ls = new_ls();
+  rec_t r1 = {0}, r2 = {0}, rb = {0};
+  keel_lksb_t a = {0}, b = {0};
+  KT_EQ(keel_lock(ls, NAME("cbc"), KEEL_LOCK_PR, 0, &a, rec_ast, rec_bast, &r1), 0);
+  KT_EQ(keel_lock(ls, NAME("cbc"), KEEL_LOCK_PR, 0, &b, rec_ast, NULL, &rb), 0);
+  KT_EQ(keel_lock(ls, NULL, 0, KEEL_LOCK_EX, KEEL_LOCK_CONVERT, &a, rec_ast, rec_bast, &r2), 0);
+  KT_EQ(a.lock->queue, KEEL_Q_CONVERT);
+  KT_EQ(keel_unlock(&a, KEEL_LOCK_CANCEL), 0);
+  KT_EQ(a.status, KEEL_ECANCELED);
+  KT_EQ(r2.asts, 1); /* the cancel's completion */
+  KT_EQ(r1.asts, 1); /* the first grant only */
+  KT_EQ(a.lock->gr, KEEL_LOCK_PR);
+  KT_EQ(keel_lock_convert(&b, KEEL_LOCK_EX, 0), 0); /* waits for a's PR */
+  KT_EQ(r2.basts, 1);
+  KT_EQ(r1.basts, 0);
+  KT_EQ(keel_unlock(&a, 0), 0); /* b's EX granted */
+  KT_EQ(rb.asts, 2);
+  KT_EQ(keel_unlock(&b, 0), 0);
+  KT_EQ(keel_lockspace_release(ls, 0), 0);
+}
+
 /* Unused resources stay cached, are found again, and are dropped by shrink
  * and by the cache limit. */
 static void resource_cache(void) {
@@ -689,6 +752,7 @@ KT_MAIN(KT_CASE(compat_matrix), KT_CASE(fifo_no_barging), KT_CASE(conversion_dea
         KT_CASE(quecvt), KT_CASE(quecvt_down), KT_CASE(cancel_blocked_from_thread),
         KT_CASE(force_release_after_grant), KT_CASE(value_blocks), KT_CASE(timeouts_blocking),
         KT_CASE(timeouts_async), KT_CASE(blocking_wait), KT_CASE(cancel), KT_CASE(convert_flag),
+        KT_CASE(convert_failure_keeps_callbacks), KT_CASE(convert_cancel_callbacks),
         KT_CASE(resource_cache), KT_CASE(cache_option), KT_CASE(callbacks_reenter),
         KT_CASE(sched_callbacks), KT_CASE(mutex_basic), KT_CASE(mutex_stress),
         KT_CASE(lookup_spare))
