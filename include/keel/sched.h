@@ -127,7 +127,9 @@ KEEL_API int keel_sched_after(keel_job_t *job, uint64_t ms);
 
 /* Cancels a queued or timed job: its on_cancel runs in the calling thread
  * before this returns 0. KEEL_EBUSY: running or taken by a worker (it will
- * run); KEEL_ENOENT: not queued; KEEL_EINVAL: NULL. Takes the dispatch
+ * run); KEEL_ENOENT: not queued (never submitted, fn already called, or
+ * already being cancelled by another cancel or a shutdown, whose thread
+ * calls on_cancel); KEEL_EINVAL: NULL. Takes the dispatch
  * mutex; may briefly yield while a preempted producer finishes an enqueue. */
 KEEL_API int keel_sched_cancel(keel_job_t *job);
 
@@ -138,7 +140,9 @@ KEEL_API int keel_sched_cancel(keel_job_t *job);
 /* Stops the pool: new submits fail with KEEL_ESHUTDOWN; pending timers are
  * cancelled with notice in both modes; queued jobs run (DRAIN, the pool still
  * growing up to max while they wait behind blocked workers) or are cancelled
- * (CANCEL); returns after every worker has exited and been joined. Blocks.
+ * (CANCEL; jobs a worker has already taken still run); every on_cancel it
+ * causes runs in the calling thread; returns after every worker has exited
+ * and been joined. Blocks.
  * KEEL_EDEADLK from inside a job or from an on_cancel that shutdown itself
  * runs; KEEL_EINVAL for a bad mode; 0 if already shut down. Serialised with
  * keel_sched_init. */

@@ -136,8 +136,8 @@ int64_t _keel_sched_pending(void) {
   return _keel_sched_submitted(NULL) - done;
 }
 
-/* Hands a CANCELLING or TAKEN job back: counted, then IDLE (release: the
- * last keel access to it), then on_cancel. */
+/* Hands a CANCELLING job back: counted, then IDLE (release: the last keel
+ * access to it), then on_cancel. */
 void _keel_sched_notify_cancel(keel_job_t *job) {
   keel_job_fn cb = job->on_cancel;
   atomic_fetch_add(&_keel_sched.cancelled[_keel_job_prio(job)], 1);
@@ -154,19 +154,37 @@ static void notify_all(struct cds_list_head *list) {
   }
 }
 
-/* Under sched.lock: moves every LOCAL job and every timer onto `out`. */
-static void collect(struct cds_list_head *out, bool queued) {
+/* Takes every queued job as CANCELLING onto `out`, for a cancelling
+ * shutdown once its gate has closed. Only its thread does this (workers take
+ * nothing while it cancels, see take()), so every on_cancel and each
+ * KEEL_JOB_RUN_IF_CANCELLED fn runs there, as sched.h says. No enqueue is
+ * half done by then (submits finish inside the gate; a timer fires under its
+ * tlock, and collect_timers emptied every heap), so nothing can stay out of
+ * reach; were a node still half-linked, this would wait for it, not drop it. */
+static void collect_queued(struct cds_list_head *out) {
   sched_t *s = &_keel_sched;
-  sched_worker_t *w;
-  cds_list_for_each_entry(w, &s->workers, link) _keel_sched_timers_cancel_all(w, out);
-  if (!queued) return;
   keel_job_t *batch[KEEL_SCHED_BATCH];
-  bool stuck;
-  unsigned n;
-  /* What a preempted producer still holds back, the workers cancel when
-   * they take it (run_batch in CANCEL mode). */
-  while ((n = __keel_sched_dispatch(batch, KEEL_SCHED_BATCH, &stuck)) > 0)
-    for (unsigned i = 0; i < n; i++) cds_list_add_tail(_keel_job_link(batch[i]), out);
+  pthread_mutex_lock(&s->lock);
+  for (;;) {
+    bool stuck;
+    unsigned n = __keel_sched_dispatch(batch, KEEL_SCHED_BATCH, &stuck);
+    for (unsigned i = 0; i < n; i++) {
+      _keel_job_set_state(batch[i], JOB_CANCELLING); /* a cancel now says ENOENT, not EBUSY */
+      cds_list_add_tail(_keel_job_link(batch[i]), out);
+    }
+    if (n > 0) continue;
+    if (!stuck) break;
+    pthread_mutex_unlock(&s->lock);
+    sched_yield();
+    pthread_mutex_lock(&s->lock);
+  }
+  pthread_mutex_unlock(&s->lock);
+}
+
+/* Under sched.lock: moves every timer onto `out` (CANCELLING). */
+static void collect_timers(struct cds_list_head *out) {
+  sched_worker_t *w;
+  cds_list_for_each_entry(w, &_keel_sched.workers, link) _keel_sched_timers_cancel_all(w, out);
 }
 
 static void stop(int how) {
@@ -175,11 +193,12 @@ static void stop(int how) {
   keel_store_relaxed(&s->how, how);
   pthread_mutex_lock(&s->lock);
   atomic_store(&s->state, SCHED_STOPPING);
-  collect(&notices, how == KEEL_SCHED_CANCEL);
+  collect_timers(&notices);
   pthread_mutex_unlock(&s->lock);
   _keel_sched_gate_close();         /* no submit is half done after this */
   atomic_store(&s->gate_closed, 1); /* release: the counts are final */
-  notify_all(&notices);             /* outside the lock: callbacks may call keel */
+  if (how == KEEL_SCHED_CANCEL) collect_queued(&notices);
+  notify_all(&notices); /* outside the lock: callbacks may call keel */
   /* A drain keeps the monitor, which grows the pool while queued jobs wait
    * behind blocked workers (it may sleep with work waiting: poke it). */
   if (how == KEEL_SCHED_CANCEL)
@@ -235,8 +254,10 @@ static int cancel_locked(keel_job_t *job) {
       return 0;
     case JOB_TIMER:
       return _keel_sched_timer_cancel(job) == 0 ? 0 : 1;
-    case JOB_TAKEN:
+    case JOB_TAKEN: /* only workers take (it will run) */
       return KEEL_EBUSY;
+    case JOB_CANCELLING: /* another cancel, or a shutdown, delivers its notice */
+      return KEEL_ENOENT;
     default:
       return is_running(job) ? KEEL_EBUSY : KEEL_ENOENT;
   }

@@ -164,6 +164,8 @@ static uint64_t park_deadline(sched_worker_t *w, bool stopping) {
 bool _keel_sched_park(sched_worker_t *w) {
   sched_t *s = &_keel_sched;
   bool stopping = atomic_load(&s->state) == SCHED_STOPPING;
+  /* Work left for a cancelling shutdown to collect is not w's to take. */
+  bool cancelling = stopping && keel_load_relaxed(&s->how) == KEEL_SCHED_CANCEL;
   if (stopping && atomic_load(&s->gate_closed)) {
     pthread_mutex_lock(&s->lock);
     int64_t pending = _keel_sched_pending();
@@ -179,7 +181,7 @@ bool _keel_sched_park(sched_worker_t *w) {
    * stack (its wake_all takes idle_lock after storing STOPPING) or is seen
    * here; without this re-check w could sleep through it forever. */
   bool changed = !stopping && atomic_load(&s->state) != SCHED_RUNNING;
-  if (changed || _keel_sched_work_visible() || deadline <= keel_clock_ns()) {
+  if (changed || (!cancelling && _keel_sched_work_visible()) || deadline <= keel_clock_ns()) {
     park_pop(w);
     return true;
   }

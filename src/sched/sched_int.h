@@ -5,15 +5,18 @@
  *   QUEUED  in an incoming wfcqueue shard or a staging queue;
  *   LOCAL   on its client's FIFO for its level (dispatch mutex);
  *   TIMER   in a worker's timer heap (that worker's timer mutex);
- *   TAKEN   in a worker's batch, about to run;
+ *   TAKEN   in a worker's batch, about to run (it will: a cancelling
+ *           shutdown takes jobs itself, and workers take none meanwhile);
  *   CANCELLING  off every queue, its notice about to be delivered.
  * Transitions: IDLE->QUEUED (submit, CAS), IDLE->TIMER (after, CAS),
  * TIMER->QUEUED (fire) under the timer mutex, QUEUED->LOCAL (sorted),
  * QUEUED->TAKEN (fast lane) and LOCAL->TAKEN under the dispatch mutex,
- * TAKEN->IDLE by the worker right before it calls fn; LOCAL, TIMER
- * or TAKEN -> CANCELLING (under the lock that held it) -> IDLE right before
- * on_cancel, in _keel_sched_notify_cancel. keel reads nothing of a job after
- * its release store of IDLE.
+ * TAKEN->IDLE by the worker right before it calls fn; LOCAL or TIMER ->
+ * CANCELLING (under the lock that held it), or QUEUED/LOCAL -> CANCELLING
+ * by a cancelling shutdown's collect (under sched.lock: the TAKEN that its
+ * dispatch passes through is never seen) -> IDLE right before on_cancel, in
+ * _keel_sched_notify_cancel. keel reads nothing of a job after its release
+ * store of IDLE.
  *
  * Locks, outer to inner: life_lock (init/shutdown), lock (dispatch: staging,
  * levels, clients, worker list), a worker's tlock (its timer heap), then

@@ -49,25 +49,33 @@ static void run_one(sched_worker_t *w, keel_job_t *job) {
   count_run(w, p);
 }
 
+/* Runs every job taken, a shutdown begun since included: a job is TAKEN only
+ * if it will run (what keel_sched_cancel's KEEL_EBUSY tells its caller). */
 static void run_batch(sched_worker_t *w, unsigned n) {
-  bool cancel = atomic_load(&_keel_sched.state) == SCHED_STOPPING &&
-                keel_load_relaxed(&_keel_sched.how) == KEEL_SCHED_CANCEL;
-  for (unsigned i = 0; i < n; i++) {
-    keel_job_t *job = w->batch[i];
-    if (keel_unlikely(cancel)) {
-      _keel_sched_notify_cancel(job);
-    } else {
-      run_one(w, job);
-    }
-  }
+  for (unsigned i = 0; i < n; i++) run_one(w, w->batch[i]);
   w->busy_ns = keel_clock_ns();
 }
 
+/* Under sched.lock: a cancelling shutdown has begun (`how` is stored before
+ * the state, under this lock). */
+static bool __cancelling(void) {
+  sched_t *s = &_keel_sched;
+  return atomic_load(&s->state) == SCHED_STOPPING &&
+         keel_load_relaxed(&s->how) == KEEL_SCHED_CANCEL;
+}
+
 /* One dispatch. Returns the jobs taken; *stuck if a half-linked enqueue
- * kept part of the queue out of reach (then yield rather than park). */
+ * kept part of the queue out of reach (then yield rather than park). Once a
+ * cancelling shutdown has begun it takes nothing: that shutdown collects
+ * every queued job in its own thread (lifecycle.c). */
 static unsigned take(sched_worker_t *w, bool *stuck) {
   sched_t *s = &_keel_sched;
   pthread_mutex_lock(&s->lock);
+  if (keel_unlikely(__cancelling())) {
+    pthread_mutex_unlock(&s->lock);
+    *stuck = false;
+    return 0;
+  }
   unsigned max = w->fast_max;
   unsigned n = __keel_sched_dispatch(w->batch, max, stuck);
   bool more = keel_load_relaxed(&s->nlocal) > 0 || keel_load_relaxed(&s->staged);

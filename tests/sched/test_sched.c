@@ -15,6 +15,7 @@
 #include <keel/sched.h>
 
 #include "harness.h"
+#include "sched/sched_int.h" /* run_if_cancelled_thread stalls an enqueue by hand */
 
 #define container_of(p, T, m) ((T *)(void *)((char *)(p)-offsetof(T, m)))
 
@@ -243,6 +244,34 @@ static void cancel_timer(void) {
   KT_EQ(keel_sched_after(&t.job, 0), 0); /* 0 ms: a plain submit */
   KT_CHECK(wait_for(all_done, NULL, 10));
   KT_EQ(atomic_load(&t.runs), 1);
+}
+
+/* A cancel of a job that a cancelling shutdown has taken off the queue but
+ * not yet handed back: KEEL_ENOENT, the shutdown delivering its notice (it
+ * said KEEL_EBUSY, "it will run", of a job that never would). Asked from the
+ * on_cancel of a timer, which shutdown notifies before the queued jobs. */
+static tjob_t sd_job;
+static atomic_int sd_rc;
+static void sd_timer_cancel(keel_job_t *j) {
+  (void)j;
+  atomic_store(&sd_rc, keel_sched_cancel(&sd_job.job));
+  atomic_store(&gate_open, 1); /* shutdown joins the worker next */
+}
+
+static void cancel_during_shutdown(void) {
+  start(1, 1, 1000, 20);
+  gate_close();
+  tjob_init(&sd_job, 0, 0);
+  KT_EQ(keel_sched_submit(&sd_job.job), 0); /* queued behind the gate */
+  keel_job_t timer;
+  keel_job_init(&timer, tjob_fn, 0);
+  timer.on_cancel = sd_timer_cancel;
+  KT_EQ(keel_sched_after(&timer, 60000), 0);
+  atomic_store(&sd_rc, 1);
+  KT_EQ(keel_sched_shutdown(KEEL_SCHED_CANCEL), 0);
+  KT_EQ(atomic_load(&sd_rc), KEEL_ENOENT);
+  KT_EQ(atomic_load(&sd_job.runs), 0);
+  KT_EQ(atomic_load(&sd_job.cancels), 1);
 }
 
 static void slow_fn(keel_job_t *j) {
@@ -517,6 +546,81 @@ static void run_convenience(void) {
   KT_EQ(keel_sched_shutdown(KEEL_SCHED_CANCEL), 0);
   pthread_join(th, NULL);
   KT_EQ(atomic_load(&run_hits), 50 * 1000);
+}
+
+/* A producer preempted between its enqueue's exchange and its link store,
+ * made on purpose: it swaps its job in as the tail of `shard`'s fast lane
+ * inside the gate, and links it only once a shutdown has collected what it
+ * could reach (STOPPING is stored and the queue collected under sched.lock).
+ * Until then the node hides every job behind it in that shard. */
+typedef struct stalled {
+  unsigned shard;
+  keel_job_t job;
+  atomic_int swapped;
+  pthread_t cancelled_on;
+} stalled_t;
+
+static void stalled_cancel(keel_job_t *j) {
+  container_of(j, stalled_t, job)->cancelled_on = pthread_self();
+}
+
+static void *stalled_producer(void *arg) {
+  stalled_t *p = arg;
+  sched_producer_t *me = &_keel_sched_me;
+  KT_CHECK(_keel_sched_gate_enter(me) == 0);
+  KT_CHECK(atomic_load(&_keel_sched.state) == SCHED_RUNNING);
+  _keel_job_set_state(&p->job, JOB_QUEUED);
+  struct cds_wfcq_node *node = _keel_job_node(&p->job);
+  cds_wfcq_node_init(node);
+  struct cds_wfcq_node *prev = uatomic_xchg(&_keel_sched.in[p->shard].tail.p, node);
+  atomic_store(&p->swapped, 1);
+  while (atomic_load(&_keel_sched.state) == SCHED_RUNNING) sleep_ms(0.1);
+  pthread_mutex_lock(&_keel_sched.lock);
+  pthread_mutex_unlock(&_keel_sched.lock);
+  CMM_STORE_SHARED(prev->next, node);
+  _keel_sched_count_submit(me, PRIO_NORMAL);
+  _keel_sched_gate_leave(me);
+  return NULL;
+}
+
+static pthread_t ric_ran_on;
+static atomic_int ric_runs;
+static void ric_fn(void *arg) {
+  (void)arg;
+  ric_ran_on = pthread_self();
+  atomic_fetch_add(&ric_runs, 1);
+}
+
+static bool stalled_swapped(void *a) {
+  return atomic_load(&((stalled_t *)a)->swapped);
+}
+
+/* A keel_sched_run job with KEEL_JOB_RUN_IF_CANCELLED that a cancelling
+ * shutdown could not reach at first (behind a half-linked enqueue) still runs
+ * in the shutting-down thread, as sched.h says: the workers cancelled such
+ * jobs themselves, so its fn ran on a worker. The stalled job's own notice
+ * comes from that thread too. */
+static void run_if_cancelled_thread(void) {
+  start(1, 1, 1000, 20);
+  tjob_t first;
+  tjob_init(&first, 0, 0);
+  KT_EQ(keel_sched_submit(&first.job), 0); /* registers this thread: its shard is known */
+  KT_CHECK(wait_for(all_done, NULL, 10));
+  static stalled_t st;
+  memset(&st, 0, sizeof(st));
+  keel_job_init(&st.job, tjob_fn, 0);
+  st.job.on_cancel = stalled_cancel;
+  st.shard = _keel_sched_me.shard;
+  pthread_t th;
+  KT_EQ(pthread_create(&th, NULL, stalled_producer, &st), 0);
+  KT_REQUIRE(wait_for(stalled_swapped, &st, 10));
+  atomic_store(&ric_runs, 0);
+  KT_EQ(keel_sched_run(ric_fn, NULL, KEEL_JOB_RUN_IF_CANCELLED), 0); /* behind st.job */
+  KT_EQ(keel_sched_shutdown(KEEL_SCHED_CANCEL), 0);
+  KT_EQ(pthread_join(th, NULL), 0);
+  KT_EQ(atomic_load(&ric_runs), 1);
+  KT_CHECK(pthread_equal(ric_ran_on, pthread_self()));
+  KT_CHECK(pthread_equal(st.cancelled_on, pthread_self()));
 }
 
 /* A job that resubmits itself from its own fn (the lock module's pattern). */
@@ -827,9 +931,10 @@ static void client_destroy_timed(void) {
 
 KT_MAIN(KT_CASE(lazy_init), KT_CASE(bad_input), KT_CASE(submit_after_shutdown),
         KT_CASE(resubmit_queued), KT_CASE(shutdown_from_job), KT_CASE(shutdown_from_cancel),
-        KT_CASE(cancel_queued_and_running), KT_CASE(cancel_timer), KT_CASE(shutdown_drains),
-        KT_CASE(shutdown_cancels), KT_CASE(priority_bounds), KT_CASE(fairness_bound),
-        KT_CASE(timers_in_order), KT_CASE(grow_long_jobs), KT_CASE(grow_blocking_jobs),
-        KT_CASE(run_convenience), KT_CASE(resubmit_from_inside), KT_CASE(timer_of_stuck_worker),
+        KT_CASE(cancel_queued_and_running), KT_CASE(cancel_timer), KT_CASE(cancel_during_shutdown),
+        KT_CASE(shutdown_drains), KT_CASE(shutdown_cancels), KT_CASE(priority_bounds),
+        KT_CASE(fairness_bound), KT_CASE(timers_in_order), KT_CASE(grow_long_jobs),
+        KT_CASE(grow_blocking_jobs), KT_CASE(run_convenience), KT_CASE(run_if_cancelled_thread),
+        KT_CASE(resubmit_from_inside), KT_CASE(timer_of_stuck_worker),
         KT_CASE(one_wakeup_per_burst), KT_CASE(stats_counts), KT_CASE(drain_grows_pool),
         KT_CASE(timers_move_on_retire), KT_CASE(queued_prio_counts), KT_CASE(client_destroy_timed))
