@@ -344,6 +344,11 @@ void _keel_pm_sim_writeall(keel_pheap_t *ph) KEEL_HIDDEN;
 
 /* ---- thread caches (tcache.c) ---- */
 ph_tcache_t *_keel_ph_tcache(keel_pheap_t *ph) KEEL_HIDDEN;
+/* As _keel_ph_tcache, and the cache is not evicted (freed) until unpinned:
+ * for a caller that keeps the pointer across API calls (a transaction). At
+ * most one pin per thread. NULL: out of memory. */
+ph_tcache_t *_keel_ph_tcache_pin(keel_pheap_t *ph) KEEL_HIDDEN;
+void _keel_ph_tcache_unpin(ph_tcache_t *tc) KEEL_HIDDEN;
 void _keel_ph_tcaches_destroy(keel_pheap_t *ph) KEEL_HIDDEN;
 
 /* ---- heap (heap.c) ---- */

@@ -8,6 +8,12 @@
  * (under the registry lock, so it cannot race with close); close frees every
  * cache of the pool (the blocks they held are free on media anyway, and the
  * next open rebuilds everything from the bitmaps).
+ *
+ * A thread using more pools than slots evicts one cache (retired: blocks
+ * back to runs, then freed). A cache held across calls is pinned and never
+ * evicted: the only holder is an open transaction (tx.c keeps tx.tc from
+ * begin to end), and a thread has at most one, so with PH_TC_SLOTS >= 2
+ * some slot is always unpinned.
  */
 #include <stdlib.h>
 
@@ -17,11 +23,18 @@
 
 #define PH_TC_SLOTS 4
 
+/* Empty: tc == NULL. Stale: id no longer live (tc freed by close, never
+ * dereferenced). pins > 0: tc is held across calls and must stay. */
 typedef struct tc_slot {
   keel_pheap_t *ph;
   uint64_t id;
   ph_tcache_t *tc;
+  unsigned pins; /* open transactions on this cache: 0 or 1 */
 } tc_slot_t;
+
+/* One transaction per thread pins at most one slot; the rest must leave
+ * one to evict. */
+_Static_assert(PH_TC_SLOTS >= 2, "a thread's pinned slot must leave one to evict");
 
 static __thread tc_slot_t tc_slots[PH_TC_SLOTS];
 static __thread keel_thread_hook_t tc_hook;
@@ -79,7 +92,7 @@ static void tc_slot_release(tc_slot_t *s) {
   pthread_mutex_lock(&registry_lock);
   if (s->tc != NULL && id_live(s->id)) tc_retire(s->tc);
   pthread_mutex_unlock(&registry_lock);
-  *s = (tc_slot_t){NULL, 0, NULL};
+  *s = (tc_slot_t){NULL, 0, NULL, 0};
 }
 
 static void tc_thread_exit(void *arg) {
@@ -88,14 +101,27 @@ static void tc_thread_exit(void *arg) {
     if (tc_slots[i].tc) tc_slot_release(&tc_slots[i]);
 }
 
+/* The slot for a new cache: an empty or stale one, else the first unpinned
+ * one from id % PH_TC_SLOTS (a thread cycling through more pools than slots
+ * spreads its evictions). registry_lock held: a live id's cache cannot be
+ * freed by close while we read or retire it. */
+static tc_slot_t *__tc_slot_pick(uint64_t id) {
+  for (unsigned i = 0; i < PH_TC_SLOTS; i++)
+    if (tc_slots[i].tc == NULL || !id_live(tc_slots[i].id)) return &tc_slots[i];
+  for (unsigned i = 0; i < PH_TC_SLOTS; i++) {
+    tc_slot_t *s = &tc_slots[(id + i) % PH_TC_SLOTS];
+    if (s->pins == 0) return s;
+  }
+  return NULL;
+}
+
 static KEEL_NOINLINE ph_tcache_t *tcache_slow(keel_pheap_t *ph) {
-  tc_slot_t *s = NULL;
   pthread_mutex_lock(&registry_lock);
-  for (unsigned i = 0; i < PH_TC_SLOTS && s == NULL; i++)
-    if (tc_slots[i].tc == NULL || !id_live(tc_slots[i].id)) s = &tc_slots[i];
+  tc_slot_t *s = __tc_slot_pick(ph->id);
+  if (s == NULL) keel_die("keel_pheap", "every thread cache slot of this thread is pinned");
+  if (s->tc != NULL && id_live(s->id)) tc_retire(s->tc); /* evict */
+  *s = (tc_slot_t){NULL, 0, NULL, 0};
   pthread_mutex_unlock(&registry_lock);
-  if (s == NULL) s = &tc_slots[ph->id % PH_TC_SLOTS]; /* evict one */
-  if (s->tc) tc_slot_release(s);
   ph_tcache_t *tc = calloc(1, sizeof *tc + _keel_ph_nclasses * sizeof tc->c[0]);
   if (tc == NULL) return NULL;
   tc->ph = ph;
@@ -108,7 +134,7 @@ static KEEL_NOINLINE ph_tcache_t *tcache_slow(keel_pheap_t *ph) {
   pthread_mutex_unlock(&ph->lock);
   tc_hook.fn = tc_thread_exit;
   _keel_thread_hook_arm(&tc_hook);
-  *s = (tc_slot_t){ph, ph->id, tc};
+  *s = (tc_slot_t){ph, ph->id, tc, 0};
   return tc;
 }
 
@@ -116,6 +142,26 @@ ph_tcache_t *_keel_ph_tcache(keel_pheap_t *ph) {
   for (unsigned i = 0; i < PH_TC_SLOTS; i++)
     if (tc_slots[i].ph == ph && tc_slots[i].id == ph->id) return tc_slots[i].tc;
   return tcache_slow(ph);
+}
+
+/* The slot holding tc; NULL only if its pool was closed since (misuse: a
+ * transaction open across close). Compares pointers, never reads tc. */
+static tc_slot_t *tc_slot_of(const ph_tcache_t *tc) {
+  for (unsigned i = 0; i < PH_TC_SLOTS; i++)
+    if (tc_slots[i].tc == tc) return &tc_slots[i];
+  return NULL;
+}
+
+ph_tcache_t *_keel_ph_tcache_pin(keel_pheap_t *ph) {
+  ph_tcache_t *tc = _keel_ph_tcache(ph);
+  if (tc != NULL) tc_slot_of(tc)->pins++; /* just found or installed: in a slot */
+  return tc;
+}
+
+void _keel_ph_tcache_unpin(ph_tcache_t *tc) {
+  tc_slot_t *s = tc_slot_of(tc);
+  KEEL_ASSERT(s == NULL || s->pins > 0);
+  if (s != NULL && s->pins > 0) s->pins--;
 }
 
 void _keel_ph_tcaches_destroy(keel_pheap_t *ph) {
@@ -132,7 +178,7 @@ void _keel_ph_tcaches_destroy(keel_pheap_t *ph) {
   ph->caches = NULL;
   pthread_mutex_unlock(&ph->lock);
   for (unsigned i = 0; i < PH_TC_SLOTS; i++)
-    if (tc_slots[i].id == ph->id) tc_slots[i] = (tc_slot_t){NULL, 0, NULL};
+    if (tc_slots[i].id == ph->id) tc_slots[i] = (tc_slot_t){NULL, 0, NULL, 0};
   while (tc) {
     ph_tcache_t *next = tc->next;
     free(tc->sim_lines);

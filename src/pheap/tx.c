@@ -176,7 +176,9 @@ int keel_tx_begin(keel_pheap_t *ph) {
     tx.depth++;
     return tx.aborted ? KEEL_ECANCELED : 0;
   }
-  ph_tcache_t *tc = _keel_ph_tcache(ph);
+  /* Pinned: other pools this thread uses before keel_tx_end must not evict
+   * (free) the cache tx.tc points to. */
+  ph_tcache_t *tc = _keel_ph_tcache_pin(ph);
   if (tc == NULL) return KEEL_ENOMEM;
   if (tx_hook.fn == NULL) {
     tx_hook.fn = tx_thread_exit;
@@ -581,7 +583,9 @@ int keel_tx_end(void) {
   if (!tx.committed && !tx.aborted) tx_fail(KEEL_ECANCELED);
   int rc = tx.committed ? 0 : tx.err;
   _keel_ph_lane_put(tx.ph, tx.lane);
+  _keel_ph_tcache_unpin(tx.tc);
   tx.ph = NULL;
+  tx.tc = NULL;
   tx.lane = NULL;
   /* Keep the arrays for the next transaction unless one grew large. */
   if (tx.rcap > 1024) {

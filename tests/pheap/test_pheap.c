@@ -1066,6 +1066,124 @@ static void test_stress_threads(void) {
   unlink(p);
 }
 
+/* Bug: a thread keeps PH_TC_SLOTS pool caches, and touching more pools
+ * evicted (freed) one even while this thread's open transaction held it:
+ * the transaction's next call used freed memory (ASan). Here a transaction
+ * on A stays open while 7 other pools are used, enough for every slot to be
+ * the victim once; it then goes on, commits, and a second one aborts. */
+#define EVICT_POOLS 8
+
+static void open_evict_pools(char p[][256], keel_pheap_t **ph, const char *tag) {
+  for (int i = 0; i < EVICT_POOLS; i++) {
+    char t[32];
+    snprintf(t, sizeof t, "%s%d", tag, i);
+    tp_path(p[i], sizeof p[i], t);
+    ph[i] = keel_pheap_create(p[i], LAYOUT, KEEL_PHEAP_MIN_SIZE, 0);
+    KT_REQUIRE(ph[i] != NULL);
+  }
+}
+
+static void close_evict_pools(char p[][256], keel_pheap_t **ph) {
+  for (int i = 0; i < EVICT_POOLS; i++) {
+    if (ph[i]) KT_EQ(keel_pheap_close(ph[i]), 0);
+    KT_EQ(keel_pheap_check(p[i]), 0);
+    unlink(p[i]);
+  }
+}
+
+/* One allocation on each pool but the first: a cache per pool, evicting. */
+static void touch_other_pools(keel_pheap_t **ph, int from) {
+  for (int i = from; i < EVICT_POOLS; i++) {
+    keel_poff_t o = 0;
+    KT_EQ(keel_pheap_alloc(ph[i], &o, 64 + 32 * i, 50), 0);
+    KT_EQ(keel_pheap_free(ph[i], &o), 0);
+  }
+}
+
+static void test_tx_cache_not_evicted(void) {
+  char p[EVICT_POOLS][256];
+  keel_pheap_t *ph[EVICT_POOLS];
+  open_evict_pools(p, ph, "evict");
+  root_t *r = keel_pheap_root(ph[0], sizeof *r);
+  KT_REQUIRE(r != NULL);
+  KT_EQ(keel_tx_begin(ph[0]), 0);
+  KT_EQ(keel_tx_add_range(&r->slot[0], 16), 0);
+  r->slot[0] = keel_tx_alloc(100, 51);
+  KT_CHECK(r->slot[0] != 0);
+  touch_other_pools(ph, 1);
+  r->slot[1] = keel_tx_alloc(200, 51);
+  KT_CHECK(r->slot[1] != 0);
+  KT_EQ(keel_tx_add_range(r->counter, sizeof r->counter), 0);
+  r->counter[0] = 7;
+  KT_EQ(keel_tx_commit(), 0);
+  KT_EQ(keel_tx_end(), 0);
+  KT_EQ(count_type(ph[0], 51), 2);
+  /* Abort: the rollback gives the reservations back to the same cache. */
+  KT_EQ(keel_tx_begin(ph[0]), 0);
+  KT_EQ(keel_tx_add_range(r->counter, 8), 0);
+  r->counter[0] = 8;
+  KT_CHECK(keel_tx_alloc(300, 52) != 0);
+  KT_EQ(keel_tx_free(r->slot[0]), 0);
+  touch_other_pools(ph, 1);
+  KT_CHECK(keel_tx_alloc(300, 52) != 0);
+  keel_tx_abort(KEEL_EBUSY);
+  KT_EQ(keel_tx_end(), KEEL_EBUSY);
+  KT_EQ(r->counter[0], 7);
+  KT_EQ(count_type(ph[0], 51), 2);
+  KT_EQ(count_type(ph[0], 52), 0);
+  /* Unpinned again: A's cache is evictable like any other. */
+  touch_other_pools(ph, 1);
+  touch_other_pools(ph, 0);
+  close_evict_pools(p, ph);
+}
+
+/* Close from one thread while another thread holds caches of the pool (one
+ * of them under an open transaction on another pool): the closer frees
+ * them, the other thread's slot is left stale and is reused without being
+ * touched, and its thread exit frees only what is still live. */
+typedef struct evict_arg {
+  keel_pheap_t **ph;
+  root_t *r;
+  pthread_barrier_t *bar;
+} evict_arg_t;
+
+static void *evict_closed_worker(void *p) {
+  evict_arg_t *a = p;
+  touch_other_pools(a->ph, 0);
+  KT_EQ(keel_tx_begin(a->ph[1]), 0);
+  KT_EQ(keel_tx_add_range(&a->r->slot[0], 8), 0);
+  a->r->slot[0] = keel_tx_alloc(100, 53);
+  pthread_barrier_wait(a->bar); /* main closes pool 0 */
+  pthread_barrier_wait(a->bar);
+  touch_other_pools(a->ph, 2);
+  KT_EQ(keel_tx_add_range(&a->r->slot[1], 8), 0);
+  a->r->slot[1] = keel_tx_alloc(100, 53);
+  KT_EQ(keel_tx_commit(), 0);
+  KT_EQ(keel_tx_end(), 0);
+  return NULL; /* exits holding caches of live pools */
+}
+
+static void test_close_while_other_thread_caches(void) {
+  char p[EVICT_POOLS][256];
+  keel_pheap_t *ph[EVICT_POOLS];
+  open_evict_pools(p, ph, "evclose");
+  root_t *r = keel_pheap_root(ph[1], sizeof *r);
+  KT_REQUIRE(r != NULL);
+  pthread_barrier_t bar;
+  pthread_barrier_init(&bar, NULL, 2);
+  evict_arg_t a = {ph, r, &bar};
+  pthread_t t;
+  pthread_create(&t, NULL, evict_closed_worker, &a);
+  pthread_barrier_wait(&bar);
+  KT_EQ(keel_pheap_close(ph[0]), 0);
+  ph[0] = NULL;
+  pthread_barrier_wait(&bar);
+  pthread_join(t, NULL);
+  pthread_barrier_destroy(&bar);
+  KT_EQ(count_type(ph[1], 53), 2);
+  close_evict_pools(p, ph);
+}
+
 static void test_classes_fragmentation(void) {
   _keel_ph_classes_init();
   double sum = 0;
@@ -1093,4 +1211,5 @@ KT_MAIN(KT_CASE(test_create_open_close), KT_CASE(test_bad_wrong_layout),
         KT_CASE(test_lazy_rebuild_on_open), KT_CASE(test_deferred_checkpoints),
         KT_CASE(test_deferrer_on_sched_cancelled), KT_CASE(test_full_pool_free_never_fails),
         KT_CASE(test_grow), KT_CASE(test_barrier_counts), KT_CASE(test_check_detects_corruption),
-        KT_CASE(test_stress_threads), KT_CASE(test_classes_fragmentation))
+        KT_CASE(test_stress_threads), KT_CASE(test_tx_cache_not_evicted),
+        KT_CASE(test_close_while_other_thread_caches), KT_CASE(test_classes_fragmentation))
