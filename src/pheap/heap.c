@@ -68,6 +68,7 @@ static int __chunks_take(keel_pheap_t *ph, ph_tcache_t *tc, uint32_t k, uint32_t
     /* New chunks are zero (free) and known: the cursor follows. */
     keel_store_release(&ph->booted, keel_load_relaxed(&ph->nchunks));
     c = __chunks_find(ph, tc, k);
+    KEEL_ASSERT(c != UINT32_MAX); /* growth made room for exactly this extent */
     if (c == UINT32_MAX) return KEEL_ENOSPC;
   }
   memset(ph->chunk_free + c, 0, k);

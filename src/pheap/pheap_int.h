@@ -447,7 +447,9 @@ void _keel_ph_acts_done(keel_pheap_t *ph, ph_tcache_t *tc, keel_pheap_act_t *act
                         size_t n) KEEL_HIDDEN;
 
 /* ---- growth (pool.c) ---- */
-/* Makes room for at least `need` more chunks; ph->lock held. 0 or ENOSPC. */
+/* Grows the pool so that an extent of `need` (<= PH_ZONE_CHUNKS) free chunks
+ * exists inside one zone; ph->lock held, every chunk booted (the caller's
+ * scan found no such extent). 0 or KEEL_ENOSPC. */
 int __keel_ph_grow(keel_pheap_t *ph, ph_tcache_t *tc, uint32_t need) KEEL_HIDDEN;
 
 #define PH_ROOT_TYPE (UINT64_MAX - 1)

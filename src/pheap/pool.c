@@ -15,7 +15,10 @@
  * the file (zeros = free chunks, see pheap_int.h), fsync so the new size
  * survives, map the tail, and only then store the new size word and persist
  * it: a crash in between leaves a file longer than the pool says, which open
- * accepts (the extra bytes are reused by the next growth).
+ * accepts (the extra bytes are reused by the next growth). Growth is for one
+ * extent that found no room: it extends the pool to where that extent fits
+ * inside one zone (into the next zone when the last one's free tail is too
+ * short), and by a quarter more when the reservation allows.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -270,14 +273,30 @@ int keel_pheap_close(keel_pheap_t *ph) {
   return 0;
 }
 
+/* Pool bytes that hold chunks [0, n), n > 0: up to the end of chunk n - 1
+ * (its zone's words included). */
+static uint64_t size_for_chunks(const keel_pheap_t *ph, uint64_t n) {
+  uint64_t last = n - 1;
+  return ph->hdr->heap_off + last / PH_ZONE_CHUNKS * PH_ZONE_BYTES + PH_ZONE_META +
+         (last % PH_ZONE_CHUNKS + 1) * PH_CHUNK;
+}
+
 int __keel_ph_grow(keel_pheap_t *ph, ph_tcache_t *tc, uint32_t need) {
   if (ph->fixed) return KEEL_ENOSPC;
   uint32_t have = keel_load_relaxed(&ph->nchunks);
-  uint32_t add = need > have / 4 ? need : have / 4;
-  if (add < 32) add = 32; /* at least 8 MiB at a time */
-  uint64_t last = (uint64_t)have + add - 1;
-  uint64_t size = ph->hdr->heap_off + (last / PH_ZONE_CHUNKS) * PH_ZONE_BYTES + PH_ZONE_META +
-                  (last % PH_ZONE_CHUNKS + 1) * PH_CHUNK;
+  /* Where the extent will start: on the free chunks that end the last
+   * zone, or at the next zone if it would not fit before the zone's end
+   * (extents never cross one). Appending just `need` chunks could leave it
+   * straddling the boundary, unplaceable. */
+  uint64_t start = have;
+  while (start % PH_ZONE_CHUNKS != 0 && ph->chunk_free[start - 1]) start--;
+  if (start % PH_ZONE_CHUNKS + need > PH_ZONE_CHUNKS)
+    start = (start / PH_ZONE_CHUNKS + 1) * PH_ZONE_CHUNKS;
+  /* A quarter more (8 MiB at least) amortises the fsync and the map;
+   * where the reservation has no room for that, just the extent. */
+  uint64_t want = have + (have / 4 > 32 ? have / 4 : 32), end = start + need;
+  uint64_t size = size_for_chunks(ph, want > end ? want : end);
+  if (size > ph->reserve) size = size_for_chunks(ph, end);
   if (size > ph->reserve) return KEEL_ENOSPC;
   uint64_t old = keel_load_relaxed(&ph->size);
   struct stat st;

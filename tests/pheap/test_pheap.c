@@ -1184,6 +1184,89 @@ static void test_close_while_other_thread_caches(void) {
   close_evict_pools(p, ph);
 }
 
+/* ---- Large objects (found by review: growth appended chunks across a zone
+ * boundary, so a large extent that needed the next zone failed with
+ * KEEL_ENOSPC on a growable pool). Pool files are sparse and allocation
+ * touches only an object's header, so these use little memory or disk. ---- */
+
+#define MIB ((size_t)1 << 20)
+
+/* Writes v at the first byte and v + 1 at the last, and persists them. */
+static void ends_set(keel_pheap_t *ph, keel_poff_t off, size_t size, unsigned char v) {
+  unsigned char *b = keel_pheap_ptr(ph, off);
+  b[0] = v;
+  b[size - 1] = (unsigned char)(v + 1);
+  keel_pheap_persist(ph, b, 1);
+  keel_pheap_persist(ph, b + size - 1, 1);
+}
+static bool ends_are(keel_pheap_t *ph, keel_poff_t off, size_t size, unsigned char v) {
+  const unsigned char *b = keel_pheap_ptr(ph, off);
+  return b[0] == v && b[size - 1] == (unsigned char)(v + 1);
+}
+
+typedef struct huge_seen {
+  keel_poff_t off[4];
+  int n;
+} huge_seen_t;
+static int huge_collect(keel_pheap_t *ph, keel_poff_t off, void *arg) {
+  (void)ph;
+  huge_seen_t *s = arg;
+  if (s->n < 4) s->off[s->n] = off;
+  s->n++;
+  return 0;
+}
+
+/* The only object of `type` (iteration by type), checked for size and ends. */
+static keel_poff_t huge_find(keel_pheap_t *ph, uint64_t type, size_t size, unsigned char v) {
+  huge_seen_t s = {.n = 0};
+  keel_pheap_foreach(ph, type, huge_collect, &s);
+  KT_EQ(s.n, 1);
+  if (s.n != 1) return 0;
+  KT_CHECK(keel_pheap_usable_size(ph, s.off[0]) >= size);
+  KT_EQ(keel_pheap_type(ph, s.off[0]), type);
+  KT_CHECK(ends_are(ph, s.off[0], size, v));
+  return s.off[0];
+}
+
+/* Growth starts an extent that does not fit in the rest of the last zone at
+ * the next zone: two objects of just over half a zone's chunks each. */
+static void test_grow_into_next_zone(void) {
+  char p[256];
+  tp_path(p, sizeof p, "hugezone");
+  keel_pheap_t *ph = keel_pheap_create(p, LAYOUT, KEEL_PHEAP_MIN_SIZE, 0);
+  KT_REQUIRE(ph != NULL);
+  root_t *r = keel_pheap_root(ph, sizeof *r);
+  KT_REQUIRE(r != NULL);
+  const size_t half = (size_t)PH_ZONE_CHUNKS / 2 * PH_CHUNK + PH_CHUNK;
+  KT_EQ(keel_pheap_alloc(ph, &r->slot[0], half, 60), 0);
+  KT_EQ(keel_pheap_alloc(ph, &r->slot[1], half, 61), 0);
+  KT_REQUIRE(r->slot[0] && r->slot[1]);
+  uint32_t c0 = _keel_ph_chunk_at(ph, r->slot[0]), c1 = _keel_ph_chunk_at(ph, r->slot[1]);
+  KT_CHECK(c0 / PH_ZONE_CHUNKS != c1 / PH_ZONE_CHUNKS);
+  ends_set(ph, r->slot[0], half, 1);
+  ends_set(ph, r->slot[1], half, 3);
+  KT_EQ(keel_pheap_alloc(ph, &r->slot[2], 100, 62), 0); /* small objects still fit */
+  keel_pheap_stats_t st;
+  KT_EQ(keel_pheap_stats(ph, &st), 0);
+  uint64_t pool = st.pool_bytes;
+  KT_EQ(keel_pheap_free(ph, &r->slot[0]), 0);
+  KT_EQ(keel_pheap_alloc(ph, &r->slot[0], half, 60), 0); /* back in zone 0 */
+  KT_EQ(_keel_ph_chunk_at(ph, r->slot[0]) / PH_ZONE_CHUNKS, c0 / PH_ZONE_CHUNKS);
+  ends_set(ph, r->slot[0], half, 5);
+  KT_EQ(keel_pheap_stats(ph, &st), 0);
+  KT_EQ(st.pool_bytes, pool);
+  KT_EQ(keel_pheap_close(ph), 0);
+  KT_EQ(keel_pheap_check(p), 0);
+  ph = keel_pheap_open(p, LAYOUT);
+  KT_REQUIRE(ph != NULL);
+  r = keel_pheap_root(ph, sizeof *r);
+  KT_EQ(huge_find(ph, 60, half, 5), r->slot[0]);
+  KT_EQ(huge_find(ph, 61, half, 3), r->slot[1]);
+  KT_EQ(count_type(ph, 62), 1);
+  KT_EQ(keel_pheap_close(ph), 0);
+  unlink(p);
+}
+
 static void test_classes_fragmentation(void) {
   _keel_ph_classes_init();
   double sum = 0;
@@ -1212,4 +1295,5 @@ KT_MAIN(KT_CASE(test_create_open_close), KT_CASE(test_bad_wrong_layout),
         KT_CASE(test_deferrer_on_sched_cancelled), KT_CASE(test_full_pool_free_never_fails),
         KT_CASE(test_grow), KT_CASE(test_barrier_counts), KT_CASE(test_check_detects_corruption),
         KT_CASE(test_stress_threads), KT_CASE(test_tx_cache_not_evicted),
-        KT_CASE(test_close_while_other_thread_caches), KT_CASE(test_classes_fragmentation))
+        KT_CASE(test_close_while_other_thread_caches), KT_CASE(test_classes_fragmentation),
+        KT_CASE(test_grow_into_next_zone))
