@@ -51,7 +51,10 @@ typedef struct keel_pheap keel_pheap_t;
 #define KEEL_PHEAP_LAYOUT_MAX 63
 /* Type number that matches every type in keel_pheap_foreach. */
 #define KEEL_PHEAP_ANY_TYPE   UINT64_MAX
-/* Largest single object (a request above this fails with KEEL_EINVAL). */
+/* Largest single object (a request above this fails with KEEL_EINVAL). Any
+ * size up to it is one extent; allocating writes only its 16-byte header
+ * (zalloc zeroes the body, and a transaction's commit flushes the whole body
+ * of each object it allocated). */
 #define KEEL_PHEAP_MAX_ALLOC  ((size_t)1 << 34)
 
 /* keel_pheap_create flags. */
@@ -59,8 +62,11 @@ typedef struct keel_pheap keel_pheap_t;
 
 /* Creates a new pool file of `size` bytes (at least KEEL_PHEAP_MIN_SIZE) with
  * the given layout name; fails with EEXIST if the file exists. The pool grows
- * on demand unless KEEL_PHEAP_FIXED. The file is locked until close. Blocks on
- * I/O; allocates. NULL + errno (negated KEEL_E*) on failure. */
+ * on demand unless KEEL_PHEAP_FIXED: within one open, to 4x its size at open
+ * or 64 GiB, whichever is more, and always by room for one more object of
+ * KEEL_PHEAP_MAX_ALLOC (past that, KEEL_ENOSPC until it is reopened). The
+ * file is locked until close. Blocks on I/O; allocates. NULL + errno (negated
+ * KEEL_E*) on failure. */
 KEEL_API keel_pheap_t *keel_pheap_create(const char *path, const char *layout, size_t size,
                                          unsigned flags);
 

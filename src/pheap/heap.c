@@ -182,12 +182,15 @@ static KEEL_NOINLINE int refill(keel_pheap_t *ph, ph_tcache_t *tc, unsigned cls)
   return 0;
 }
 
+/* Whole chunks for `block` bytes. Only the chunk word (published by the
+ * caller's log) and the object header are ever written: the body is not
+ * touched, so a large object costs no memory until it is used. */
 static int take_huge(keel_pheap_t *ph, ph_tcache_t *tc, uint64_t block, keel_poff_t *off) {
-  uint64_t k = (block + PH_CHUNK - 1) / PH_CHUNK;
-  if (k > PH_ZONE_CHUNKS) return KEEL_EINVAL; /* an extent lives in one zone (128 MiB) */
+  uint32_t k = (uint32_t)((block + PH_CHUNK - 1) / PH_CHUNK);
+  KEEL_ASSERT(k <= PH_ZONE_CHUNKS); /* block <= KEEL_PHEAP_MAX_ALLOC + header: a zone holds it */
   pthread_mutex_lock(&ph->lock);
   uint32_t c;
-  int rc = __chunks_take(ph, tc, (uint32_t)k, &c);
+  int rc = __chunks_take(ph, tc, k, &c);
   pthread_mutex_unlock(&ph->lock);
   if (rc == 0) *off = ph_chunk_off(ph, c) + PH_OBJ_HDR;
   return rc;

@@ -11,11 +11,27 @@
  *                      overflow blocks taken from the heap, tx.c). A thread
  *                      holds a lane for one atomic operation or one whole
  *                      transaction.
- *   [heap_off, size)   zones: a 4 KiB page of 512 chunk words, then up to 512
- *                      chunks of 256 KiB. A chunk word of 0 is a free chunk,
+ *   [heap_off, size)   zones: PH_ZONE_META bytes of chunk words (one per
+ *                      chunk), then up to PH_ZONE_CHUNKS chunks of 256 KiB;
+ *                      the pool ends inside its last zone (a partial zone:
+ *                      its chunk words are all there, its chunks only up to
+ *                      the pool's size). A chunk word of 0 is a free chunk,
  *                      so extending the file (zero fill) adds free chunks with
  *                      no other write; a run or huge object is described only
  *                      by the word of its first chunk (the others stay 0).
+ *                      An extent never crosses a zone.
+ *
+ * Zone size (format 2): one extent must hold the largest object,
+ * KEEL_PHEAP_MAX_ALLOC with its 16-byte header, 2^16 + 1 chunks; a zone has
+ * that rounded up to a whole 4 KiB page of chunk words, 66048 chunks (16.1
+ * GiB) under 129 pages (516 KiB) of words. Format 1 had 512-chunk zones (128
+ * MiB under one page), so nothing larger than 128 MiB could be allocated;
+ * its pools are refused by version (KEEL_EVERSION): its chunks and chunk
+ * words lie at other offsets.
+ * The wider words cost a small pool 512 KiB of its size (at the 8 MiB
+ * minimum, 13 chunks instead of format 1's 15) but no memory or disk beyond
+ * the pages used: a page of words is written only once a chunk it describes
+ * is (the file stays sparse there), and one zone serves pools up to 16 GiB.
  *
  * Runs: a run of k chunks holds blocks of one size; it starts with a 64-byte
  * run header and an allocation bitmap (bit set = allocated). The bitmap is
@@ -39,11 +55,11 @@
 #include "base/common.h"
 
 #define PH_MAGIC       "KEELPHP"
-#define PH_VERSION     1u
+#define PH_VERSION     2u /* 1: 512-chunk zones (see the file comment) */
 #define PH_HDR_BYTES   4096u
 #define PH_CHUNK       ((uint64_t)256 << 10)
-#define PH_ZONE_CHUNKS 512u
-#define PH_ZONE_META   4096u
+#define PH_ZONE_CHUNKS 66048u /* (2^16 + 1) chunks rounded up to a page of words */
+#define PH_ZONE_META   ((uint64_t)PH_ZONE_CHUNKS * 8)
 #define PH_ZONE_BYTES  (PH_ZONE_META + PH_ZONE_CHUNKS * PH_CHUNK)
 #define PH_NLANES                                                                                  \
   64u /* threads beyond this wait for a lane (measured: 16 lanes lost 2x to libpmemobj at 256 threads) */
@@ -57,6 +73,10 @@
 /* seq = epoch << 40 | counter must not wrap: a pool whose epoch has reached
  * this (after 2^24 - 1 opens, or corrupted) is not opened. */
 #define PH_EPOCH_LIMIT    ((1ull << 24) - 1)
+
+_Static_assert(PH_ZONE_CHUNKS *PH_CHUNK >= KEEL_PHEAP_MAX_ALLOC + PH_OBJ_HDR,
+               "a zone holds the largest object");
+_Static_assert(PH_ZONE_META % 4096 == 0, "chunks start page aligned");
 
 /* Chunk word: type in the top byte, length in chunks in the low 32 bits. */
 #define PH_CW_FREE       0u

@@ -9,7 +9,8 @@
  * allocation fails with KEEL_ECORRUPT, a call naming an object past it dies
  * naming the pool (keel pheap check names the problem offline).
  *
- * Mapping: a PROT_NONE reservation of PH_RESERVE bytes holds the file
+ * Mapping: a PROT_NONE reservation (PH_RESERVE, 4x the pool, or the pool
+ * plus room for one largest object, whichever is most) holds the file
  * mapping at its start, so growth maps the new tail in place (MAP_FIXED over
  * the reservation) and no pointer into the pool ever moves. Growth: extend
  * the file (zeros = free chunks, see pheap_int.h), fsync so the new size
@@ -117,7 +118,12 @@ static keel_pheap_t *ph_start(const char *path, int fd, uint64_t size, unsigned 
   ph->id = keel_fetch_add_relaxed(&ph_ids, 1) + 1;
   int opt = (int)_keel_option(KEEL_OPT_pheap_flush);
   ph->flush_mode = opt == KEEL_FLUSH_AUTO ? -1 : _keel_pm_mode(ph);
+  /* Growth maps within the reservation, so it bounds the pool for this
+   * session: 4x its size, at least PH_RESERVE, and always room for one more
+   * object of KEEL_PHEAP_MAX_ALLOC (at worst the rest of the last zone and
+   * then a whole zone). */
   ph->reserve = size * 4 > PH_RESERVE ? KEEL_ALIGN_UP(size * 4, PH_CHUNK) : PH_RESERVE;
+  if (ph->reserve < size + 2 * PH_ZONE_BYTES) ph->reserve = size + 2 * PH_ZONE_BYTES;
   void *base =
       mmap(NULL, ph->reserve, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
   int rc;

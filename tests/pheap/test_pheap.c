@@ -157,7 +157,27 @@ static void test_bad_version(void) {
   h.version = PH_VERSION + 1;
   h.csum = _keel_ph_csum(&h, offsetof(ph_header_t, csum), 0);
   patch(p, 0, &h, offsetof(ph_header_t, size_word));
-  expect_open_fails(p, LAYOUT, KEEL_EVERSION, "format version 2");
+  char want[64];
+  snprintf(want, sizeof want, "format version %u", PH_VERSION + 1);
+  expect_open_fails(p, LAYOUT, KEEL_EVERSION, want);
+  unlink(p);
+}
+
+/* A pool written in format version 1 (zones of 512 chunks, objects up to
+ * 128 MiB) is refused by version, before its geometry or checksum. */
+static void test_bad_old_version(void) {
+  char p[256];
+  make_pool(tp_path(p, sizeof p, "v1"));
+  ph_header_t h = read_hdr(p);
+  h.version = 1;
+  h.zone_chunks = 512;
+  h.csum = _keel_ph_csum(&h, offsetof(ph_header_t, csum), 0);
+  patch(p, 0, &h, offsetof(ph_header_t, size_word));
+  char want[64];
+  snprintf(want, sizeof want, "pool format version 1, this library reads version %u", PH_VERSION);
+  expect_open_fails(p, LAYOUT, KEEL_EVERSION, want);
+  KT_EQ(keel_pheap_check(p), KEEL_EVERSION);
+  KT_CONTAINS(keel_pheap_errmsg(), "format version 1");
   unlink(p);
 }
 
@@ -645,10 +665,13 @@ static void test_tx_undo_overflow_out_of_space(void) {
   KT_EQ(keel_pheap_alloc(ph, &r->slot[0], big, 3), 0);
   fill_words(keel_pheap_ptr(ph, r->slot[0]), big, 7);
   keel_pheap_persist(ph, keel_pheap_ptr(ph, r->slot[0]), big);
-  /* Fill every chunk, and the overflow blocks' class to the last block. */
+  /* Fill every chunk (the ones too few for a 1 MiB object with runs of
+   * small blocks: how many are left over depends on the pool geometry), and
+   * the overflow blocks' class to the last block. */
   keel_poff_t junk;
   int n = 0;
   while (keel_pheap_alloc(ph, &junk, 1 << 20, 9) == 0) n++;
+  while (keel_pheap_alloc(ph, &junk, 1000, 9) == 0) n++; /* 1-chunk runs */
   while (keel_pheap_alloc(ph, &junk, PH_OVF_BYTES, 9) == 0) n++;
   KT_CHECK(n > 0);
   uint64_t heap = ph->hdr->heap_off, size = keel_load_relaxed(&ph->size);
@@ -1184,8 +1207,10 @@ static void test_close_while_other_thread_caches(void) {
   close_evict_pools(p, ph);
 }
 
-/* ---- Large objects (found by review: growth appended chunks across a zone
- * boundary, so a large extent that needed the next zone failed with
+/* ---- Objects larger than a zone (found by review: anything past 128 MiB,
+ * one zone's chunks in format 1, failed with KEEL_EINVAL although the
+ * header promises KEEL_PHEAP_MAX_ALLOC; and growth appended chunks across a
+ * zone boundary, so a large extent that needed the next zone failed with
  * KEEL_ENOSPC on a growable pool). Pool files are sparse and allocation
  * touches only an object's header, so these use little memory or disk. ---- */
 
@@ -1226,6 +1251,151 @@ static keel_poff_t huge_find(keel_pheap_t *ph, uint64_t type, size_t size, unsig
   KT_EQ(keel_pheap_type(ph, s.off[0]), type);
   KT_CHECK(ends_are(ph, s.off[0], size, v));
   return s.off[0];
+}
+
+/* A growable pool created at the minimum size takes objects of 200 MiB,
+ * 1 GiB (in a transaction) and 300 MiB (reserve + publish), frees them,
+ * takes them again in the space freed (no growth), and keeps them across a
+ * reopen. Allocation writes only object headers: resident memory stays
+ * far below the objects' size. */
+static void test_huge_objects(void) {
+  char p[256];
+  tp_path(p, sizeof p, "huge");
+  keel_pheap_t *ph = keel_pheap_create(p, LAYOUT, KEEL_PHEAP_MIN_SIZE, 0);
+  KT_REQUIRE(ph != NULL);
+  root_t *r = keel_pheap_root(ph, sizeof *r);
+  KT_REQUIRE(r != NULL);
+  const size_t a = 200 * MIB, b = 1024 * MIB, c = 300 * MIB;
+  size_t rss0 = kt_rss_kb();
+  KT_EQ(keel_pheap_alloc(ph, &r->slot[0], a, 50), 0);
+  KT_REQUIRE(r->slot[0] != 0);
+  KT_CHECK(keel_pheap_usable_size(ph, r->slot[0]) >= a);
+  ends_set(ph, r->slot[0], a, 10);
+  KT_EQ(keel_tx_begin(ph), 0);
+  KT_EQ(keel_tx_add_range(&r->slot[1], 8), 0);
+  r->slot[1] = keel_tx_alloc(b, 51);
+  if (r->slot[1]) {
+    unsigned char *o = keel_pheap_ptr(ph, r->slot[1]);
+    o[0] = 20; /* a new object's bytes need no snapshot: commit flushes them */
+    o[b - 1] = 21;
+  }
+  KT_EQ(keel_tx_commit(), 0);
+  KT_EQ(keel_tx_end(), 0);
+  KT_REQUIRE(r->slot[1] != 0);
+  keel_pheap_act_t act[2];
+  KT_EQ(keel_pheap_reserve(ph, &act[0], c, 52), 0);
+  KT_REQUIRE(act[0].off != 0);
+  ends_set(ph, act[0].off, c, 30);
+  keel_pheap_set_value(ph, &act[1], &r->slot[2], act[0].off);
+  KT_EQ(keel_pheap_publish(ph, act, 2), 0);
+  KT_CHECK(r->slot[2] == act[0].off);
+  size_t rss1 = kt_rss_kb();
+  printf("  1.5 GiB in 3 objects: resident memory grew by %zu KiB\n",
+         rss1 > rss0 ? rss1 - rss0 : 0);
+  KT_CHECK(rss1 < rss0 + 64 * 1024);
+  KT_EQ(count_type(ph, 50) + count_type(ph, 51) + count_type(ph, 52), 3);
+  keel_pheap_stats_t st;
+  KT_EQ(keel_pheap_stats(ph, &st), 0);
+  KT_CHECK(st.huge_bytes >= a + b + c);
+  KT_CHECK(st.pool_bytes >= a + b + c);
+  /* Free (atomic, in a transaction, by publish) and take them again. */
+  KT_EQ(keel_pheap_free(ph, &r->slot[0]), 0);
+  KT_EQ(keel_tx_begin(ph), 0);
+  KT_EQ(keel_tx_add_range(&r->slot[1], 8), 0);
+  KT_EQ(keel_tx_free(r->slot[1]), 0);
+  r->slot[1] = 0;
+  KT_EQ(keel_tx_commit(), 0);
+  KT_EQ(keel_tx_end(), 0);
+  keel_pheap_defer_free(ph, &act[0], r->slot[2]);
+  keel_pheap_set_value(ph, &act[1], &r->slot[2], 0);
+  KT_EQ(keel_pheap_publish(ph, act, 2), 0);
+  KT_EQ(count_type(ph, KEEL_PHEAP_ANY_TYPE), 1); /* the root */
+  uint64_t pool = st.pool_bytes;
+  KT_EQ(keel_pheap_alloc(ph, &r->slot[1], b, 51), 0);
+  KT_EQ(keel_pheap_alloc(ph, &r->slot[0], a, 50), 0);
+  KT_EQ(keel_pheap_alloc(ph, &r->slot[2], c, 52), 0);
+  KT_REQUIRE(r->slot[0] && r->slot[1] && r->slot[2]);
+  ends_set(ph, r->slot[0], a, 40);
+  ends_set(ph, r->slot[1], b, 50);
+  ends_set(ph, r->slot[2], c, 60);
+  KT_EQ(keel_pheap_stats(ph, &st), 0);
+  KT_EQ(st.pool_bytes, pool); /* the freed space was reused */
+  KT_EQ(keel_pheap_close(ph), 0);
+  KT_EQ(keel_pheap_check(p), 0);
+  ph = keel_pheap_open(p, LAYOUT);
+  KT_REQUIRE(ph != NULL);
+  r = keel_pheap_root(ph, sizeof *r);
+  KT_EQ(huge_find(ph, 50, a, 40), r->slot[0]);
+  KT_EQ(huge_find(ph, 51, b, 50), r->slot[1]);
+  KT_EQ(huge_find(ph, 52, c, 60), r->slot[2]);
+  KT_EQ(keel_pheap_free(ph, &r->slot[1]), 0);
+  KT_EQ(keel_pheap_close(ph), 0);
+  KT_EQ(keel_pheap_check(p), 0);
+  unlink(p);
+}
+
+/* The size limit: KEEL_PHEAP_MAX_ALLOC itself is allocated on a growable
+ * pool (the file grows by a zone's worth, sparse), one byte more is
+ * KEEL_EINVAL from every allocating call; a fixed pool refuses what does
+ * not fit with KEEL_ENOSPC and stays usable. */
+static void test_huge_limits(void) {
+  char p[256];
+  tp_path(p, sizeof p, "hugemax");
+  keel_pheap_t *ph = keel_pheap_create(p, LAYOUT, KEEL_PHEAP_MIN_SIZE, 0);
+  KT_REQUIRE(ph != NULL);
+  root_t *r = keel_pheap_root(ph, sizeof *r);
+  KT_REQUIRE(r != NULL);
+  keel_poff_t o = 0;
+  keel_pheap_act_t act;
+  KT_EQ(keel_pheap_alloc(ph, &o, KEEL_PHEAP_MAX_ALLOC + 1, 1), KEEL_EINVAL);
+  KT_EQ(keel_pheap_zalloc(ph, &o, KEEL_PHEAP_MAX_ALLOC + 1, 1), KEEL_EINVAL);
+  KT_EQ(keel_pheap_reserve(ph, &act, KEEL_PHEAP_MAX_ALLOC + 1, 1), KEEL_EINVAL);
+  KT_EQ(keel_tx_begin(ph), 0);
+  errno = 0;
+  KT_EQ(keel_tx_alloc(KEEL_PHEAP_MAX_ALLOC + 1, 1), 0);
+  KT_EQ(errno, EINVAL);
+  KT_EQ(keel_tx_end(), KEEL_EINVAL);
+  KT_EQ(o, 0);
+  KT_EQ(keel_pheap_alloc(ph, &r->slot[0], KEEL_PHEAP_MAX_ALLOC, 2), 0);
+  KT_REQUIRE(r->slot[0] != 0);
+  KT_CHECK(keel_pheap_usable_size(ph, r->slot[0]) >= KEEL_PHEAP_MAX_ALLOC);
+  ends_set(ph, r->slot[0], KEEL_PHEAP_MAX_ALLOC, 7);
+  KT_EQ(keel_pheap_alloc(ph, &r->slot[1], 100, 3), 0);
+  KT_EQ(keel_pheap_close(ph), 0);
+  KT_EQ(keel_pheap_check(p), 0);
+  ph = keel_pheap_open(p, LAYOUT);
+  KT_REQUIRE(ph != NULL);
+  r = keel_pheap_root(ph, sizeof *r);
+  KT_EQ(huge_find(ph, 2, KEEL_PHEAP_MAX_ALLOC, 7), r->slot[0]);
+  KT_EQ(keel_pheap_free(ph, &r->slot[0]), 0);
+  KT_EQ(count_type(ph, KEEL_PHEAP_ANY_TYPE), 2);
+  KT_EQ(keel_pheap_close(ph), 0);
+  KT_EQ(keel_pheap_check(p), 0);
+  unlink(p);
+
+  /* Fixed: no room, and none can be made. */
+  ph = keel_pheap_create(p, LAYOUT, KEEL_PHEAP_MIN_SIZE, KEEL_PHEAP_FIXED);
+  KT_REQUIRE(ph != NULL);
+  r = keel_pheap_root(ph, sizeof *r);
+  KT_REQUIRE(r != NULL);
+  KT_EQ(keel_pheap_alloc(ph, &r->slot[0], 200 * MIB, 1), KEEL_ENOSPC);
+  KT_EQ(keel_pheap_alloc(ph, &r->slot[0], KEEL_PHEAP_MAX_ALLOC, 1), KEEL_ENOSPC);
+  KT_EQ(keel_pheap_reserve(ph, &act, 200 * MIB, 1), KEEL_ENOSPC);
+  KT_EQ(keel_tx_begin(ph), 0);
+  errno = 0;
+  KT_EQ(keel_tx_alloc(200 * MIB, 1), 0);
+  KT_EQ(errno, ENOSPC);
+  KT_EQ(keel_tx_end(), KEEL_ENOSPC);
+  KT_EQ(r->slot[0], 0);
+  KT_EQ(keel_pheap_alloc(ph, &r->slot[0], 1 * MIB, 1), 0);
+  KT_EQ(keel_pheap_alloc(ph, &r->slot[1], 100, 1), 0);
+  KT_EQ(count_type(ph, 1), 2);
+  keel_pheap_stats_t st;
+  KT_EQ(keel_pheap_stats(ph, &st), 0);
+  KT_EQ(st.pool_bytes, KEEL_PHEAP_MIN_SIZE);
+  KT_EQ(keel_pheap_close(ph), 0);
+  KT_EQ(keel_pheap_check(p), 0);
+  unlink(p);
 }
 
 /* Growth starts an extent that does not fit in the rest of the last zone at
@@ -1285,9 +1455,9 @@ static void test_classes_fragmentation(void) {
 
 KT_MAIN(KT_CASE(test_create_open_close), KT_CASE(test_bad_wrong_layout),
         KT_CASE(test_bad_truncated), KT_CASE(test_bad_corrupt_header),
-        KT_CASE(test_bad_below_minimum), KT_CASE(test_bad_version), KT_CASE(test_bad_log_offsets),
-        KT_CASE(test_bad_epoch), KT_CASE(test_bad_log_seq), KT_CASE(test_bad_already_open),
-        KT_CASE(test_alloc_free_sizes), KT_CASE(test_misuse_aborts),
+        KT_CASE(test_bad_below_minimum), KT_CASE(test_bad_version), KT_CASE(test_bad_old_version),
+        KT_CASE(test_bad_log_offsets), KT_CASE(test_bad_epoch), KT_CASE(test_bad_log_seq),
+        KT_CASE(test_bad_already_open), KT_CASE(test_alloc_free_sizes), KT_CASE(test_misuse_aborts),
         KT_CASE(test_reserve_publish_cancel), KT_CASE(test_tx_commit_abort_nested),
         KT_CASE(test_tx_publish_and_zalloc), KT_CASE(test_tx_out_of_space_aborts),
         KT_CASE(test_tx_undo_overflow), KT_CASE(test_tx_undo_overflow_out_of_space),
@@ -1296,4 +1466,4 @@ KT_MAIN(KT_CASE(test_create_open_close), KT_CASE(test_bad_wrong_layout),
         KT_CASE(test_grow), KT_CASE(test_barrier_counts), KT_CASE(test_check_detects_corruption),
         KT_CASE(test_stress_threads), KT_CASE(test_tx_cache_not_evicted),
         KT_CASE(test_close_while_other_thread_caches), KT_CASE(test_classes_fragmentation),
-        KT_CASE(test_grow_into_next_zone))
+        KT_CASE(test_huge_objects), KT_CASE(test_huge_limits), KT_CASE(test_grow_into_next_zone))

@@ -1146,6 +1146,229 @@ static void test_new_run_survives_large_free_replay(void) {
   unlink(g_trial);
 }
 
+/* Objects larger than a zone (format 1 refused them; growth could not place
+ * them) at every crash point: a short workload of allocations and frees of
+ * 200-300 MiB objects, atomic, in transactions and by publish, on a pool
+ * created at the minimum size, so the first ones grow the file. Each trial
+ * makes a fresh sparse pool (copying one would write the objects' bytes);
+ * on simulated media the transaction's object is 1 MiB, since a commit
+ * flushes every byte of its new objects, and the simulation would write
+ * them all. */
+#define HS     3
+#define HOPS   8
+#define HUGE_A ((size_t)200 << 20) /* past format 1's 128 MiB zones */
+#define HUGE_B ((size_t)300 << 20)
+typedef struct hmodel {
+  uint64_t gen[HS];
+  size_t size[HS];
+} hmodel_t;
+
+static size_t huge_tx_size(bool sim) {
+  return sim ? (size_t)1 << 20 : HUGE_B;
+}
+
+static void htag_set(keel_pheap_t *ph, keel_poff_t off, size_t size, tag_t t, bool persist) {
+  char *b = keel_pheap_ptr(ph, off);
+  memcpy(b, &t, sizeof t);
+  memcpy(b + size - sizeof t, &t, sizeof t);
+  if (!persist) return;
+  keel_pheap_persist(ph, b, sizeof t);
+  keel_pheap_persist(ph, b + size - sizeof t, sizeof t);
+}
+
+/* Op j on the pool (ph != NULL) or on the model. */
+static void huge_op(int j, bool sim, keel_pheap_t *ph, root_t *r, hmodel_t *m) {
+  uint64_t gen = (uint64_t)j + 1;
+  static const unsigned slot_of[HOPS] = {0, 1, 2, 0, 1, 0, 2, 2};
+  unsigned s = slot_of[j];
+  size_t size = j == 1 ? huge_tx_size(sim) : j == 5 ? HUGE_B : HUGE_A;
+  tag_t t = {s, gen};
+  if (!ph) {
+    if (j == 6) return; /* aborted */
+    bool alloc = j == 0 || j == 1 || j == 2 || j == 5;
+    m->gen[s] = alloc ? gen : 0;
+    m->size[s] = alloc ? size : 0;
+    return;
+  }
+  keel_pheap_act_t a[2];
+  switch (j) {
+    case 0: /* atomic alloc: the pool grows past a format-1 zone */
+    case 5: /* again, after the frees */
+      if (keel_pheap_alloc(ph, &r->slot[s], size, TYPE) != 0) _exit(4);
+      htag_set(ph, r->slot[s], size, t, true);
+      break;
+    case 1: /* tx alloc */
+      keel_tx_begin(ph);
+      keel_tx_add_range(&r->slot[s], 8);
+      r->slot[s] = keel_tx_alloc(size, TYPE);
+      if (r->slot[s] == 0) _exit(4);
+      htag_set(ph, r->slot[s], size, t, false); /* commit flushes it */
+      if (keel_tx_commit() != 0) _exit(4);
+      keel_tx_end();
+      break;
+    case 2: /* reserve + publish; contents persisted first */
+      if (keel_pheap_reserve(ph, &a[0], size, TYPE) != 0) _exit(4);
+      htag_set(ph, a[0].off, size, t, true);
+      keel_pheap_set_value(ph, &a[1], &r->slot[s], a[0].off);
+      if (keel_pheap_publish(ph, a, 2) != 0) _exit(4);
+      break;
+    case 3:
+      keel_pheap_free(ph, &r->slot[s]);
+      break;
+    case 4: /* tx free */
+    case 6: /* tx free, aborted */
+      keel_tx_begin(ph);
+      keel_tx_add_range(&r->slot[s], 8);
+      keel_tx_free(r->slot[s]);
+      r->slot[s] = 0;
+      if (j == 6)
+        keel_tx_abort(0);
+      else if (keel_tx_commit() != 0)
+        _exit(4);
+      keel_tx_end();
+      break;
+    default: /* free by publish */
+      keel_pheap_defer_free(ph, &a[0], r->slot[s]);
+      keel_pheap_set_value(ph, &a[1], &r->slot[s], 0);
+      if (keel_pheap_publish(ph, a, 2) != 0) _exit(4);
+  }
+}
+
+static void huge_model(int n, bool sim, hmodel_t *m) {
+  memset(m, 0, sizeof *m);
+  for (int j = 0; j < n; j++) huge_op(j, sim, NULL, NULL, m);
+}
+
+static void fn_huge_workload(void) {
+  _keel_ph_ring_limit = 8;
+  _keel_ph_sim_next = g_sim;
+  keel_pheap_t *ph = keel_pheap_open(g_trial, LAYOUT);
+  if (ph == NULL) _exit(3);
+  root_t *r = keel_pheap_root(ph, sizeof *r);
+  _keel_ph_barrier_hook = crash_hook;
+  for (int j = 0; j < HOPS; j++) {
+    huge_op(j, g_sim, ph, r, NULL);
+    g_shared[0] = j + 1;
+  }
+  _keel_ph_barrier_hook = NULL;
+  keel_pheap_close(ph);
+  _exit(0);
+}
+
+/* Slots as in m, every object live, of its size, with its tags (the slot of
+ * an atomic alloc in flight, `exempt`, may lack them). */
+static bool huge_state_is(keel_pheap_t *ph, const root_t *r, const hmodel_t *m, int exempt) {
+  for (int i = 0; i < HS; i++) {
+    if ((r->slot[i] != 0) != (m->gen[i] != 0)) return false;
+    if (!r->slot[i]) continue;
+    if (keel_pheap_usable_size(ph, r->slot[i]) < m->size[i]) return false;
+    if (i == exempt) continue;
+    const char *b = keel_pheap_ptr(ph, r->slot[i]);
+    tag_t t0, t1;
+    memcpy(&t0, b, sizeof t0);
+    memcpy(&t1, b + m->size[i] - sizeof t1, sizeof t1);
+    if (t0.slot != (uint64_t)i || t0.gen != m->gen[i] || memcmp(&t0, &t1, sizeof t0) != 0)
+      return false;
+  }
+  return true;
+}
+
+static const char *huge_verify(int done, bool sim) {
+  static char why[256];
+  keel_pheap_t *ph = keel_pheap_open(g_trial, LAYOUT);
+  if (ph == NULL) {
+    snprintf(why, sizeof why, "reopen failed: %s", keel_pheap_errmsg());
+    return why;
+  }
+  root_t *r = keel_pheap_root(ph, sizeof *r);
+  hmodel_t a, b;
+  huge_model(done, sim, &a);
+  huge_model(done < HOPS ? done + 1 : done, sim, &b);
+  int exempt = done == 0 || done == 5 ? 0 : -1; /* atomic allocs, tagged after */
+  const char *bad = NULL;
+  offs_t s = {.n = 0};
+  /* Liveness first: usable_size dies on an object that is not live. */
+  keel_pheap_foreach(ph, KEEL_PHEAP_ANY_TYPE, collect, &s);
+  int reach = 0;
+  for (int i = 0; i < HS; i++) {
+    if (!r->slot[i]) continue;
+    reach++;
+    bool live = false;
+    for (int k = 0; k < s.n && k < 4 * NS; k++) live |= s.o[k] == r->slot[i];
+    if (!live && !bad) bad = "a referenced object is not live";
+  }
+  if (!bad && !huge_state_is(ph, r, &a, -1) && !huge_state_is(ph, r, &b, exempt))
+    bad = "state is neither before nor after the op in flight";
+  if (!bad && s.n != reach) {
+    snprintf(why, sizeof why, "heap walk counts %d objects, %d reachable", s.n, reach);
+    bad = why;
+  }
+  keel_pheap_close(ph);
+  if (!bad && keel_pheap_check(g_trial) != 0) {
+    snprintf(why, sizeof why, "check: %s", keel_pheap_errmsg());
+    bad = why;
+  }
+  return bad;
+}
+
+static void huge_fresh_pool(void) {
+  unlink(g_trial);
+  keel_pheap_t *ph = keel_pheap_create(g_trial, LAYOUT, KEEL_PHEAP_MIN_SIZE, 0);
+  KT_REQUIRE(ph != NULL);
+  KT_REQUIRE(keel_pheap_root(ph, sizeof(root_t)) != NULL);
+  keel_pheap_close(ph);
+}
+
+static void test_huge_objects_crash_points(void) {
+  tp_path(g_trial, sizeof g_trial, "huge");
+  g_shared = shared_page();
+  g_fault = PH_S_NONE;
+  long tried = 0;
+  for (int mode = 0; mode < 3; mode++) { /* mmap, media, torn media */
+    g_sim = mode > 0;
+    g_torn = mode == 2;
+    huge_fresh_pool();
+    g_shared[0] = g_shared[1] = 0;
+    g_crash_at = -1;
+    KT_EQ(run_child(fn_huge_workload), 0);
+    KT_EQ(g_shared[0], HOPS);
+    const char *why = huge_verify(HOPS, g_sim);
+    if (why) kt_fail(__FILE__, __LINE__, "no crash (mode %d): %s", mode, why);
+    long n = g_shared[1];
+    int seeds = mode == 2 ? 2 : 1;
+    for (long k = 1; k <= n; k++) {
+      for (int sd = 0; sd < seeds; sd++) {
+        huge_fresh_pool();
+        g_shared[0] = g_shared[1] = 0;
+        g_crash_at = k;
+        g_seed = (uint64_t)(k * 131 + sd);
+        int rc = run_child(fn_huge_workload);
+        tried++;
+        if (rc != 77 && rc != 0) {
+          kt_fail(__FILE__, __LINE__, "crash at %ld/%ld (mode %d): workload child exit %d", k, n,
+                  mode, rc);
+          continue;
+        }
+        int done = (int)g_shared[0];
+        long rec = g_sim && (k + sd) % 4 == 0 ? 1 + (long)(mix((uint64_t)k) % 3) : 0;
+        if (rec) {
+          g_rec_crash = rec;
+          rc = run_child(fn_recovery);
+          if (rc != 77 && rc != 0)
+            kt_fail(__FILE__, __LINE__, "crash at %ld (mode %d): recovery child exit %d", k, mode,
+                    rc);
+        }
+        why = huge_verify(done, g_sim);
+        if (why)
+          kt_fail(__FILE__, __LINE__, "crash at barrier %ld/%ld (mode %d, seed %d, rec %ld): %s", k,
+                  n, mode, sd, rec, why);
+      }
+    }
+  }
+  printf("  %ld crash points tried\n", tried);
+  unlink(g_trial);
+}
+
 KT_MAIN(KT_CASE(test_torn_commit_log_not_replayed_after_recovery_crash),
         KT_CASE(test_crash_points_mmap), KT_CASE(test_crash_points_sim_media),
         KT_CASE(test_mutation_removing_a_flush_fails), KT_CASE(test_store_outside_tx_detected),
@@ -1155,4 +1378,4 @@ KT_MAIN(KT_CASE(test_torn_commit_log_not_replayed_after_recovery_crash),
         KT_CASE(test_tx_past_chk_budget_keeps_its_stores),
         KT_CASE(test_new_object_body_survives_older_dest_log),
         KT_CASE(test_tx_publish_set_in_range_survives_crash),
-        KT_CASE(test_new_run_survives_large_free_replay))
+        KT_CASE(test_new_run_survives_large_free_replay), KT_CASE(test_huge_objects_crash_points))
