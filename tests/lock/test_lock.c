@@ -175,14 +175,15 @@ static void quecvt_down(void) {
   KT_EQ(keel_lockspace_release(ls, 0), 0);
 }
 
-typedef struct blocked {
+/* A thread's blocking request on a lockspace and its outcome. */
+typedef struct waiter {
   keel_lockspace_t *ls;
   keel_lksb_t lksb;
   int rc;
-} blocked_t;
+} waiter_t;
 
 static void *blocked_lock(void *arg) {
-  blocked_t *b = arg;
+  waiter_t *b = arg;
   b->rc = keel_lock(b->ls, NAME("blk"), KEEL_LOCK_EX, 0, &b->lksb, NULL, NULL, NULL);
   return NULL;
 }
@@ -195,7 +196,7 @@ static void cancel_blocked_from_thread(void) {
     keel_lockspace_t *ls = new_ls();
     keel_lksb_t h = {0};
     KT_EQ(keel_lock(ls, NAME("blk"), KEEL_LOCK_EX, 0, &h, NULL, NULL, NULL), 0);
-    blocked_t b = {.ls = ls, .rc = 1};
+    waiter_t b = {.ls = ls, .rc = 1};
     pthread_t t;
     KT_EQ(pthread_create(&t, NULL, blocked_lock, &b), 0);
     int rc;
@@ -218,7 +219,7 @@ static void force_release_after_grant(void) {
     keel_lockspace_t *ls = new_ls();
     keel_lksb_t h = {0};
     KT_EQ(keel_lock(ls, NAME("blk"), KEEL_LOCK_EX, 0, &h, NULL, NULL, NULL), 0);
-    blocked_t b = {.ls = ls, .rc = 1};
+    waiter_t b = {.ls = ls, .rc = 1};
     pthread_t t;
     KT_EQ(pthread_create(&t, NULL, blocked_lock, &b), 0);
     /* Queued once it counts as a sleeper; then sometimes asleep, sometimes not. */
@@ -350,12 +351,6 @@ static void timeouts_async(void) {
   KT_EQ(keel_unlock(&c, 0), 0);
   KT_EQ(keel_lockspace_release(ls, 0), 0);
 }
-
-typedef struct waiter {
-  keel_lockspace_t *ls;
-  keel_lksb_t lksb;
-  int rc;
-} waiter_t;
 
 static void *blocker(void *arg) {
   waiter_t *w = arg;
