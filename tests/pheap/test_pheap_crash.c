@@ -321,17 +321,37 @@ static bool state_is(keel_pheap_t *ph, const root_t *r, const model_t *m, int ex
   return true;
 }
 
-/* Verifies the recovered pool; returns a description of the first
- * violation or NULL. */
-static const char *verify(int done) {
+/* The verifiers' first and last steps: reopen the trial pool (NULL and
+ * *bad set if that fails), and close it, then run the offline check unless
+ * a violation was already found. Returns the first violation or NULL. */
+static keel_pheap_t *trial_reopen(const char **bad) {
   static char why[256];
   keel_pheap_t *ph = keel_pheap_open(g_trial, LAYOUT);
   if (ph == NULL) {
     snprintf(why, sizeof why, "reopen failed: %s", keel_pheap_errmsg());
-    return why;
+    *bad = why;
   }
-  root_t *r = keel_pheap_root(ph, sizeof *r);
+  return ph;
+}
+
+static const char *trial_close_check(keel_pheap_t *ph, const char *bad) {
+  static char why[256];
+  keel_pheap_close(ph);
+  if (!bad && keel_pheap_check(g_trial) != 0) {
+    snprintf(why, sizeof why, "check: %s", keel_pheap_errmsg());
+    bad = why;
+  }
+  return bad;
+}
+
+/* Verifies the recovered pool; returns a description of the first
+ * violation or NULL. */
+static const char *verify(int done) {
+  static char why[256];
   const char *bad = NULL;
+  keel_pheap_t *ph = trial_reopen(&bad);
+  if (ph == NULL) return bad;
+  root_t *r = keel_pheap_root(ph, sizeof *r);
   model_t a, b;
   model_after(done, &a);
   model_after(done < NOPS ? done + 1 : done, &b);
@@ -386,12 +406,7 @@ static const char *verify(int done) {
     for (int i = 0; i < NS; i++) fprintf(stderr, " %llx", (unsigned long long)r->slot[i]);
     fprintf(stderr, "\n");
   }
-  keel_pheap_close(ph);
-  if (!bad && keel_pheap_check(g_trial) != 0) {
-    snprintf(why, sizeof why, "check: %s", keel_pheap_errmsg());
-    bad = why;
-  }
-  return bad;
+  return trial_close_check(ph, bad);
 }
 
 static volatile long *shared_page(void) {
@@ -1275,17 +1290,14 @@ static bool huge_state_is(keel_pheap_t *ph, const root_t *r, const hmodel_t *m, 
 
 static const char *huge_verify(int done, bool sim) {
   static char why[256];
-  keel_pheap_t *ph = keel_pheap_open(g_trial, LAYOUT);
-  if (ph == NULL) {
-    snprintf(why, sizeof why, "reopen failed: %s", keel_pheap_errmsg());
-    return why;
-  }
+  const char *bad = NULL;
+  keel_pheap_t *ph = trial_reopen(&bad);
+  if (ph == NULL) return bad;
   root_t *r = keel_pheap_root(ph, sizeof *r);
   hmodel_t a, b;
   huge_model(done, sim, &a);
   huge_model(done < HOPS ? done + 1 : done, sim, &b);
   int exempt = done == 0 || done == 5 ? 0 : -1; /* atomic allocs, tagged after */
-  const char *bad = NULL;
   offs_t s = {.n = 0};
   /* Liveness first: usable_size dies on an object that is not live. */
   keel_pheap_foreach(ph, KEEL_PHEAP_ANY_TYPE, collect, &s);
@@ -1303,12 +1315,7 @@ static const char *huge_verify(int done, bool sim) {
     snprintf(why, sizeof why, "heap walk counts %d objects, %d reachable", s.n, reach);
     bad = why;
   }
-  keel_pheap_close(ph);
-  if (!bad && keel_pheap_check(g_trial) != 0) {
-    snprintf(why, sizeof why, "check: %s", keel_pheap_errmsg());
-    bad = why;
-  }
-  return bad;
+  return trial_close_check(ph, bad);
 }
 
 static void huge_fresh_pool(void) {
