@@ -21,9 +21,14 @@
  * barrier and its return). navail == popcount(vfree); listed <=> on the
  * class's partial list, which holds every run with navail > 0.
  *
- * Locks: ph->lock guards the chunk arrays and growth; classq[c].lock guards
- * the partial list and the vfree bitmaps of runs of class c. The allocation
- * fast path (tcache pop) takes neither.
+ * Locks: ph->lock guards the chunk arrays and growth; the lock of (arena a,
+ * class c)'s classq guards its partial list and the vfree bitmaps of its
+ * runs. The allocation fast path (tcache pop) takes neither.
+ *
+ * Arenas (pheap_int.h): a cache refills from its arena's runs, boots runs
+ * into its arena and creates runs there; only when no run can be created
+ * (a fixed or full pool) does it take blocks from another arena's runs, so
+ * arenas never make the pool report full while free blocks remain.
  */
 #include <stdlib.h>
 #include <string.h>
@@ -38,6 +43,10 @@ static inline ph_run_hdr_t *run_hdr(keel_pheap_t *ph, const ph_run_t *r) {
 }
 static inline uint64_t *run_bitmap(keel_pheap_t *ph, uint32_t chunk) {
   return (uint64_t *)(ph->view.base + ph_chunk_off(ph, chunk) + PH_RUN_HDR);
+}
+
+static inline ph_classq_t *classq_of(keel_pheap_t *ph, unsigned arena, unsigned cls) {
+  return &ph->classq[arena * _keel_ph_nclasses + cls];
 }
 
 static int __boot_one(keel_pheap_t *ph, ph_tcache_t *tc);
@@ -76,7 +85,7 @@ static int __chunks_take(keel_pheap_t *ph, ph_tcache_t *tc, uint32_t k, uint32_t
   return 0;
 }
 
-static ph_run_t *run_new(uint32_t chunk, uint32_t cls, uint32_t nblocks) {
+static ph_run_t *run_new(uint32_t chunk, uint32_t cls, uint32_t nblocks, unsigned arena) {
   ph_run_t *r = calloc(1, sizeof *r);
   if (r == NULL) return NULL;
   r->vfree = calloc((nblocks + 63) / 64, 8);
@@ -86,6 +95,7 @@ static ph_run_t *run_new(uint32_t chunk, uint32_t cls, uint32_t nblocks) {
   }
   r->chunk = chunk;
   r->cls = cls;
+  r->arena = (uint16_t)arena;
   return r;
 }
 
@@ -108,7 +118,7 @@ static int run_create(keel_pheap_t *ph, ph_tcache_t *tc, unsigned cls, ph_run_t 
   pthread_mutex_lock(&ph->lock);
   uint32_t c;
   int rc = __chunks_take(ph, tc, k->chunks, &c);
-  ph_run_t *r = rc == 0 ? run_new(c, cls, k->nblocks) : NULL;
+  ph_run_t *r = rc == 0 ? run_new(c, cls, k->nblocks, tc->arena) : NULL;
   if (rc == 0 && r == NULL) {
     memset(ph->chunk_free + c, 1, k->chunks);
     rc = KEEL_ENOMEM;
@@ -144,10 +154,23 @@ static inline keel_poff_t block_off(keel_pheap_t *ph, const ph_run_t *r, uint32_
   return ph_chunk_off(ph, r->chunk) + k->data_off + (uint64_t)i * k->block + PH_OBJ_HDR;
 }
 
-/* Moves up to half a cache of blocks from the class's runs; classq lock
- * taken here. 0 or ENOSPC/ENOMEM. */
+/* Another arena's list of class cls with a partial run, its lock held;
+ * NULL if there is none. */
+static ph_classq_t *steal_q(keel_pheap_t *ph, ph_tcache_t *tc, unsigned cls) {
+  for (unsigned i = 1; i < ph->narenas; i++) {
+    ph_classq_t *q = classq_of(ph, (tc->arena + i) % ph->narenas, cls);
+    pthread_mutex_lock(&q->lock);
+    if (q->partial != NULL) return q;
+    pthread_mutex_unlock(&q->lock);
+  }
+  return NULL;
+}
+
+/* Moves up to half a cache of blocks from the class's runs in the cache's
+ * arena (another's when no run can be created); classq lock taken here.
+ * 0 or ENOSPC/ENOMEM. */
 static KEEL_NOINLINE int refill(keel_pheap_t *ph, ph_tcache_t *tc, unsigned cls) {
-  ph_classq_t *q = &ph->classq[cls];
+  ph_classq_t *q = classq_of(ph, tc->arena, cls);
   pthread_mutex_lock(&q->lock);
   while (q->partial == NULL) {
     pthread_mutex_unlock(&q->lock);
@@ -157,7 +180,12 @@ static KEEL_NOINLINE int refill(keel_pheap_t *ph, ph_tcache_t *tc, unsigned cls)
     if (rc < 0) return rc;
     if (rc == 0) {
       ph_run_t *r;
-      if ((rc = run_create(ph, tc, cls, &r)) != 0) return rc;
+      if ((rc = run_create(ph, tc, cls, &r)) != 0) {
+        ph_classq_t *other = rc == KEEL_ENOSPC || rc == KEEL_ENOMEM ? steal_q(ph, tc, cls) : NULL;
+        if (other == NULL) return rc;
+        q = other; /* locked, with a partial run */
+        break;
+      }
       pthread_mutex_lock(&q->lock);
       __run_list(q, r);
       continue;
@@ -218,7 +246,7 @@ static void give_run(keel_pheap_t *ph, keel_poff_t off) {
   ph_run_t *r = ph->chunk_run[chunk];
   const ph_class_t *k = &_keel_ph_classes[r->cls];
   uint32_t i = (uint32_t)((off - PH_OBJ_HDR - ph_chunk_off(ph, r->chunk) - k->data_off) / k->block);
-  ph_classq_t *q = &ph->classq[r->cls];
+  ph_classq_t *q = classq_of(ph, r->arena, r->cls);
   pthread_mutex_lock(&q->lock);
   KEEL_ASSERT(!(r->vfree[i / 64] & (1ull << (i % 64))));
   r->vfree[i / 64] |= 1ull << (i % 64);
@@ -310,8 +338,14 @@ size_t _keel_ph_usable(keel_pheap_t *ph, int cls, keel_poff_t off) {
 void _keel_ph_init_obj(keel_pheap_t *ph, ph_tcache_t *tc, keel_poff_t off, size_t size,
                        uint64_t type, bool zero, bool flush) {
   ph_objhdr_t *h = (ph_objhdr_t *)(ph->view.base + off - PH_OBJ_HDR);
-  h->size = size;
-  h->type = type;
+  /* A block reused for the same size and type (a thread cache hands back
+   * the block it just took) keeps a header that is already right: leaving
+   * it unwritten keeps its line clean, and the flush that follows costs no
+   * write-back (and still writes it back if an earlier store left it dirty). */
+  if (h->size != size || h->type != type) {
+    h->size = size;
+    h->type = type;
+  }
   if (zero) memset(h + 1, 0, size);
   if (flush) _keel_pm_flush(ph, tc, h, PH_OBJ_HDR + (zero ? size : 0), PH_S_OBJHDR);
 }
@@ -350,7 +384,7 @@ static int __boot_one(keel_pheap_t *ph, ph_tcache_t *tc) {
     if (h->magic != PH_RUN_MAGIC || cls < 0 || _keel_ph_classes[cls].chunks != len ||
         _keel_ph_classes[cls].nblocks != h->nblocks)
       return KEEL_ECORRUPT;
-    ph_run_t *r = run_new(c, (uint32_t)cls, h->nblocks);
+    ph_run_t *r = run_new(c, (uint32_t)cls, h->nblocks, tc->arena);
     if (r == NULL) keel_die("keel_pheap", "out of memory rebuilding a run of %s", ph->path);
     const uint64_t *bm = run_bitmap(ph, c);
     for (uint32_t i = 0; i < h->nblocks; i += 64) {
@@ -369,7 +403,7 @@ static int __boot_one(keel_pheap_t *ph, ph_tcache_t *tc) {
     } else {
       for (uint32_t i = 0; i < len; i++) ph->chunk_run[c + i] = r;
       if (r->navail) {
-        ph_classq_t *q = &ph->classq[cls];
+        ph_classq_t *q = classq_of(ph, tc->arena, (unsigned)cls);
         pthread_mutex_lock(&q->lock);
         __run_list(q, r);
         pthread_mutex_unlock(&q->lock);
@@ -381,11 +415,11 @@ static int __boot_one(keel_pheap_t *ph, ph_tcache_t *tc) {
   return 0;
 }
 
-/* Boots runs until one of class cls with free blocks is listed: 1, or 0
- * when every chunk is booted, or KEEL_ECORRUPT. */
+/* Boots runs (into tc's arena) until one of class cls with free blocks is
+ * listed there: 1, or 0 when every chunk is booted, or KEEL_ECORRUPT. */
 static int boot_for_class(keel_pheap_t *ph, ph_tcache_t *tc, unsigned cls) {
   if (keel_load_acquire(&ph->booted) >= keel_load_acquire(&ph->nchunks)) return 0;
-  ph_classq_t *q = &ph->classq[cls];
+  ph_classq_t *q = classq_of(ph, tc->arena, cls);
   int rc = 0;
   pthread_mutex_lock(&ph->lock);
   while (keel_load_relaxed(&ph->booted) < keel_load_relaxed(&ph->nchunks)) {

@@ -266,13 +266,21 @@ void _keel_ph_checkpoint(keel_pheap_t *ph, ph_tcache_t *tc) {
     uint64_t f = atomic_load(&ph->lanes[i].inflight);
     if (f && f - 1 < w) w = f - 1;
   }
+  /* Each lane's list is copied out and emptied under its lock and flushed
+   * after: the lane's thread adds to it on every atomic operation and would
+   * otherwise wait out up to PH_DIRTY_MAX line flushes (a futex sleep each
+   * time a background checkpoint passed). Lines added after the copy belong
+   * to operations the watermark does not cover (it was read first). */
+  uint64_t lines[PH_DIRTY_MAX];
   for (unsigned i = 0; i < PH_NLANES; i++) {
     ph_lane_t *l = &ph->lanes[i];
     pthread_mutex_lock(&l->dirty_lock);
-    for (unsigned k = 0; k < l->ndirty; k++)
-      _keel_pm_flush(ph, tc, ph->view.base + l->dirty[k], PH_LINE, PH_S_CKPT);
+    unsigned n = l->ndirty;
+    memcpy(lines, l->dirty, n * sizeof lines[0]);
     l->ndirty = 0;
     pthread_mutex_unlock(&l->dirty_lock);
+    for (unsigned k = 0; k < n; k++)
+      _keel_pm_flush(ph, tc, ph->view.base + lines[k], PH_LINE, PH_S_CKPT);
   }
   _keel_pm_drain(ph, tc);
   if (w > ph->hdr->ckpt_seq) {

@@ -202,10 +202,22 @@ typedef struct ph_run {
   uint32_t chunk; /* global chunk index of its first chunk */
   uint32_t cls;
   uint32_t navail; /* bits set in vfree */
-  bool listed;     /* on its class's partial list */
+  uint16_t arena;  /* whose partial list it joins */
+  bool listed;     /* on its class's partial list in its arena */
   struct ph_run *next;
   uint64_t *vfree; /* free and not handed to any cache */
 } ph_run_t;
+
+/* Arenas: every run belongs to one, and a thread cache refills from its
+ * own arena's runs. Threads in different arenas then never share a run, so
+ * their allocations and frees never write the same bitmap line (a line two
+ * threads' atomic ORs and flushes pass back and forth: publish-1 ran no
+ * faster at 2 threads than at 1 with one shared list per class). Blocks a
+ * thread frees go back to the run's arena. One per CPU, at least
+ * PH_ARENAS_MIN (oversubscribed threads spread further), PH_ARENAS_MAX at
+ * most (each keeps a partly used run per class it serves). */
+#define PH_ARENAS_MIN 4u
+#define PH_ARENAS_MAX 64u
 
 typedef struct ph_classq {
   pthread_mutex_t lock;
@@ -244,6 +256,7 @@ struct ph_tcache {
   uint64_t id;
   ph_tcache_t *next; /* ph->caches, under ph->lock */
   unsigned lane_hint;
+  unsigned arena; /* whose runs refill this cache */
   uint64_t flushes, barriers;
   uint64_t ms_lo[PH_MS_RANGES], ms_hi[PH_MS_RANGES];
   unsigned ms_n;
@@ -278,8 +291,10 @@ struct keel_pheap {
    * runs on partial lists) built from media; beyond it nothing is known yet.
    * Grows under `lock` (heap.c: lazy rebuild); release-stored. */
   keel_atomic(uint32_t) booted;
-  uint32_t chunk_cap; /* array capacity */
-  ph_classq_t *classq;
+  uint32_t chunk_cap;  /* array capacity */
+  ph_classq_t *classq; /* [arena * _keel_ph_nclasses + class] */
+  unsigned narenas;
+  keel_atomic(unsigned) arena_rr; /* the next cache's arena */
   ph_lane_t lanes[PH_NLANES];
   pthread_mutex_t ckpt_lock;      /* one checkpoint at a time */
   keel_atomic(uint64_t) ckpt_seq; /* volatile copy of hdr->ckpt_seq */

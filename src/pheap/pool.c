@@ -79,7 +79,8 @@ static int map_tail(keel_pheap_t *ph, uint64_t from, uint64_t to, bool first) {
 
 static void ph_free_volatile(keel_pheap_t *ph) {
   if (ph->classq) {
-    for (unsigned i = 0; i < _keel_ph_nclasses; i++) pthread_mutex_destroy(&ph->classq[i].lock);
+    for (unsigned i = 0; i < ph->narenas * _keel_ph_nclasses; i++)
+      pthread_mutex_destroy(&ph->classq[i].lock);
     free(ph->classq);
   }
   for (unsigned i = 0; i < PH_NLANES; i++) {
@@ -143,12 +144,17 @@ static keel_pheap_t *ph_start(const char *path, int fd, uint64_t size, unsigned 
   ph->chunk_cap = _keel_ph_chunks_for(ph->hdr->heap_off, ph->reserve);
   ph->chunk_free = calloc(ph->chunk_cap, 1);
   ph->chunk_run = calloc(ph->chunk_cap, sizeof *ph->chunk_run);
-  ph->classq = calloc(_keel_ph_nclasses, sizeof *ph->classq);
+  long ncpu = sysconf(_SC_NPROCESSORS_ONLN);
+  ph->narenas = ncpu < (long)PH_ARENAS_MIN   ? PH_ARENAS_MIN
+                : ncpu > (long)PH_ARENAS_MAX ? PH_ARENAS_MAX
+                                             : (unsigned)ncpu;
+  ph->classq = calloc((size_t)ph->narenas * _keel_ph_nclasses, sizeof *ph->classq);
   if (!ph->path || !ph->chunk_free || !ph->chunk_run || !ph->classq) {
     rc = _keel_ph_err(KEEL_ENOMEM, path, "out of memory");
     goto fail;
   }
-  for (unsigned i = 0; i < _keel_ph_nclasses; i++) pthread_mutex_init(&ph->classq[i].lock, NULL);
+  for (unsigned i = 0; i < ph->narenas * _keel_ph_nclasses; i++)
+    pthread_mutex_init(&ph->classq[i].lock, NULL);
   for (unsigned i = 0; i < PH_NLANES; i++) {
     char *l = ph->view.base + ph->hdr->lanes_off + i * PH_LANE_BYTES;
     ph->lanes[i].ring = l;

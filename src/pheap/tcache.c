@@ -128,6 +128,7 @@ static KEEL_NOINLINE ph_tcache_t *tcache_slow(keel_pheap_t *ph) {
   tc->id = ph->id;
   static keel_atomic(unsigned) lane_rr;
   tc->lane_hint = keel_fetch_add_relaxed(&lane_rr, 1) % PH_NLANES;
+  tc->arena = keel_fetch_add_relaxed(&ph->arena_rr, 1) % ph->narenas;
   pthread_mutex_lock(&ph->lock);
   tc->next = ph->caches;
   ph->caches = tc;

@@ -906,6 +906,70 @@ static void test_full_pool_free_never_fails(void) {
   unlink(p);
 }
 
+/* Arenas (heap.c): two threads allocating one class take blocks from
+ * different runs, and a thread whose arena has no run left to make takes
+ * another arena's free blocks, so a fixed pool reports KEEL_ENOSPC only
+ * when the class has no free block anywhere outside thread caches. */
+typedef struct arena_arg {
+  keel_pheap_t *ph;
+  keel_poff_t *offs;
+  int cap, got, rc;
+} arena_arg_t;
+
+static void *arena_fill(void *p) {
+  arena_arg_t *a = p;
+  a->got = 0;
+  while (a->got < a->cap && (a->rc = keel_pheap_alloc(a->ph, &a->offs[a->got], 64, 3)) == 0)
+    a->got++;
+  return NULL;
+}
+
+static void test_arenas_separate_and_share(void) {
+  char p[256];
+  tp_path(p, sizeof p, "arenas");
+  keel_pheap_t *ph = keel_pheap_create(p, LAYOUT, KEEL_PHEAP_MIN_SIZE, KEEL_PHEAP_FIXED);
+  KT_REQUIRE(ph != NULL);
+  int cap = 1 << 20;
+  keel_poff_t *mine = calloc((size_t)cap, sizeof *mine),
+              *theirs = calloc((size_t)cap, sizeof *theirs);
+  KT_REQUIRE(mine != NULL && theirs != NULL);
+  /* One object each from this thread and another: different runs. */
+  KT_EQ(keel_pheap_alloc(ph, &mine[0], 64, 3), 0);
+  keel_poff_t other;
+  arena_arg_t a = {ph, &other, 1, 0, 0};
+  pthread_t t;
+  pthread_create(&t, NULL, arena_fill, &a);
+  pthread_join(t, NULL);
+  KT_EQ(a.got, 1);
+  KT_CHECK(_keel_ph_chunk_at(ph, mine[0] - PH_OBJ_HDR) !=
+           _keel_ph_chunk_at(ph, other - PH_OBJ_HDR));
+  /* Fill the pool from this thread: once no run can be made it takes the
+   * other arena's run too (its blocks would otherwise be lost to it). */
+  int n = 1, rc;
+  while (n < cap && (rc = keel_pheap_alloc(ph, &mine[n], 64, 3)) == 0) n++;
+  KT_EQ(rc, KEEL_ENOSPC);
+  KT_EQ(keel_pheap_free(ph, &other), 0);
+  KT_EQ(keel_pheap_alloc(ph, &other, 64, 3), 0); /* the block went to this thread's cache */
+  KT_EQ(keel_pheap_alloc(ph, &theirs[0], 64, 3), KEEL_ENOSPC);
+  /* Everything back; a new thread (another arena, with no run of its own
+   * and no chunk to make one) gets all of it but this thread's cache. */
+  KT_EQ(keel_pheap_free(ph, &other), 0);
+  for (int i = 0; i < n; i++) KT_EQ(keel_pheap_free(ph, &mine[i]), 0);
+  a = (arena_arg_t){ph, theirs, cap, 0, 0};
+  pthread_create(&t, NULL, arena_fill, &a);
+  pthread_join(t, NULL);
+  KT_EQ(a.rc, KEEL_ENOSPC);
+  KT_CHECK(a.got >= n + 1 - PH_TC_MAX);
+  KT_CHECK(a.got <= n + 1);
+  for (int i = 0; i < a.got; i++) KT_EQ(keel_pheap_free(ph, &theirs[i]), 0);
+  KT_EQ(count_type(ph, 3), 0);
+  keel_pheap_close(ph);
+  KT_EQ(keel_pheap_check(p), 0);
+  free(mine);
+  free(theirs);
+  unlink(p);
+}
+
 static void test_grow(void) {
   char p[256];
   tp_path(p, sizeof p, "grow");
@@ -1463,7 +1527,8 @@ KT_MAIN(KT_CASE(test_create_open_close), KT_CASE(test_bad_wrong_layout),
         KT_CASE(test_tx_undo_overflow), KT_CASE(test_tx_undo_overflow_out_of_space),
         KT_CASE(test_lazy_rebuild_on_open), KT_CASE(test_deferred_checkpoints),
         KT_CASE(test_deferrer_on_sched_cancelled), KT_CASE(test_full_pool_free_never_fails),
-        KT_CASE(test_grow), KT_CASE(test_barrier_counts), KT_CASE(test_check_detects_corruption),
-        KT_CASE(test_stress_threads), KT_CASE(test_tx_cache_not_evicted),
-        KT_CASE(test_close_while_other_thread_caches), KT_CASE(test_classes_fragmentation),
-        KT_CASE(test_huge_objects), KT_CASE(test_huge_limits), KT_CASE(test_grow_into_next_zone))
+        KT_CASE(test_arenas_separate_and_share), KT_CASE(test_grow), KT_CASE(test_barrier_counts),
+        KT_CASE(test_check_detects_corruption), KT_CASE(test_stress_threads),
+        KT_CASE(test_tx_cache_not_evicted), KT_CASE(test_close_while_other_thread_caches),
+        KT_CASE(test_classes_fragmentation), KT_CASE(test_huge_objects), KT_CASE(test_huge_limits),
+        KT_CASE(test_grow_into_next_zone))
