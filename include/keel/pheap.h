@@ -58,14 +58,20 @@ typedef struct keel_pheap keel_pheap_t;
 #define KEEL_PHEAP_MAX_ALLOC  ((size_t)1 << 34)
 
 /* keel_pheap_create flags. */
-#define KEEL_PHEAP_FIXED 1u /* never grow the file: allocation fails with KEEL_ENOSPC when full */
+#define KEEL_PHEAP_FIXED  1u /* never grow the file: allocation fails with KEEL_ENOSPC when full */
+/* Leave the file sparse (no block reservation): for pools far larger than
+ * the device holds, at the risk of SIGBUS on a full file system. */
+#define KEEL_PHEAP_SPARSE 2u
 
 /* Creates a new pool file of `size` bytes (at least KEEL_PHEAP_MIN_SIZE) with
  * the given layout name; fails with EEXIST if the file exists. The pool grows
  * on demand unless KEEL_PHEAP_FIXED: within one open, to 4x its size at open
  * or 64 GiB, whichever is more, and always by room for one more object of
  * KEEL_PHEAP_MAX_ALLOC (past that, KEEL_ENOSPC until it is reopened). The
- * file is locked until close. Blocks on I/O; allocates. NULL + errno (negated
+ * file's blocks are reserved (posix_fallocate) at create and at each growth,
+ * so a full file system fails the call with KEEL_ENOSPC instead of raising
+ * SIGBUS when a page is first touched (unless KEEL_PHEAP_SPARSE; both flags
+ * are kept in the pool and apply at every open). The file is locked until close. Blocks on I/O; allocates. NULL + errno (negated
  * KEEL_E*) on failure. */
 KEEL_API keel_pheap_t *keel_pheap_create(const char *path, const char *layout, size_t size,
                                          unsigned flags);

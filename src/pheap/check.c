@@ -221,8 +221,9 @@ static void print_stats(FILE *out, const ph_header_t *h, const keel_pheap_stats_
   fprintf(out, "live objects  %llu (%llu bytes asked, %llu usable)\nroot          0x%llx\n",
           (unsigned long long)st->live_objects, (unsigned long long)st->live_bytes,
           (unsigned long long)st->usable_bytes, (unsigned long long)h->root_off);
-  fprintf(out, "growable      %s\nopens         %llu\n", h->flags & KEEL_PHEAP_FIXED ? "no" : "yes",
-          (unsigned long long)h->epoch);
+  fprintf(out, "growable      %s\nfile blocks   %s\nopens         %llu\n",
+          h->flags & KEEL_PHEAP_FIXED ? "no" : "yes",
+          h->flags & KEEL_PHEAP_SPARSE ? "sparse" : "reserved", (unsigned long long)h->epoch);
 }
 
 int keel_pheap_print_info(keel_pheap_t *ph, FILE *out) {

@@ -94,7 +94,7 @@ typedef struct ph_header {
   char layout[KEEL_PHEAP_LAYOUT_MAX + 1];
   uint64_t nlanes, lane_bytes, lanes_off;
   uint64_t heap_off, chunk_bytes, zone_chunks;
-  uint64_t flags; /* KEEL_PHEAP_FIXED */
+  uint64_t flags; /* KEEL_PHEAP_FIXED, KEEL_PHEAP_SPARSE */
   uint64_t uuid[2];
   uint64_t reserved[12];
   uint64_t csum; /* over every byte before it */
@@ -278,6 +278,7 @@ struct keel_pheap {
   int flush_mode; /* KEEL_FLUSH_* resolved */
   bool sim;       /* simulated media: private map, pwrite at drain */
   bool fixed;
+  bool sparse; /* growth leaves holes (KEEL_PHEAP_SPARSE) */
   char *path;
   ph_header_t *hdr;
   keel_atomic(uint64_t) seq;

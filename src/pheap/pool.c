@@ -116,6 +116,7 @@ static keel_pheap_t *ph_start(const char *path, int fd, uint64_t size, unsigned 
   ph->path = strdup(path);
   ph->sim = _keel_ph_sim_next;
   ph->fixed = (flags & KEEL_PHEAP_FIXED) != 0;
+  ph->sparse = (flags & KEEL_PHEAP_SPARSE) != 0;
   ph->id = keel_fetch_add_relaxed(&ph_ids, 1) + 1;
   int opt = (int)_keel_option(KEEL_OPT_pheap_flush);
   ph->flush_mode = opt == KEEL_FLUSH_AUTO ? -1 : _keel_pm_mode(ph);
@@ -217,6 +218,14 @@ keel_pheap_t *keel_pheap_open(const char *path, const char *layout) {
   return ph_start(path, fd, _keel_ph_size_from_word(h.size_word), (unsigned)h.flags);
 }
 
+/* Gives the file blocks for [from, to), growing it to `to` if shorter: a
+ * store into the mapping there can then not meet a full file system (the
+ * kernel's only answer to that is SIGBUS). 0 or a negated errno. */
+static int file_reserve(int fd, uint64_t from, uint64_t to) {
+  int e = posix_fallocate(fd, (off_t)from, (off_t)(to - from));
+  return -e;
+}
+
 keel_pheap_t *keel_pheap_create(const char *path, const char *layout, size_t size, unsigned flags) {
   if (path == NULL || layout == NULL)
     return fail_null(_keel_ph_err(KEEL_EINVAL, path, "path and layout are required"));
@@ -226,7 +235,7 @@ keel_pheap_t *keel_pheap_create(const char *path, const char *layout, size_t siz
   if (size < KEEL_PHEAP_MIN_SIZE)
     return fail_null(_keel_ph_err(KEEL_EINVAL, path, "size %zu is below the minimum %zu", size,
                                   KEEL_PHEAP_MIN_SIZE));
-  if (flags & ~KEEL_PHEAP_FIXED)
+  if (flags & ~(KEEL_PHEAP_FIXED | KEEL_PHEAP_SPARSE))
     return fail_null(_keel_ph_err(KEEL_EINVAL, path, "unknown flags 0x%x", flags));
   size = KEEL_ALIGN_DOWN(size, (size_t)4096);
   int fd = open(path, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
@@ -234,6 +243,9 @@ keel_pheap_t *keel_pheap_create(const char *path, const char *layout, size_t siz
   int rc = lock_file(fd, path);
   if (rc == 0 && ftruncate(fd, (off_t)size) != 0)
     rc = _keel_ph_err(-errno, path, "cannot size the file: %s", strerror(errno));
+  if (rc == 0 && !(flags & KEEL_PHEAP_SPARSE) && (rc = file_reserve(fd, 0, size)) != 0)
+    rc = _keel_ph_err(rc == -ENOSPC ? KEEL_ENOSPC : rc, path,
+                      "cannot reserve %zu bytes on the file system: %s", size, strerror(-rc));
   if (rc == 0) {
     ph_header_t h;
     memset(&h, 0, sizeof h);
@@ -307,14 +319,25 @@ int __keel_ph_grow(keel_pheap_t *ph, ph_tcache_t *tc, uint32_t need) {
   /* A quarter more (8 MiB at least) amortises the fsync and the map;
    * where the reservation has no room for that, just the extent. */
   uint64_t want = have + (have / 4 > 32 ? have / 4 : 32), end = start + need;
-  uint64_t size = size_for_chunks(ph, want > end ? want : end);
-  if (size > ph->reserve) size = size_for_chunks(ph, end);
+  uint64_t size = size_for_chunks(ph, want > end ? want : end), least = size_for_chunks(ph, end);
+  if (size > ph->reserve) size = least;
   if (size > ph->reserve) return KEEL_ENOSPC;
   uint64_t old = keel_load_relaxed(&ph->size);
-  struct stat st;
-  if (fstat(ph->fd, &st) != 0) return KEEL_ENOSPC;
-  if ((uint64_t)st.st_size < size && (ftruncate(ph->fd, (off_t)size) != 0 || fsync(ph->fd) != 0))
-    return KEEL_ENOSPC;
+  if (!ph->sparse) {
+    /* From the mapped end, whatever the file's length: a reservation that
+     * failed part way may have lengthened it over holes. Short of room for
+     * the quarter more, room for the extent alone will do. */
+    if (file_reserve(ph->fd, old, size) != 0) {
+      if (size == least || file_reserve(ph->fd, old, least) != 0) return KEEL_ENOSPC;
+      size = least;
+    }
+    if (fsync(ph->fd) != 0) return KEEL_ENOSPC;
+  } else {
+    struct stat st;
+    if (fstat(ph->fd, &st) != 0) return KEEL_ENOSPC;
+    if ((uint64_t)st.st_size < size && (ftruncate(ph->fd, (off_t)size) != 0 || fsync(ph->fd) != 0))
+      return KEEL_ENOSPC;
+  }
   if (map_tail(ph, old, size, false) != 0) return KEEL_ENOSPC;
   keel_store_relaxed(&ph->size, size);
   ph->hdr->size_word = _keel_ph_size_word(size);

@@ -1320,7 +1320,7 @@ static const char *huge_verify(int done, bool sim) {
 
 static void huge_fresh_pool(void) {
   unlink(g_trial);
-  keel_pheap_t *ph = keel_pheap_create(g_trial, LAYOUT, KEEL_PHEAP_MIN_SIZE, 0);
+  keel_pheap_t *ph = keel_pheap_create(g_trial, LAYOUT, KEEL_PHEAP_MIN_SIZE, KEEL_PHEAP_SPARSE);
   KT_REQUIRE(ph != NULL);
   KT_REQUIRE(keel_pheap_root(ph, sizeof(root_t)) != NULL);
   keel_pheap_close(ph);
