@@ -18,6 +18,16 @@
  * resident tail per reused mapping until it is freed. Mappings that
  * stay unused past the delay are unmapped.
  *
+ * Spares: while the cache holds fewer than CACHE_SPARES mappings, a request
+ * that none of them fits gets a fresh mapping and leaves them cached. With
+ * a program that frees one block and then allocates one, growing the only
+ * cached mapping faulted its new part in about every other time and left
+ * the cache empty, with no choice for the next request; a few spares of
+ * assorted sizes let most requests find one that fits (5-25 MiB blocks:
+ * sys time 0.39-0.58 s -> 0.31-0.35 s, glibc 0.31-0.42 s in the same runs;
+ * peak RSS 386 -> 413 MiB, glibc 420 MiB). The limits on cached bytes are
+ * unchanged.
+ *
  * realloc of a large block is the same mremap: in place when the address
  * space after it is free, else moved (MREMAP_FIXED into a fresh aligned
  * reservation), never copied.
@@ -35,6 +45,7 @@
 #define CACHE_SLOTS     16
 #define CACHE_MAX_BYTES ((size_t)1 << 30)
 #define CACHE_MIN_BYTES ((size_t)32 << 20)
+#define CACHE_SPARES    4
 
 typedef struct {
   keel_segment_t *seg;
@@ -94,6 +105,7 @@ static keel_segment_t *cache_take(size_t size) {
     if ((fits && (!bfits || m < b)) || (!fits && !bfits && m > b)) best = (int)i;
   }
   keel_segment_t *seg = NULL;
+  if (best >= 0 && cache[best].seg->mapped < size && cache_n < CACHE_SPARES) best = -1;
   if (best >= 0) {
     seg = cache[best].seg;
     cache[best] = cache[--cache_n];

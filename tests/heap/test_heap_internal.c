@@ -375,6 +375,48 @@ static void test_large(void) {
   keel_heap_collect(true);
 }
 
+/* The large cache keeps spares: while it holds fewer than four mappings, a
+ * request none of them fits gets a fresh mapping and the cached ones stay
+ * (growing one would fault its new part in, and leave the cache without a
+ * choice for the next request); once it holds four, the largest is grown. */
+static void test_large_spares(void) {
+  keel_heap_collect(true); /* an empty cache */
+  size_t live, bytes, cached, req;
+  const size_t mib = (size_t)1 << 20;
+  void *a = keel_malloc(8 * mib);
+  keel_free(a);
+  _keel_large_totals(&live, &bytes, &cached, &req);
+  KT_CHECK(cached >= 8 * mib);
+  void *b = keel_malloc(16 * mib); /* does not fit in a's mapping */
+  KT_CHECK(b != a);
+  _keel_large_totals(&live, &bytes, &cached, &req);
+  KT_CHECK(cached >= 8 * mib); /* a's mapping is still there */
+  keel_free(b);
+  /* Each request now takes the smallest cached mapping that fits. */
+  void *c = keel_malloc(6 * mib);
+  KT_CHECK(c == a);
+  void *d = keel_malloc(12 * mib);
+  KT_CHECK(d == b);
+  keel_free(c);
+  keel_free(d);
+  /* Four cached mappings, none large enough: the largest is grown. */
+  void *m[4];
+  for (int i = 0; i < 4; i++) m[i] = keel_malloc((size_t)(2 + i) * mib);
+  for (int i = 0; i < 4; i++) keel_free(m[i]);
+  keel_heap_collect(true);
+  for (int i = 0; i < 4; i++) m[i] = keel_malloc((size_t)(2 + i) * mib);
+  for (int i = 0; i < 4; i++) keel_free(m[i]);
+  _keel_large_totals(&live, &bytes, &cached, &req);
+  KT_EQ(live, 0);
+  size_t before = cached;
+  void *e = keel_malloc(40 * mib);
+  KT_REQUIRE(e != NULL);
+  _keel_large_totals(&live, &bytes, &cached, &req);
+  KT_CHECK(cached < before); /* one was taken and grown */
+  keel_free(e);
+  keel_heap_collect(true);
+}
+
 static void test_aligned(void) {
   static const size_t sizes[] = {1, 24, 100, 4108, 70000, 300000};
   for (size_t align = 8; align <= ((size_t)1 << 20); align <<= 1) {
@@ -835,6 +877,7 @@ KT_MAIN(KT_CASE(test_class_steps), KT_CASE(test_class_info), KT_CASE(test_page_v
         KT_CASE(test_abandon_and_collect), KT_CASE(test_idle_owner_full_pages),
         KT_CASE(test_collector_unfulled_page), KT_CASE(test_purge_forced),
         KT_CASE(test_purge_partial), KT_CASE(test_purge_background), KT_CASE(test_large),
-        KT_CASE(test_aligned), KT_CASE(test_enomem), KT_CASE(test_enomem_injected),
-        KT_CASE(test_enomem_new_thread), KT_CASE(test_cross_thread_stress), KT_CASE(test_bad_input),
-        KT_CASE(test_fork), KT_CASE(test_fork_during_purge))
+        KT_CASE(test_large_spares), KT_CASE(test_aligned), KT_CASE(test_enomem),
+        KT_CASE(test_enomem_injected), KT_CASE(test_enomem_new_thread),
+        KT_CASE(test_cross_thread_stress), KT_CASE(test_bad_input), KT_CASE(test_fork),
+        KT_CASE(test_fork_during_purge))
