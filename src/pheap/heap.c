@@ -25,10 +25,15 @@
  * class c)'s classq guards its partial list and the vfree bitmaps of its
  * runs. The allocation fast path (tcache pop) takes neither.
  *
- * Arenas (pheap_int.h): a cache refills from its arena's runs, boots runs
- * into its arena and creates runs there; only when no run can be created
- * (a fixed or full pool) does it take blocks from another arena's runs, so
- * arenas never make the pool report full while free blocks remain.
+ * Arenas (pheap_int.h): a cache refills from its arena's runs and boots
+ * runs into its arena. With none there, it adopts another arena's run that
+ * that arena is not drawing from (any but the head of its list: after a
+ * reopen one thread's boot may have listed every run in its arena), and
+ * only then creates a run. A fixed pool takes blocks from another arena's
+ * runs before it creates one (its chunks may be all that other classes and
+ * large objects have left), and any pool does once no run can be created
+ * (full, or corrupt past the boot cursor), so arenas never make a pool
+ * report full while a run of the class has free blocks.
  */
 #include <stdlib.h>
 #include <string.h>
@@ -95,7 +100,7 @@ static ph_run_t *run_new(uint32_t chunk, uint32_t cls, uint32_t nblocks, unsigne
   }
   r->chunk = chunk;
   r->cls = cls;
-  r->arena = (uint16_t)arena;
+  keel_store_relaxed(&r->arena, arena);
   return r;
 }
 
@@ -154,10 +159,10 @@ static inline keel_poff_t block_off(keel_pheap_t *ph, const ph_run_t *r, uint32_
   return ph_chunk_off(ph, r->chunk) + k->data_off + (uint64_t)i * k->block + PH_OBJ_HDR;
 }
 
-/* Another arena's list of class cls with a partial run, its lock held;
- * NULL if there is none. */
+/* A list of class cls with a partial run (tc's own arena first), its lock
+ * held; NULL if there is none. */
 static ph_classq_t *steal_q(keel_pheap_t *ph, ph_tcache_t *tc, unsigned cls) {
-  for (unsigned i = 1; i < ph->narenas; i++) {
+  for (unsigned i = 0; i < ph->narenas; i++) {
     ph_classq_t *q = classq_of(ph, (tc->arena + i) % ph->narenas, cls);
     pthread_mutex_lock(&q->lock);
     if (q->partial != NULL) return q;
@@ -166,29 +171,61 @@ static ph_classq_t *steal_q(keel_pheap_t *ph, ph_tcache_t *tc, unsigned cls) {
   return NULL;
 }
 
+/* Moves into tc's arena a partial run of class cls that another arena is
+ * not drawing from (the second of its list or later); true if one moved.
+ * Both lists are locked, lower arena first, so that give_run, which locks
+ * by r->arena, never sees the run unlisted in between. */
+static bool adopt(keel_pheap_t *ph, ph_tcache_t *tc, unsigned cls) {
+  for (unsigned i = 1; i < ph->narenas; i++) {
+    unsigned a = (tc->arena + i) % ph->narenas;
+    ph_classq_t *from = classq_of(ph, a, cls), *to = classq_of(ph, tc->arena, cls);
+    ph_classq_t *first = a < tc->arena ? from : to, *second = a < tc->arena ? to : from;
+    pthread_mutex_lock(&first->lock);
+    pthread_mutex_lock(&second->lock);
+    ph_run_t *r = from->partial != NULL ? from->partial->next : NULL;
+    if (r != NULL) {
+      from->partial->next = r->next;
+      keel_store_relaxed(&r->arena, tc->arena);
+      __run_list(to, r);
+    }
+    pthread_mutex_unlock(&second->lock);
+    pthread_mutex_unlock(&first->lock);
+    if (r != NULL) return true;
+  }
+  return false;
+}
+
 /* Moves up to half a cache of blocks from the class's runs in the cache's
- * arena (another's when no run can be created); classq lock taken here.
- * 0 or ENOSPC/ENOMEM. */
+ * arena (another's when the file comment says so); classq lock taken here.
+ * 0 or ENOSPC/ENOMEM/ECORRUPT. */
 static KEEL_NOINLINE int refill(keel_pheap_t *ph, ph_tcache_t *tc, unsigned cls) {
   ph_classq_t *q = classq_of(ph, tc->arena, cls);
   pthread_mutex_lock(&q->lock);
   while (q->partial == NULL) {
     pthread_mutex_unlock(&q->lock);
     /* Runs not booted yet may have free blocks of this class: boot until
-     * one lists itself (or none is left), before making a new run. */
+     * one lists itself in our arena (or none is left); then adopt one. */
     int rc = boot_for_class(ph, tc, cls);
-    if (rc < 0) return rc;
+    if (rc == 0 && adopt(ph, tc, cls)) rc = 1;
     if (rc == 0) {
-      ph_run_t *r;
-      if ((rc = run_create(ph, tc, cls, &r)) != 0) {
-        ph_classq_t *other = rc == KEEL_ENOSPC || rc == KEEL_ENOMEM ? steal_q(ph, tc, cls) : NULL;
-        if (other == NULL) return rc;
+      ph_classq_t *other = ph->fixed ? steal_q(ph, tc, cls) : NULL;
+      if (other != NULL) {
         q = other; /* locked, with a partial run */
         break;
       }
-      pthread_mutex_lock(&q->lock);
-      __run_list(q, r);
-      continue;
+      ph_run_t *r;
+      if ((rc = run_create(ph, tc, cls, &r)) == 0) {
+        pthread_mutex_lock(&q->lock);
+        __run_list(q, r);
+        continue;
+      }
+    }
+    if (rc < 0) {
+      /* No run of our own to be had: blocks from any arena's runs. */
+      ph_classq_t *other = steal_q(ph, tc, cls);
+      if (other == NULL) return rc;
+      q = other;
+      break;
     }
     pthread_mutex_lock(&q->lock);
   }
@@ -246,8 +283,14 @@ static void give_run(keel_pheap_t *ph, keel_poff_t off) {
   ph_run_t *r = ph->chunk_run[chunk];
   const ph_class_t *k = &_keel_ph_classes[r->cls];
   uint32_t i = (uint32_t)((off - PH_OBJ_HDR - ph_chunk_off(ph, r->chunk) - k->data_off) / k->block);
-  ph_classq_t *q = classq_of(ph, r->arena, r->cls);
-  pthread_mutex_lock(&q->lock);
+  ph_classq_t *q;
+  for (;;) { /* the lock of the list r belongs to, checked under it (adopt) */
+    unsigned a = keel_load_relaxed(&r->arena);
+    q = classq_of(ph, a, r->cls);
+    pthread_mutex_lock(&q->lock);
+    if (keel_load_relaxed(&r->arena) == a) break;
+    pthread_mutex_unlock(&q->lock);
+  }
   KEEL_ASSERT(!(r->vfree[i / 64] & (1ull << (i % 64))));
   r->vfree[i / 64] |= 1ull << (i % 64);
   r->navail++;
@@ -338,14 +381,8 @@ size_t _keel_ph_usable(keel_pheap_t *ph, int cls, keel_poff_t off) {
 void _keel_ph_init_obj(keel_pheap_t *ph, ph_tcache_t *tc, keel_poff_t off, size_t size,
                        uint64_t type, bool zero, bool flush) {
   ph_objhdr_t *h = (ph_objhdr_t *)(ph->view.base + off - PH_OBJ_HDR);
-  /* A block reused for the same size and type (a thread cache hands back
-   * the block it just took) keeps a header that is already right: leaving
-   * it unwritten keeps its line clean, and the flush that follows costs no
-   * write-back (and still writes it back if an earlier store left it dirty). */
-  if (h->size != size || h->type != type) {
-    h->size = size;
-    h->type = type;
-  }
+  h->size = size;
+  h->type = type;
   if (zero) memset(h + 1, 0, size);
   if (flush) _keel_pm_flush(ph, tc, h, PH_OBJ_HDR + (zero ? size : 0), PH_S_OBJHDR);
 }

@@ -202,8 +202,11 @@ typedef struct ph_run {
   uint32_t chunk; /* global chunk index of its first chunk */
   uint32_t cls;
   uint32_t navail; /* bits set in vfree */
-  uint16_t arena;  /* whose partial list it joins */
-  bool listed;     /* on its class's partial list in its arena */
+  /* Whose partial list it joins. Changes only under the classq locks of
+   * both the old and the new arena (adoption), so a reader that locked
+   * its arena's list and then reads it unchanged may use that list. */
+  keel_atomic(uint32_t) arena;
+  bool listed; /* on its arena's partial list of its class */
   struct ph_run *next;
   uint64_t *vfree; /* free and not handed to any cache */
 } ph_run_t;
@@ -213,7 +216,9 @@ typedef struct ph_run {
  * their allocations and frees never write the same bitmap line (a line two
  * threads' atomic ORs and flushes pass back and forth: publish-1 ran no
  * faster at 2 threads than at 1 with one shared list per class). Blocks a
- * thread frees go back to the run's arena. One per CPU, at least
+ * thread frees go back to the run's arena. A cache with no run of its own
+ * adopts a run another arena is not drawing from before it makes one
+ * (heap.c: refill). One per CPU, at least
  * PH_ARENAS_MIN (oversubscribed threads spread further), PH_ARENAS_MAX at
  * most (each keeps a partly used run per class it serves). */
 #define PH_ARENAS_MIN 4u

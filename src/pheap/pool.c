@@ -196,6 +196,15 @@ static int lock_file(int fd, const char *path) {
   return _keel_ph_err(-errno, path, "flock failed: %s", strerror(errno));
 }
 
+/* Gives the file blocks for [from, to), growing it to `to` if shorter: a
+ * store into the mapping there can then not meet a full file system (the
+ * kernel's only answer to that is SIGBUS). 0 or a negated errno. */
+static int file_reserve(int fd, uint64_t from, uint64_t to) {
+  int e;
+  while ((e = posix_fallocate(fd, (off_t)from, (off_t)(to - from))) == EINTR) {}
+  return -e;
+}
+
 keel_pheap_t *keel_pheap_open(const char *path, const char *layout) {
   if (path == NULL || layout == NULL)
     return fail_null(_keel_ph_err(KEEL_EINVAL, path, "path and layout are required"));
@@ -211,19 +220,19 @@ keel_pheap_t *keel_pheap_open(const char *path, const char *layout) {
   if (rc == 0 && pread(fd, &h, sizeof h, 0) != (ssize_t)sizeof h)
     rc = _keel_ph_err(KEEL_ECORRUPT, path, "cannot read the pool header");
   if (rc == 0) rc = _keel_ph_header_check(&h, path, (uint64_t)st.st_size, layout);
+  /* A pool that is not sparse has its blocks; reserving them again finds
+   * the holes of a file copied sparse or extended by other means. */
+  uint64_t size = _keel_ph_size_from_word(h.size_word);
+  if (rc == 0 && !(h.flags & KEEL_PHEAP_SPARSE) && (rc = file_reserve(fd, 0, size)) != 0)
+    rc = _keel_ph_err(rc == -ENOSPC ? KEEL_ENOSPC : rc, path,
+                      "cannot reserve the pool's %llu bytes on the file system (%s): a store "
+                      "into a hole would raise SIGBUS",
+                      (unsigned long long)size, strerror(-rc));
   if (rc != 0) {
     close(fd);
     return fail_null(rc);
   }
-  return ph_start(path, fd, _keel_ph_size_from_word(h.size_word), (unsigned)h.flags);
-}
-
-/* Gives the file blocks for [from, to), growing it to `to` if shorter: a
- * store into the mapping there can then not meet a full file system (the
- * kernel's only answer to that is SIGBUS). 0 or a negated errno. */
-static int file_reserve(int fd, uint64_t from, uint64_t to) {
-  int e = posix_fallocate(fd, (off_t)from, (off_t)(to - from));
-  return -e;
+  return ph_start(path, fd, size, (unsigned)h.flags);
 }
 
 keel_pheap_t *keel_pheap_create(const char *path, const char *layout, size_t size, unsigned flags) {
