@@ -1134,6 +1134,39 @@ static void test_full_filesystem(void) {
   KT_EQ(WIFEXITED(st) ? WEXITSTATUS(st) : -1, 0);
 }
 
+/* Open reserves the blocks of a pool that is not sparse: a hole (a copy
+ * made sparse, a pool from before reservation) is filled, while a
+ * KEEL_PHEAP_SPARSE pool keeps its holes. */
+static long file_blocks(const char *p) {
+  struct stat st;
+  return stat(p, &st) == 0 ? (long)st.st_blocks : -1;
+}
+
+static void test_open_reserves_holes(void) {
+  char p[256];
+  for (int sparse = 0; sparse < 2; sparse++) {
+    tp_path(p, sizeof p, sparse ? "holes-s" : "holes");
+    keel_pheap_t *ph =
+        keel_pheap_create(p, LAYOUT, KEEL_PHEAP_MIN_SIZE, sparse ? KEEL_PHEAP_SPARSE : 0);
+    KT_REQUIRE(ph != NULL);
+    keel_pheap_close(ph);
+    int fd = open(p, O_RDWR);
+    KT_REQUIRE(fd >= 0);
+    /* A 1 MiB hole in the heap area (never written: chunks are free). */
+    KT_EQ(fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, 6 << 20, 1 << 20), 0);
+    close(fd);
+    long holed = file_blocks(p);
+    ph = keel_pheap_open(p, LAYOUT);
+    KT_REQUIRE(ph != NULL);
+    keel_pheap_close(ph);
+    if (sparse)
+      KT_CHECK(file_blocks(p) <= holed + 64); /* the header and logs may be written */
+    else
+      KT_CHECK(file_blocks(p) >= holed + (1 << 20) / 512);
+    unlink(p);
+  }
+}
+
 static void test_grow(void) {
   char p[256];
   tp_path(p, sizeof p, "grow");
@@ -1694,8 +1727,9 @@ KT_MAIN(KT_CASE(test_create_open_close), KT_CASE(test_bad_wrong_layout),
         KT_CASE(test_deferrer_on_sched_cancelled), KT_CASE(test_full_pool_free_never_fails),
         KT_CASE(test_arenas_separate), KT_CASE(test_arenas_adopt_after_reopen),
         KT_CASE(test_arenas_fixed_pool_shares), KT_CASE(test_arenas_adopt_concurrent),
-        KT_CASE(test_arenas_full_pool_steals), KT_CASE(test_full_filesystem), KT_CASE(test_grow),
-        KT_CASE(test_barrier_counts), KT_CASE(test_check_detects_corruption),
-        KT_CASE(test_stress_threads), KT_CASE(test_tx_cache_not_evicted),
-        KT_CASE(test_close_while_other_thread_caches), KT_CASE(test_classes_fragmentation),
-        KT_CASE(test_huge_objects), KT_CASE(test_huge_limits), KT_CASE(test_grow_into_next_zone))
+        KT_CASE(test_arenas_full_pool_steals), KT_CASE(test_full_filesystem),
+        KT_CASE(test_open_reserves_holes), KT_CASE(test_grow), KT_CASE(test_barrier_counts),
+        KT_CASE(test_check_detects_corruption), KT_CASE(test_stress_threads),
+        KT_CASE(test_tx_cache_not_evicted), KT_CASE(test_close_while_other_thread_caches),
+        KT_CASE(test_classes_fragmentation), KT_CASE(test_huge_objects), KT_CASE(test_huge_limits),
+        KT_CASE(test_grow_into_next_zone))
