@@ -222,7 +222,7 @@ keel_pheap_t *keel_pheap_open(const char *path, const char *layout) {
   if (rc == 0) rc = _keel_ph_header_check(&h, path, (uint64_t)st.st_size, layout);
   /* A pool that is not sparse has its blocks; reserving them again finds
    * the holes of a file copied sparse or extended by other means. */
-  uint64_t size = _keel_ph_size_from_word(h.size_word);
+  uint64_t size = rc == 0 ? _keel_ph_size_from_word(h.size_word) : 0;
   if (rc == 0 && !(h.flags & KEEL_PHEAP_SPARSE) && (rc = file_reserve(fd, 0, size)) != 0)
     rc = _keel_ph_err(rc == -ENOSPC ? KEEL_ENOSPC : rc, path,
                       "cannot reserve the pool's %llu bytes on the file system (%s): a store "

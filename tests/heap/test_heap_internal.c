@@ -415,6 +415,16 @@ static void test_large_spares(void) {
   KT_CHECK(cached < before); /* one was taken and grown */
   keel_free(e);
   keel_heap_collect(true);
+  /* No spare where the fresh mapping could not be cached beside it (32 MiB
+   * at least, here): the spare is grown, so the block freed is cached and
+   * the next request reuses it rather than faulting a fresh one in. */
+  void *s = keel_malloc(20 * mib);
+  keel_free(s);
+  void *x = keel_malloc(25 * mib);
+  keel_free(x);
+  _keel_large_totals(&live, &bytes, &cached, &req);
+  KT_CHECK(cached >= 25 * mib);
+  keel_heap_collect(true);
 }
 
 static void test_aligned(void) {

@@ -1153,7 +1153,13 @@ static void test_open_reserves_holes(void) {
     int fd = open(p, O_RDWR);
     KT_REQUIRE(fd >= 0);
     /* A 1 MiB hole in the heap area (never written: chunks are free). */
-    KT_EQ(fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, 6 << 20, 1 << 20), 0);
+    if (fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, 6 << 20, 1 << 20) != 0) {
+      KT_EQ(errno, EOPNOTSUPP);
+      printf("note: test_open_reserves_holes skipped: %s cannot punch holes\n", p);
+      close(fd);
+      unlink(p);
+      return;
+    }
     close(fd);
     long holed = file_blocks(p);
     ph = keel_pheap_open(p, LAYOUT);
