@@ -326,6 +326,11 @@ extern keel_atomic(size_t) _keel_orphan_frees[KEEL_CLASS_COUNT_MAX] KEEL_HIDDEN;
 void *_keel_large_alloc(size_t size, size_t align, bool zero) KEEL_HIDDEN;
 void _keel_large_free(keel_segment_t *seg) KEEL_HIDDEN;
 void *_keel_large_realloc(keel_segment_t *seg, size_t size) KEEL_HIDDEN;
+void _keel_large_release_lock(void) KEEL_HIDDEN;
+void _keel_large_release_unlock(void) KEEL_HIDDEN;
+/* Test hook: called by the collector between taking mappings out of the
+ * cache and unmapping them. */
+extern void (*_keel_large_collect_pause)(void) KEEL_HIDDEN;
 size_t _keel_large_collect(bool force) KEEL_HIDDEN;
 bool _keel_large_pending(void) KEEL_HIDDEN;
 /* Blocks aligned to more than 2 MiB (not in the segment map): frees p and

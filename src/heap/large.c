@@ -53,6 +53,14 @@ typedef struct {
 } cache_slot_t;
 
 static pthread_mutex_t large_lock = PTHREAD_MUTEX_INITIALIZER;
+/* Held by the collector from taking mappings out of the cache until it has
+ * unmapped them, and by fork's prepare handler (before every other heap
+ * lock): a child is never forked in between, when it would inherit up to
+ * the whole cache (1 GiB) mapped and resident with no record of it. Only
+ * the collector and fork take it, so malloc and free never wait on the
+ * munmaps; fork waits for them. */
+static pthread_mutex_t release_lock = PTHREAD_MUTEX_INITIALIZER;
+void (*_keel_large_collect_pause)(void);
 static cache_slot_t cache[CACHE_SLOTS];
 static unsigned cache_n;
 static size_t cache_bytes;
@@ -66,6 +74,12 @@ void _keel_large_unlock(void) {
 }
 void _keel_large_child_reset(void) {
   pthread_mutex_init(&large_lock, NULL);
+}
+void _keel_large_release_lock(void) {
+  pthread_mutex_lock(&release_lock);
+}
+void _keel_large_release_unlock(void) {
+  pthread_mutex_unlock(&release_lock);
 }
 
 static size_t page_up(size_t n) {
@@ -304,6 +318,7 @@ size_t _keel_large_collect(bool force) {
   uint64_t delay = (uint64_t)_keel_option(KEEL_OPT_heap_purge_ms);
   keel_segment_t *out[CACHE_SLOTS];
   unsigned n = 0;
+  pthread_mutex_lock(&release_lock);
   pthread_mutex_lock(&large_lock);
   for (unsigned i = 0; i < cache_n;) {
     if (force || now >= cache[i].freed_at + delay) {
@@ -316,11 +331,13 @@ size_t _keel_large_collect(bool force) {
   }
   keel_store_relaxed(&cached_bytes_pub, cache_bytes);
   pthread_mutex_unlock(&large_lock);
+  if (keel_unlikely(_keel_large_collect_pause != NULL) && n > 0) _keel_large_collect_pause();
   size_t bytes = 0;
   for (unsigned i = 0; i < n; i++) {
     bytes += out[i]->mapped;
     release(out[i]);
   }
+  pthread_mutex_unlock(&release_lock);
   keel_fetch_add_relaxed(&_keel_purged_bytes, bytes);
   return bytes;
 }
