@@ -19,7 +19,8 @@
  * allocated (bit set on media), in `vfree`, in some thread cache, or held by
  * an operation in flight (reservation, tx allocation, or a free between its
  * barrier and its return). navail == popcount(vfree); listed <=> on the
- * class's partial list, which holds every run with navail > 0.
+ * partial list of its arena (r->arena) and class, and every run with
+ * navail > 0 is on one.
  *
  * Locks: ph->lock guards the chunk arrays and growth; the lock of (arena a,
  * class c)'s classq guards its partial list and the vfree bitmaps of its
