@@ -198,7 +198,8 @@ static int lock_file(int fd, const char *path) {
 
 /* Gives the file blocks for [from, to), growing it to `to` if shorter: a
  * store into the mapping there can then not meet a full file system (the
- * kernel's only answer to that is SIGBUS). 0 or a negated errno. */
+ * kernel's only answer to that is SIGBUS). 0 or a negated errno (a full
+ * file system is -ENOSPC, which is KEEL_ENOSPC). */
 static int file_reserve(int fd, uint64_t from, uint64_t to) {
   int e;
   while ((e = posix_fallocate(fd, (off_t)from, (off_t)(to - from))) == EINTR) {}
@@ -224,7 +225,7 @@ keel_pheap_t *keel_pheap_open(const char *path, const char *layout) {
    * the holes of a file copied sparse or extended by other means. */
   uint64_t size = rc == 0 ? _keel_ph_size_from_word(h.size_word) : 0;
   if (rc == 0 && !(h.flags & KEEL_PHEAP_SPARSE) && (rc = file_reserve(fd, 0, size)) != 0)
-    rc = _keel_ph_err(rc == -ENOSPC ? KEEL_ENOSPC : rc, path,
+    rc = _keel_ph_err(rc, path,
                       "cannot reserve the pool's %llu bytes on the file system (%s): a store "
                       "into a hole would raise SIGBUS",
                       (unsigned long long)size, strerror(-rc));
@@ -250,11 +251,13 @@ keel_pheap_t *keel_pheap_create(const char *path, const char *layout, size_t siz
   int fd = open(path, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
   if (fd < 0) return fail_null(_keel_ph_err(-errno, path, "cannot create: %s", strerror(errno)));
   int rc = lock_file(fd, path);
-  if (rc == 0 && ftruncate(fd, (off_t)size) != 0)
+  /* A sparse pool is sized; any other has its blocks reserved, which sizes
+   * it too. */
+  if (rc == 0 && (flags & KEEL_PHEAP_SPARSE) && ftruncate(fd, (off_t)size) != 0)
     rc = _keel_ph_err(-errno, path, "cannot size the file: %s", strerror(errno));
   if (rc == 0 && !(flags & KEEL_PHEAP_SPARSE) && (rc = file_reserve(fd, 0, size)) != 0)
-    rc = _keel_ph_err(rc == -ENOSPC ? KEEL_ENOSPC : rc, path,
-                      "cannot reserve %zu bytes on the file system: %s", size, strerror(-rc));
+    rc = _keel_ph_err(rc, path, "cannot reserve %zu bytes on the file system: %s", size,
+                      strerror(-rc));
   if (rc == 0) {
     ph_header_t h;
     memset(&h, 0, sizeof h);
