@@ -1606,6 +1606,23 @@ static void test_huge_objects(void) {
  * pool (the file grows by a zone's worth, sparse), one byte more is
  * KEEL_EINVAL from every allocating call; a fixed pool refuses what does
  * not fit with KEEL_ENOSPC and stays usable. */
+/* Every allocating call (alloc, zalloc, reserve, tx_alloc) refuses `size`
+ * with `rc` and leaves its destination and the pool as they were; the
+ * transaction that tried ends with rc. */
+static void all_allocs_refuse(keel_pheap_t *ph, size_t size, int rc) {
+  keel_poff_t o = 0;
+  keel_pheap_act_t act;
+  KT_EQ(keel_pheap_alloc(ph, &o, size, 1), rc);
+  KT_EQ(keel_pheap_zalloc(ph, &o, size, 1), rc);
+  KT_EQ(keel_pheap_reserve(ph, &act, size, 1), rc);
+  KT_EQ(keel_tx_begin(ph), 0);
+  errno = 0;
+  KT_EQ(keel_tx_alloc(size, 1), 0);
+  KT_EQ(errno, -rc);
+  KT_EQ(keel_tx_end(), rc);
+  KT_EQ(o, 0);
+}
+
 static void test_huge_limits(void) {
   char p[256];
   tp_path(p, sizeof p, "hugemax");
@@ -1613,17 +1630,7 @@ static void test_huge_limits(void) {
   KT_REQUIRE(ph != NULL);
   root_t *r = keel_pheap_root(ph, sizeof *r);
   KT_REQUIRE(r != NULL);
-  keel_poff_t o = 0;
-  keel_pheap_act_t act;
-  KT_EQ(keel_pheap_alloc(ph, &o, KEEL_PHEAP_MAX_ALLOC + 1, 1), KEEL_EINVAL);
-  KT_EQ(keel_pheap_zalloc(ph, &o, KEEL_PHEAP_MAX_ALLOC + 1, 1), KEEL_EINVAL);
-  KT_EQ(keel_pheap_reserve(ph, &act, KEEL_PHEAP_MAX_ALLOC + 1, 1), KEEL_EINVAL);
-  KT_EQ(keel_tx_begin(ph), 0);
-  errno = 0;
-  KT_EQ(keel_tx_alloc(KEEL_PHEAP_MAX_ALLOC + 1, 1), 0);
-  KT_EQ(errno, EINVAL);
-  KT_EQ(keel_tx_end(), KEEL_EINVAL);
-  KT_EQ(o, 0);
+  all_allocs_refuse(ph, KEEL_PHEAP_MAX_ALLOC + 1, KEEL_EINVAL);
   KT_EQ(keel_pheap_alloc(ph, &r->slot[0], KEEL_PHEAP_MAX_ALLOC, 2), 0);
   KT_REQUIRE(r->slot[0] != 0);
   KT_CHECK(keel_pheap_usable_size(ph, r->slot[0]) >= KEEL_PHEAP_MAX_ALLOC);
@@ -1646,14 +1653,8 @@ static void test_huge_limits(void) {
   KT_REQUIRE(ph != NULL);
   r = keel_pheap_root(ph, sizeof *r);
   KT_REQUIRE(r != NULL);
-  KT_EQ(keel_pheap_alloc(ph, &r->slot[0], 200 * MIB, 1), KEEL_ENOSPC);
+  all_allocs_refuse(ph, 200 * MIB, KEEL_ENOSPC);
   KT_EQ(keel_pheap_alloc(ph, &r->slot[0], KEEL_PHEAP_MAX_ALLOC, 1), KEEL_ENOSPC);
-  KT_EQ(keel_pheap_reserve(ph, &act, 200 * MIB, 1), KEEL_ENOSPC);
-  KT_EQ(keel_tx_begin(ph), 0);
-  errno = 0;
-  KT_EQ(keel_tx_alloc(200 * MIB, 1), 0);
-  KT_EQ(errno, ENOSPC);
-  KT_EQ(keel_tx_end(), KEEL_ENOSPC);
   KT_EQ(r->slot[0], 0);
   KT_EQ(keel_pheap_alloc(ph, &r->slot[0], 1 * MIB, 1), 0);
   KT_EQ(keel_pheap_alloc(ph, &r->slot[1], 100, 1), 0);
