@@ -234,21 +234,34 @@ static void crash_hook(keel_pheap_t *ph, ph_tcache_t *tc) {
   }
 }
 
-static void child_workload(const char *p, bool sim, int fault) {
-  _keel_ph_ring_limit = 8; /* wrap often: checkpoints in every workload */
+/* A crash child's workload: opens the pool (a small ring, so every
+ * workload checkpoints; simulated media and an injected fault as asked),
+ * runs step 0..n-1 with the crash hook armed, telling the parent in
+ * g_shared[0] how many completed, closes and exits 0 (3: open failed). */
+static void armed_workload(const char *p, bool sim, int fault, int n,
+                           void (*step)(int j, keel_pheap_t *ph, root_t *r)) {
+  _keel_ph_ring_limit = 8;
   _keel_ph_sim_next = sim;
   _keel_ph_fault = fault;
   keel_pheap_t *ph = keel_pheap_open(p, LAYOUT);
   if (ph == NULL) _exit(3);
   root_t *r = keel_pheap_root(ph, sizeof *r);
   _keel_ph_barrier_hook = crash_hook;
-  for (int j = 0; j < NOPS; j++) {
-    op(j, ph, r, NULL);
+  for (int j = 0; j < n; j++) {
+    step(j, ph, r);
     g_shared[0] = j + 1;
   }
   _keel_ph_barrier_hook = NULL;
   keel_pheap_close(ph);
   _exit(0);
+}
+
+static void op_step(int j, keel_pheap_t *ph, root_t *r) {
+  op(j, ph, r, NULL);
+}
+
+static void child_workload(const char *p, bool sim, int fault) {
+  armed_workload(p, sim, fault, NOPS, op_step);
 }
 
 static void child_recovery(const char *p, long crash_at, uint64_t seed) {
@@ -1254,20 +1267,12 @@ static void huge_model(int n, bool sim, hmodel_t *m) {
   for (int j = 0; j < n; j++) huge_op(j, sim, NULL, NULL, m);
 }
 
+static void huge_step(int j, keel_pheap_t *ph, root_t *r) {
+  huge_op(j, g_sim, ph, r, NULL);
+}
+
 static void fn_huge_workload(void) {
-  _keel_ph_ring_limit = 8;
-  _keel_ph_sim_next = g_sim;
-  keel_pheap_t *ph = keel_pheap_open(g_trial, LAYOUT);
-  if (ph == NULL) _exit(3);
-  root_t *r = keel_pheap_root(ph, sizeof *r);
-  _keel_ph_barrier_hook = crash_hook;
-  for (int j = 0; j < HOPS; j++) {
-    huge_op(j, g_sim, ph, r, NULL);
-    g_shared[0] = j + 1;
-  }
-  _keel_ph_barrier_hook = NULL;
-  keel_pheap_close(ph);
-  _exit(0);
+  armed_workload(g_trial, g_sim, g_fault, HOPS, huge_step);
 }
 
 /* Slots as in m, every object live, of its size, with its tags (the slot of
