@@ -196,16 +196,18 @@ int keel_pheap_stats(keel_pheap_t *ph, keel_pheap_stats_t *st) {
   *st = w.st;
   st->flushes = keel_load_relaxed(&ph->dead_flushes);
   st->barriers = keel_load_relaxed(&ph->dead_barriers);
+  st->tx_commits = keel_load_relaxed(&ph->dead_tx_commits);
+  st->tx_aborts = keel_load_relaxed(&ph->dead_tx_aborts);
   pthread_mutex_lock(&ph->lock);
   for (ph_tcache_t *tc = ph->caches; tc; tc = tc->next) {
     /* Racy reads of other threads' counters: statistics, not invariants. */
     st->flushes += __atomic_load_n(&tc->flushes, __ATOMIC_RELAXED);
     st->barriers += __atomic_load_n(&tc->barriers, __ATOMIC_RELAXED);
+    st->tx_commits += __atomic_load_n(&tc->tx_commits, __ATOMIC_RELAXED);
+    st->tx_aborts += __atomic_load_n(&tc->tx_aborts, __ATOMIC_RELAXED);
   }
   pthread_mutex_unlock(&ph->lock);
   st->grows = keel_load_relaxed(&ph->grows);
-  st->tx_commits = keel_load_relaxed(&ph->tx_commits);
-  st->tx_aborts = keel_load_relaxed(&ph->tx_aborts);
   st->recovered_logs = ph->recovered;
   st->deferred_checkpoints = keel_load_relaxed(&ph->defer_done);
   return rc;

@@ -61,6 +61,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "base/clock.h"
 #include "base/die.h"
 #include "pheap/pheap_int.h"
 
@@ -258,8 +259,49 @@ bool _keel_ph_deferred(keel_pheap_t *ph) {
   return false;
 }
 
-void _keel_ph_checkpoint(keel_pheap_t *ph, ph_tcache_t *tc) {
+/* Takes ckpt_lock, or returns false as soon as the watermark reaches `need`
+ * (0: never). Lanes doing the same work wrap at the same pace, so a lane
+ * that needs a checkpoint often finds another lane's running: blocking on
+ * the futex then cost a sleep per wrap (600 in a quarter second of
+ * publish-1 at 2 threads), and in a virtual machine the idle CPU's wake-up
+ * takes tens of microseconds, which made runs swing by a third. A checkpoint
+ * ends in microseconds, so a waiter first spins, reading the busy hint
+ * rather than writing the lock word, for at most PH_CKPT_SPIN_NS; past that
+ * (the holder was preempted: more threads than CPUs) it blocks. */
+#define PH_CKPT_SPIN_NS 10000u
+static bool ckpt_enter(keel_pheap_t *ph, uint64_t need) {
+  if (pthread_mutex_trylock(&ph->ckpt_lock) == 0) goto locked;
+  /* One spinner at a time: with more threads than CPUs, the others would
+   * spin while the holder waits for a CPU. */
+  uint32_t idle = 0;
+  if (atomic_compare_exchange_strong(&ph->ckpt_spinner, &idle, 1)) {
+    uint64_t until = keel_clock_ns() + PH_CKPT_SPIN_NS;
+    for (unsigned i = 1;; i++) {
+      if (!keel_load_relaxed(&ph->ckpt_busy) && pthread_mutex_trylock(&ph->ckpt_lock) == 0) {
+        keel_store_relaxed(&ph->ckpt_spinner, 0);
+        goto locked;
+      }
+      if ((need && keel_load_acquire(&ph->ckpt_seq) >= need) ||
+          (i % 64 == 0 && keel_clock_ns() > until))
+        break;
+      keel_cpu_relax();
+    }
+    keel_store_relaxed(&ph->ckpt_spinner, 0);
+  }
+  if (need && keel_load_acquire(&ph->ckpt_seq) >= need) return false;
   pthread_mutex_lock(&ph->ckpt_lock);
+locked:
+  keel_store_relaxed(&ph->ckpt_busy, 1);
+  return true;
+}
+
+static void ckpt_exit(keel_pheap_t *ph) {
+  keel_store_relaxed(&ph->ckpt_busy, 0);
+  pthread_mutex_unlock(&ph->ckpt_lock);
+}
+
+/* The checkpoint itself; ckpt_lock held. */
+static void checkpoint_locked(keel_pheap_t *ph, ph_tcache_t *tc) {
   uint64_t w = atomic_load(&ph->seq);
   atomic_thread_fence(memory_order_seq_cst); /* the counter, then the lanes */
   for (unsigned i = 0; i < PH_NLANES; i++) {
@@ -289,12 +331,21 @@ void _keel_ph_checkpoint(keel_pheap_t *ph, ph_tcache_t *tc) {
     _keel_pm_drain(ph, tc);
     keel_store_release(&ph->ckpt_seq, w);
   }
-  pthread_mutex_unlock(&ph->ckpt_lock);
+}
+
+void _keel_ph_checkpoint(keel_pheap_t *ph, ph_tcache_t *tc) {
+  ckpt_enter(ph, 0);
+  checkpoint_locked(ph, tc);
+  ckpt_exit(ph);
 }
 
 void _keel_ph_checkpoint_past(keel_pheap_t *ph, ph_tcache_t *tc, uint64_t need) {
   while (keel_load_acquire(&ph->ckpt_seq) < need) {
-    _keel_ph_checkpoint(ph, tc);
+    /* A checkpoint that was running when we came may cover `need`. */
+    if (ckpt_enter(ph, need)) {
+      checkpoint_locked(ph, tc);
+      ckpt_exit(ph);
+    }
     /* Still short: a log at or below `need` is in flight on another lane;
      * let its thread finish it. */
     if (keel_load_acquire(&ph->ckpt_seq) < need) sched_yield();

@@ -263,6 +263,7 @@ struct ph_tcache {
   unsigned lane_hint;
   unsigned arena; /* whose runs refill this cache */
   uint64_t flushes, barriers;
+  uint64_t tx_commits, tx_aborts; /* per cache: a shared counter cost a line transfer per tx */
   uint64_t ms_lo[PH_MS_RANGES], ms_hi[PH_MS_RANGES];
   unsigned ms_n;
   /* simulated media: lines flushed since the last drain */
@@ -286,9 +287,11 @@ struct keel_pheap {
   bool sparse; /* growth leaves holes (KEEL_PHEAP_SPARSE) */
   char *path;
   ph_header_t *hdr;
-  keel_atomic(uint64_t) seq;
-  pthread_mutex_t lock;      /* chunks, growth, caches list */
-  pthread_mutex_t root_lock; /* first keel_pheap_root */
+  /* Every log draws from it: a line of its own, so the fields read on every
+   * operation (above) do not move between CPUs with it. */
+  KEEL_CACHE_ALIGNED keel_atomic(uint64_t) seq;
+  KEEL_CACHE_ALIGNED pthread_mutex_t lock; /* chunks, growth, caches list */
+  pthread_mutex_t root_lock;               /* first keel_pheap_root */
   ph_tcache_t *caches;
   uint8_t *chunk_free;           /* per global chunk: 1 free (volatile) */
   ph_run_t **chunk_run;          /* per global chunk: the run it heads */
@@ -302,11 +305,14 @@ struct keel_pheap {
   unsigned narenas;
   keel_atomic(unsigned) arena_rr; /* the next cache's arena */
   ph_lane_t lanes[PH_NLANES];
-  pthread_mutex_t ckpt_lock;      /* one checkpoint at a time */
-  keel_atomic(uint64_t) ckpt_seq; /* volatile copy of hdr->ckpt_seq */
-  keel_atomic(uint64_t) grows, tx_commits, tx_aborts;
+  pthread_mutex_t ckpt_lock;          /* one checkpoint at a time */
+  keel_atomic(uint32_t) ckpt_busy;    /* a hint: ckpt_lock is held (log.c: ckpt_enter) */
+  keel_atomic(uint32_t) ckpt_spinner; /* a thread spins for ckpt_lock */
+  keel_atomic(uint64_t) ckpt_seq;     /* volatile copy of hdr->ckpt_seq */
+  keel_atomic(uint64_t) grows;
   uint64_t recovered;
-  keel_atomic(uint64_t) dead_flushes, dead_barriers; /* from exited threads */
+  /* Counters of caches retired (their threads exited or were evicted). */
+  keel_atomic(uint64_t) dead_flushes, dead_barriers, dead_tx_commits, dead_tx_aborts;
   /* Background checkpoints (keel_pheap_set_deferrer): defer_req is 1 from
    * a request until its job ends (one outstanding); defer_done counts them. */
   keel_pheap_defer_fn defer;
@@ -314,6 +320,12 @@ struct keel_pheap {
   keel_atomic(uint32_t) defer_req;
   keel_atomic(uint64_t) defer_done;
 };
+
+/* A cache's counter: only its thread writes it, keel_pheap_stats reads it
+ * meanwhile (relaxed: a plain load and store on x86). */
+KEEL_INLINE void ph_tc_count(uint64_t *c) {
+  __atomic_store_n(c, *c + 1, __ATOMIC_RELAXED);
+}
 
 /* ---- geometry helpers ---- */
 KEEL_INLINE uint64_t ph_zone_off(const keel_pheap_t *ph, uint32_t z) {

@@ -98,9 +98,17 @@ static void ph_free_volatile(keel_pheap_t *ph) {
   free(ph);
 }
 
+/* Zeroed memory on a cache-line boundary: the pool's lanes, its hot counter
+ * and the class queues are line-aligned types, and calloc gives 16 bytes. */
+static void *zalloc_lines(size_t n) {
+  void *p;
+  if (posix_memalign(&p, KEEL_CACHE_LINE, n) != 0) return NULL;
+  return memset(p, 0, n);
+}
+
 /* Maps a validated pool and brings it up; consumes fd. */
 static keel_pheap_t *ph_start(const char *path, int fd, uint64_t size, unsigned flags) {
-  keel_pheap_t *ph = calloc(1, sizeof *ph);
+  keel_pheap_t *ph = zalloc_lines(sizeof *ph);
   if (ph == NULL) {
     close(fd);
     return fail_null(_keel_ph_err(KEEL_ENOMEM, path, "out of memory"));
@@ -149,7 +157,7 @@ static keel_pheap_t *ph_start(const char *path, int fd, uint64_t size, unsigned 
   ph->narenas = ncpu < (long)PH_ARENAS_MIN   ? PH_ARENAS_MIN
                 : ncpu > (long)PH_ARENAS_MAX ? PH_ARENAS_MAX
                                              : (unsigned)ncpu;
-  ph->classq = calloc((size_t)ph->narenas * _keel_ph_nclasses, sizeof *ph->classq);
+  ph->classq = zalloc_lines((size_t)ph->narenas * _keel_ph_nclasses * sizeof *ph->classq);
   if (!ph->path || !ph->chunk_free || !ph->chunk_run || !ph->classq) {
     rc = _keel_ph_err(KEEL_ENOMEM, path, "out of memory");
     goto fail;

@@ -48,6 +48,8 @@ static void tc_retire(ph_tcache_t *tc) {
   _keel_ph_tcache_return(ph, tc);
   keel_fetch_add_relaxed(&ph->dead_flushes, tc->flushes);
   keel_fetch_add_relaxed(&ph->dead_barriers, tc->barriers);
+  keel_fetch_add_relaxed(&ph->dead_tx_commits, tc->tx_commits);
+  keel_fetch_add_relaxed(&ph->dead_tx_aborts, tc->tx_aborts);
   pthread_mutex_lock(&ph->lock);
   for (ph_tcache_t **p = &ph->caches; *p; p = &(*p)->next)
     if (*p == tc) {

@@ -1199,6 +1199,60 @@ static void test_grow(void) {
   unlink(p);
 }
 
+/* Transaction counts live in each thread's cache (a shared counter cost a
+ * line transfer per transaction): the stats sum the live caches and keep
+ * the counts of caches whose threads exited. */
+typedef struct txc_arg {
+  keel_pheap_t *ph;
+  int commits, aborts, empty;
+} txc_arg_t;
+
+static void txc_run(txc_arg_t *a) {
+  for (int i = 0; i < a->commits; i++) {
+    KT_EQ(keel_tx_begin(a->ph), 0);
+    KT_CHECK(keel_tx_alloc(64, 5) != 0);
+    KT_EQ(keel_tx_commit(), 0);
+    KT_EQ(keel_tx_end(), 0);
+  }
+  for (int i = 0; i < a->aborts; i++) {
+    KT_EQ(keel_tx_begin(a->ph), 0);
+    KT_CHECK(keel_tx_alloc(64, 6) != 0);
+    keel_tx_abort(KEEL_ECANCELED);
+    KT_EQ(keel_tx_end(), KEEL_ECANCELED);
+  }
+  for (int i = 0; i < a->empty; i++) { /* commits with nothing to log */
+    KT_EQ(keel_tx_begin(a->ph), 0);
+    KT_EQ(keel_tx_commit(), 0);
+    KT_EQ(keel_tx_end(), 0);
+  }
+}
+
+static void *txc_thread(void *p) {
+  txc_run(p);
+  return NULL;
+}
+
+static void test_tx_counts_per_thread(void) {
+  char p[256];
+  tp_path(p, sizeof p, "txcounts");
+  keel_pheap_t *ph = keel_pheap_create(p, LAYOUT, KEEL_PHEAP_MIN_SIZE, 0);
+  KT_REQUIRE(ph != NULL);
+  txc_arg_t a[3] = {{ph, 100, 40, 7}, {ph, 60, 25, 3}, {ph, 11, 2, 1}};
+  pthread_t t[2];
+  for (int k = 0; k < 2; k++) pthread_create(&t[k], NULL, txc_thread, &a[k]);
+  for (int k = 0; k < 2; k++) pthread_join(t[k], NULL);
+  txc_run(&a[2]); /* this thread's cache stays live */
+  keel_pheap_stats_t st;
+  KT_EQ(keel_pheap_stats(ph, &st), 0);
+  KT_EQ(st.tx_commits, 100u + 7 + 60 + 3 + 11 + 1);
+  KT_EQ(st.tx_aborts, 40u + 25 + 2);
+  KT_EQ(count_type(ph, 5), 100u + 60 + 11);
+  KT_EQ(count_type(ph, 6), 0u);
+  keel_pheap_close(ph);
+  KT_EQ(keel_pheap_check(p), 0);
+  unlink(p);
+}
+
 /* The barrier budget from the issue: <= 2 per atomic alloc, <= 3 per tx
  * alloc, averaged over enough operations to include the checkpoints. */
 static double barriers_per(keel_pheap_t *ph, root_t *r, int kind, int n) {
@@ -1736,7 +1790,7 @@ KT_MAIN(KT_CASE(test_create_open_close), KT_CASE(test_bad_wrong_layout),
         KT_CASE(test_arenas_fixed_pool_shares), KT_CASE(test_arenas_adopt_concurrent),
         KT_CASE(test_arenas_full_pool_steals), KT_CASE(test_full_filesystem),
         KT_CASE(test_open_reserves_holes), KT_CASE(test_grow), KT_CASE(test_barrier_counts),
-        KT_CASE(test_check_detects_corruption), KT_CASE(test_stress_threads),
-        KT_CASE(test_tx_cache_not_evicted), KT_CASE(test_close_while_other_thread_caches),
-        KT_CASE(test_classes_fragmentation), KT_CASE(test_huge_objects), KT_CASE(test_huge_limits),
-        KT_CASE(test_grow_into_next_zone))
+        KT_CASE(test_tx_counts_per_thread), KT_CASE(test_check_detects_corruption),
+        KT_CASE(test_stress_threads), KT_CASE(test_tx_cache_not_evicted),
+        KT_CASE(test_close_while_other_thread_caches), KT_CASE(test_classes_fragmentation),
+        KT_CASE(test_huge_objects), KT_CASE(test_huge_limits), KT_CASE(test_grow_into_next_zone))
