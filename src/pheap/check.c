@@ -194,11 +194,11 @@ int keel_pheap_stats(keel_pheap_t *ph, keel_pheap_stats_t *st) {
   w.nchunks = keel_load_acquire(&ph->nchunks);
   int rc = walk_heap(&w, ph->path);
   *st = w.st;
+  pthread_mutex_lock(&ph->lock); /* the dead totals and the list agree under it */
   st->flushes = keel_load_relaxed(&ph->dead_flushes);
   st->barriers = keel_load_relaxed(&ph->dead_barriers);
   st->tx_commits = keel_load_relaxed(&ph->dead_tx_commits);
   st->tx_aborts = keel_load_relaxed(&ph->dead_tx_aborts);
-  pthread_mutex_lock(&ph->lock);
   for (ph_tcache_t *tc = ph->caches; tc; tc = tc->next) {
     /* Racy reads of other threads' counters: statistics, not invariants. */
     st->flushes += __atomic_load_n(&tc->flushes, __ATOMIC_RELAXED);

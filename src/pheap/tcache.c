@@ -46,11 +46,13 @@ void _keel_ph_tcache_return(keel_pheap_t *ph, ph_tcache_t *tc) KEEL_HIDDEN;
 static void tc_retire(ph_tcache_t *tc) {
   keel_pheap_t *ph = tc->ph;
   _keel_ph_tcache_return(ph, tc);
+  /* Counted in the dead totals and off the list in one step under the
+   * lock keel_pheap_stats reads both under, so it sees them once. */
+  pthread_mutex_lock(&ph->lock);
   keel_fetch_add_relaxed(&ph->dead_flushes, tc->flushes);
   keel_fetch_add_relaxed(&ph->dead_barriers, tc->barriers);
   keel_fetch_add_relaxed(&ph->dead_tx_commits, tc->tx_commits);
   keel_fetch_add_relaxed(&ph->dead_tx_aborts, tc->tx_aborts);
-  pthread_mutex_lock(&ph->lock);
   for (ph_tcache_t **p = &ph->caches; *p; p = &(*p)->next)
     if (*p == tc) {
       *p = tc->next;
