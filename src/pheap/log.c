@@ -290,6 +290,10 @@ static bool ckpt_enter(keel_pheap_t *ph, uint64_t need) {
   }
   if (need && keel_load_acquire(&ph->ckpt_seq) >= need) return false;
   pthread_mutex_lock(&ph->ckpt_lock);
+  if (need && keel_load_acquire(&ph->ckpt_seq) >= need) { /* the one we waited out did it */
+    pthread_mutex_unlock(&ph->ckpt_lock);
+    return false;
+  }
 locked:
   keel_store_relaxed(&ph->ckpt_busy, 1);
   return true;
