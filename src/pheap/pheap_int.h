@@ -379,6 +379,8 @@ extern int _keel_ph_fault KEEL_HIDDEN; /* site to skip, PH_S_NONE normally */
 extern void (*_keel_ph_barrier_hook)(keel_pheap_t *ph, ph_tcache_t *tc) KEEL_HIDDEN;
 /* When set before open/create, pools use simulated media (tests). */
 extern bool _keel_ph_sim_next KEEL_HIDDEN;
+/* posix_fallocate calls on pool files (tests: open of a whole pool makes none). */
+extern keel_atomic(unsigned long) _keel_ph_reserve_calls KEEL_HIDDEN;
 
 void _keel_pm_flush(keel_pheap_t *ph, ph_tcache_t *tc, const void *p, size_t len,
                     enum ph_site site) KEEL_HIDDEN;
