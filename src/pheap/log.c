@@ -269,6 +269,10 @@ bool _keel_ph_deferred(keel_pheap_t *ph) {
  * rather than writing the lock word, for at most PH_CKPT_SPIN_NS; past that
  * (the holder was preempted: more threads than CPUs) it blocks. */
 #define PH_CKPT_SPIN_NS 10000u
+static inline bool ckpt_covers(keel_pheap_t *ph, uint64_t need) {
+  return need && keel_load_acquire(&ph->ckpt_seq) >= need;
+}
+
 static bool ckpt_enter(keel_pheap_t *ph, uint64_t need) {
   if (pthread_mutex_trylock(&ph->ckpt_lock) == 0) goto locked;
   /* One spinner at a time: with more threads than CPUs, the others would
@@ -281,16 +285,14 @@ static bool ckpt_enter(keel_pheap_t *ph, uint64_t need) {
         keel_store_relaxed(&ph->ckpt_spinner, 0);
         goto locked;
       }
-      if ((need && keel_load_acquire(&ph->ckpt_seq) >= need) ||
-          (i % 64 == 0 && keel_clock_ns() > until))
-        break;
+      if (ckpt_covers(ph, need) || (i % 64 == 0 && keel_clock_ns() > until)) break;
       keel_cpu_relax();
     }
     keel_store_relaxed(&ph->ckpt_spinner, 0);
   }
-  if (need && keel_load_acquire(&ph->ckpt_seq) >= need) return false;
+  if (ckpt_covers(ph, need)) return false;
   pthread_mutex_lock(&ph->ckpt_lock);
-  if (need && keel_load_acquire(&ph->ckpt_seq) >= need) { /* the one we waited out did it */
+  if (ckpt_covers(ph, need)) { /* the one we waited out did it */
     pthread_mutex_unlock(&ph->ckpt_lock);
     return false;
   }
