@@ -109,9 +109,7 @@ void _keel_pm_flush(keel_pheap_t *ph, ph_tcache_t *tc, const void *p, size_t len
                     enum ph_site site) {
   if (len == 0) return;
   if (keel_unlikely(_keel_ph_fault == (int)site) && site != PH_S_NONE) return;
-  /* Owner-only writer; relaxed so keel_pheap_stats may read it meanwhile
-   * (a plain load and store on x86, as before). */
-  __atomic_store_n(&tc->flushes, tc->flushes + 1, __ATOMIC_RELAXED);
+  ph_tc_count(&tc->flushes);
   uintptr_t a = (uintptr_t)p & ~(uintptr_t)(PH_LINE - 1), end = (uintptr_t)p + len;
   if (keel_unlikely(ph->sim)) {
     for (; a < end; a += PH_LINE) sim_add(tc, a - (uintptr_t)ph->view.base);
@@ -154,7 +152,7 @@ static void sim_write_line(keel_pheap_t *ph, uint64_t off, unsigned mask) {
 
 void _keel_pm_drain(keel_pheap_t *ph, ph_tcache_t *tc) {
   if (keel_unlikely(_keel_ph_barrier_hook != NULL)) _keel_ph_barrier_hook(ph, tc);
-  __atomic_store_n(&tc->barriers, tc->barriers + 1, __ATOMIC_RELAXED); /* see flushes */
+  ph_tc_count(&tc->barriers);
   if (keel_unlikely(ph->sim)) {
     /* Runs of consecutive lines go out in one pwrite. */
     for (unsigned i = 0, j; i < tc->sim_n; i = j) {
@@ -195,7 +193,7 @@ void _keel_pm_write_nt(keel_pheap_t *ph, ph_tcache_t *tc, void *dst, const void 
     _keel_pm_flush(ph, tc, dst, len, site);
     return;
   }
-  __atomic_store_n(&tc->flushes, tc->flushes + 1, __ATOMIC_RELAXED); /* see _keel_pm_flush */
+  ph_tc_count(&tc->flushes);
   long long *d = dst;
   const long long *s = src;
   for (size_t i = 0; i < len / 8; i++) __builtin_ia32_movnti64(d + i, s[i]);

@@ -204,12 +204,12 @@ static int lock_file(int fd, const char *path) {
   return _keel_ph_err(-errno, path, "flock failed: %s", strerror(errno));
 }
 
+keel_atomic(unsigned long) _keel_ph_reserve_calls;
+
 /* Gives the file blocks for [from, to), growing it to `to` if shorter: a
  * store into the mapping there can then not meet a full file system (the
  * kernel's only answer to that is SIGBUS). 0 or a negated errno (a full
  * file system is -ENOSPC, which is KEEL_ENOSPC). */
-keel_atomic(unsigned long) _keel_ph_reserve_calls;
-
 static int file_reserve(int fd, uint64_t from, uint64_t to) {
   keel_fetch_add_relaxed(&_keel_ph_reserve_calls, 1);
   int e;
