@@ -28,6 +28,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
+#include <sched.h>
 #include <math.h>
 #include <poll.h>
 #include <pthread.h>
@@ -84,14 +85,21 @@ double kb_now(void) {
   return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
-/* /proc/self/statm with read(2): no stdio buffer, so measuring RSS does not
- * itself allocate through the allocator under test. */
 uint64_t kb_thread_cpu_ns(void) {
   struct timespec ts;
   clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
   return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
 }
 
+int kb_ncpu(void) {
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof set, &set) == 0 && CPU_COUNT(&set) > 0) return CPU_COUNT(&set);
+  long n = sysconf(_SC_NPROCESSORS_ONLN);
+  return n < 1 ? 1 : (int)n;
+}
+
+/* /proc/self/statm with read(2): no stdio buffer, so measuring RSS does not
+ * itself allocate through the allocator under test. */
 size_t kb_rss_kb(void) {
   char buf[128];
   int fd = open("/proc/self/statm", O_RDONLY | O_CLOEXEC);

@@ -11,19 +11,23 @@
  * Throughput cases run for a fixed window (0.25 s x scale). Where an
  * operation leaves objects behind (tx-alloc, publish), they are freed in
  * untimed gaps between timed batches of 64, so the heap stays small and only
- * the measured operation is charged; seconds are the mean per-thread timed
- * time: on the wall clock while every thread has a CPU, and on each
- * thread's CPU clock, summed and divided by the CPUs, once threads
- * outnumber CPUs (64 and 256 threads on 2 cores). There a timed batch of ~20 us either runs whole or is preempted
- * for the ~100 time slices its thread waits, so wall-clock timed time swung
- * tenfold between runs of the same binary. The CPU clock leaves out time
- * spent blocked, which then goes to other threads. Extra cpu_ns_per_op is
- * the CPU-clock figure at every thread count. Every throughput case reports flushes and barriers per operation as
- * extras: keel's own counters. For libpmemobj the same extras come from
- * interposing libpmem's pmem_flush/drain/persist/msync/mem* from this binary;
- * libpmemobj 1.12 calls them through its own internal pointers, so they read
- * 0 there (its counts are not measured here; PMDK's own figures are ~3 per
- * atomic alloc, ~5 per tx_alloc). Objects are 64 bytes unless named.
+ * the measured operation is charged. Seconds, while every thread has a CPU:
+ * the threads' wall-clock time in timed batches, averaged. Once threads
+ * outnumber the CPUs the process may use (kb_ncpu): their CPU time in timed
+ * batches, summed and divided by those CPUs. There a batch of ~20 us either
+ * runs whole or waits out ~100 time slices, and the wall-clock figure of one
+ * binary swung tenfold between runs. The CPU-clock figure is CPU cost per
+ * operation rather than throughput: time a thread spends asleep (on a lane
+ * or arena lock) is not charged, time spent spinning is, so it holds as
+ * throughput only while sleepers leave no CPU idle (checked at stop 15:
+ * both implementations kept 2 CPUs busy at 256 threads). Extra cpu_ns_per_op
+ * is the CPU-clock figure at every thread count. Every throughput case
+ * reports flushes and barriers per operation as extras: keel's own counters.
+ * For libpmemobj the same extras come from interposing libpmem's
+ * pmem_flush/drain/persist/msync/mem* from this binary; libpmemobj 1.12
+ * calls them through its own internal pointers, so they read 0 there (its
+ * counts are not measured here; PMDK's own figures are ~3 per atomic alloc,
+ * ~5 per tx_alloc). Objects are 64 bytes unless named.
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
@@ -316,8 +320,8 @@ static int pb_run(const kb_params_t *p, kb_result_t *r, bool force, int op, size
   kb_run_threads(p->threads, pb_worker, b);
   /* Oversubscribed: the CPUs ran the timed batches side by side, so the
    * CPU time divides by the number of CPUs, not of threads. */
-  long ncpu = sysconf(_SC_NPROCESSORS_ONLN);
-  bool over = ncpu > 0 && p->threads > ncpu;
+  int ncpu = kb_ncpu();
+  bool over = p->threads > ncpu;
   r->ops = (double)b->ops;
   r->seconds =
       over ? (double)b->timed_cpu_ns / 1e9 / (double)ncpu : (double)b->timed_ns / 1e9 / p->threads;

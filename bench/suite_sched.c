@@ -71,8 +71,7 @@ typedef struct sb_pool {
 } sb_pool_t;
 
 static int ncpu(void) {
-  long n = sysconf(_SC_NPROCESSORS_ONLN);
-  return n < 1 ? 1 : (int)n;
+  return kb_ncpu();
 }
 
 static int imin(int a, int b) {
