@@ -28,7 +28,6 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
-#include <sched.h>
 #include <math.h>
 #include <poll.h>
 #include <pthread.h>
@@ -44,6 +43,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "base/os.h"
 #include "harness_internal.h"
 
 extern char **environ;
@@ -92,10 +92,7 @@ uint64_t kb_thread_cpu_ns(void) {
 }
 
 int kb_ncpu(void) {
-  cpu_set_t set;
-  if (sched_getaffinity(0, sizeof set, &set) == 0 && CPU_COUNT(&set) > 0) return CPU_COUNT(&set);
-  long n = sysconf(_SC_NPROCESSORS_ONLN);
-  return n < 1 ? 1 : (int)n;
+  return _keel_os_ncpu(); /* what keel sizes its own pools by */
 }
 
 /* /proc/self/statm with read(2): no stdio buffer, so measuring RSS does not

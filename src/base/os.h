@@ -62,4 +62,9 @@ size_t _keel_os_fault_hits(void) KEEL_HIDDEN;
 /* The process's resident set size in KiB (from /proc/self/statm), or 0. */
 size_t _keel_os_rss_kb(void) KEEL_HIDDEN;
 
+/* CPUs the calling thread may run on (its affinity mask: taskset and
+ * cgroup cpusets narrow it, the online count does not), at least 1. What
+ * sizes thread pools and arenas. */
+int _keel_os_ncpu(void) KEEL_HIDDEN;
+
 #endif /* KEEL_BASE_OS_H */

@@ -38,6 +38,7 @@
 #include "base/clock.h"
 #include "base/die.h"
 #include "base/options.h"
+#include "base/os.h"
 #include "pheap/pheap_int.h"
 
 #ifndef MAP_SHARED_VALIDATE
@@ -156,10 +157,8 @@ static keel_pheap_t *ph_start(const char *path, int fd, uint64_t size, unsigned 
   ph->chunk_cap = _keel_ph_chunks_for(ph->hdr->heap_off, ph->reserve);
   ph->chunk_free = calloc(ph->chunk_cap, 1);
   ph->chunk_run = calloc(ph->chunk_cap, sizeof *ph->chunk_run);
-  long ncpu = sysconf(_SC_NPROCESSORS_ONLN);
-  ph->narenas = ncpu < (long)PH_ARENAS_MIN   ? PH_ARENAS_MIN
-                : ncpu > (long)PH_ARENAS_MAX ? PH_ARENAS_MAX
-                                             : (unsigned)ncpu;
+  unsigned ncpu = (unsigned)_keel_os_ncpu();
+  ph->narenas = ncpu < PH_ARENAS_MIN ? PH_ARENAS_MIN : ncpu > PH_ARENAS_MAX ? PH_ARENAS_MAX : ncpu;
   ph->classq = zalloc_lines((size_t)ph->narenas * _keel_ph_nclasses * sizeof *ph->classq);
   if (!ph->path || !ph->chunk_free || !ph->chunk_run || !ph->classq) {
     rc = _keel_ph_err(KEEL_ENOMEM, path, "out of memory");

@@ -12,6 +12,7 @@
 #include <unistd.h>
 
 #include "base/options.h"
+#include "base/os.h"
 #include "sched/sched_int.h"
 
 sched_t _keel_sched = {
@@ -21,8 +22,7 @@ sched_t _keel_sched = {
 };
 
 void keel_sched_config_default(keel_sched_config_t *cfg) {
-  long ncpu = sysconf(_SC_NPROCESSORS_ONLN);
-  if (ncpu < 1) ncpu = 1;
+  int64_t ncpu = _keel_os_ncpu();
   int64_t max = _keel_option(KEEL_OPT_sched_max_threads);
   if (max == 0) max = ncpu * 16 > 1024 ? 1024 : ncpu * 16;
   cfg->min_threads = (unsigned)_keel_option(KEEL_OPT_sched_min_threads);
@@ -71,8 +71,7 @@ static void reset(const keel_sched_config_t *cfg) {
   atomic_store(&s->nyielding, 0);
   s->mon_saw_work = false;
   s->cfg = *cfg;
-  long ncpu = sysconf(_SC_NPROCESSORS_ONLN);
-  s->ncpu = ncpu < 1 ? 1 : (int)ncpu;
+  s->ncpu = _keel_os_ncpu();
 }
 
 static void stop(int how);

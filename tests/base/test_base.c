@@ -1,6 +1,7 @@
 /* Tests of src/base: options parsing, OS memory, keel_die, thread hooks. */
 #define _GNU_SOURCE
 #include <pthread.h>
+#include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -182,6 +183,28 @@ static void os_reserve_commit_decommit(void) {
   KT_CHECK(_keel_os_reserve(4096, 3 << 20) == NULL); /* not a power of two */
 }
 
+/* The CPU count follows the calling thread's affinity mask: a server in a
+ * cpuset or under taskset sizes its pools to the CPUs it may use. */
+static void *ncpu_pinned(void *arg) {
+  cpu_set_t one;
+  CPU_ZERO(&one);
+  CPU_SET(*(int *)arg, &one);
+  KT_EQ(pthread_setaffinity_np(pthread_self(), sizeof one, &one), 0);
+  KT_EQ(_keel_os_ncpu(), 1);
+  return NULL;
+}
+
+static void os_ncpu_follows_affinity(void) {
+  cpu_set_t set;
+  KT_EQ(sched_getaffinity(0, sizeof set, &set), 0);
+  KT_EQ(_keel_os_ncpu(), CPU_COUNT(&set));
+  int first = 0;
+  while (!CPU_ISSET(first, &set)) first++;
+  pthread_t t;
+  KT_EQ(pthread_create(&t, NULL, ncpu_pinned, &first), 0);
+  pthread_join(t, NULL);
+}
+
 static void os_alloc_aligned(void) {
   for (size_t align = 4096; align <= (64u << 20); align <<= 1) {
     void *p = _keel_os_alloc(12345, align);
@@ -253,5 +276,6 @@ static void thread_hooks_run_at_exit(void) {
 KT_MAIN(KT_CASE(options_defaults), KT_CASE(options_good_values), KT_CASE(options_unknown_name),
         KT_CASE(options_bad_values), KT_CASE(options_empty_and_long),
         KT_CASE(options_from_environment), KT_CASE(options_print_table),
-        KT_CASE(os_reserve_commit_decommit), KT_CASE(os_alloc_aligned), KT_CASE(die_format),
-        KT_CASE(errors_have_messages), KT_CASE(thread_hooks_run_at_exit))
+        KT_CASE(os_reserve_commit_decommit), KT_CASE(os_alloc_aligned),
+        KT_CASE(os_ncpu_follows_affinity), KT_CASE(die_format), KT_CASE(errors_have_messages),
+        KT_CASE(thread_hooks_run_at_exit))
