@@ -115,9 +115,6 @@ double kb_now(void); /* monotonic seconds */
  * the wall clock measures how much CPU a run was given as much as the code
  * under test; a thread's CPU time per operation does not. */
 uint64_t kb_thread_cpu_ns(void);
-/* CPUs this thread may run on (its affinity mask: taskset and cpusets
- * narrow it), as keel counts them for its own pools; at least 1. */
-int kb_ncpu(void);
 size_t kb_rss_kb(void);        /* current RSS of this process in KiB */
 uint64_t kb_rand(uint64_t *s); /* xorshift64*: deterministic per seed */
 

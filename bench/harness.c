@@ -43,7 +43,6 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "base/os.h"
 #include "harness_internal.h"
 
 extern char **environ;
@@ -89,10 +88,6 @@ uint64_t kb_thread_cpu_ns(void) {
   struct timespec ts;
   clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
   return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
-}
-
-int kb_ncpu(void) {
-  return _keel_os_ncpu(); /* what keel sizes its own pools by */
 }
 
 /* /proc/self/statm with read(2): no stdio buffer, so measuring RSS does not

@@ -13,7 +13,7 @@
  * untimed gaps between timed batches of 64, so the heap stays small and only
  * the measured operation is charged. Seconds, while every thread has a CPU:
  * the threads' wall-clock time in timed batches, averaged. Once threads
- * outnumber the CPUs the process may use (kb_ncpu): their CPU time in timed
+ * outnumber the CPUs the process may use (_keel_os_ncpu): their CPU time in timed
  * batches, summed and divided by those CPUs. There a batch of ~20 us either
  * runs whole or waits out ~100 time slices, and the wall-clock figure of one
  * binary swung tenfold between runs. The CPU-clock figure is CPU cost per
@@ -41,6 +41,7 @@
 #include <keel/pheap.h>
 
 #include "base/clock.h"
+#include "base/os.h"
 #include "bench.h"
 #include "pheap/pheap_int.h"
 
@@ -320,7 +321,7 @@ static int pb_run(const kb_params_t *p, kb_result_t *r, bool force, int op, size
   kb_run_threads(p->threads, pb_worker, b);
   /* Oversubscribed: the CPUs ran the timed batches side by side, so the
    * CPU time divides by the number of CPUs, not of threads. */
-  int ncpu = kb_ncpu();
+  int ncpu = _keel_os_ncpu();
   bool over = p->threads > ncpu;
   r->ops = (double)b->ops;
   r->seconds =

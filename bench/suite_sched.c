@@ -42,6 +42,7 @@
 
 #include "baseline_mutex_pool.h"
 #include "base/clock.h"
+#include "base/os.h"
 #include "bench.h"
 
 #ifdef KEEL_HAVE_GLIB
@@ -69,10 +70,6 @@ typedef struct sb_pool {
   GThreadPool *gtp;
 #endif
 } sb_pool_t;
-
-static int ncpu(void) {
-  return kb_ncpu();
-}
 
 static int imin(int a, int b) {
   return a < b ? a : b;
@@ -108,7 +105,7 @@ static void g_run(gpointer data, gpointer lat) {
 
 /* --- the four pools behind one interface --- */
 
-/* min_workers: keel's floor (the peers get ncpu() workers from the start);
+/* min_workers: keel's floor (the peers get a worker per usable CPU from the start);
  * keel still grows by itself up to its default max. */
 static int pool_open(sb_pool_t *p, const char *impl, bool lat, unsigned idle_ms,
                      unsigned min_workers) {
@@ -124,14 +121,14 @@ static int pool_open(sb_pool_t *p, const char *impl, bool lat, unsigned idle_ms,
   }
   if (strcmp(impl, "mutex-pool") == 0) {
     p->kind = SB_MUTEX;
-    p->mp = mpool_create(ncpu());
+    p->mp = mpool_create(_keel_os_ncpu());
     return p->mp ? 0 : -1;
   }
   if (strcmp(impl, "gluster-pools") == 0) {
     long pools = strtol(getenv("KB_GLUSTER_POOLS") ? getenv("KB_GLUSTER_POOLS") : "0", NULL, 10);
     long tpp = strtol(getenv("KB_GLUSTER_THREADS") ? getenv("KB_GLUSTER_THREADS") : "0", NULL, 10);
-    if (pools <= 0) pools = imin(80, 4 * ncpu());
-    if (tpp <= 0) tpp = imin(16, 2 * ncpu());
+    if (pools <= 0) pools = imin(80, 4 * _keel_os_ncpu());
+    if (tpp <= 0) tpp = imin(16, 2 * _keel_os_ncpu());
     p->kind = SB_GLUSTER;
     p->gp = gpools_create((int)pools, (int)tpp);
     return p->gp ? 0 : -1;
@@ -139,7 +136,7 @@ static int pool_open(sb_pool_t *p, const char *impl, bool lat, unsigned idle_ms,
 #ifdef KEEL_HAVE_GLIB
   if (strcmp(impl, "gthreadpool") == 0) {
     p->kind = SB_GLIB;
-    p->gtp = g_thread_pool_new(g_run, lat ? (gpointer)1 : NULL, ncpu(), FALSE, NULL);
+    p->gtp = g_thread_pool_new(g_run, lat ? (gpointer)1 : NULL, _keel_os_ncpu(), FALSE, NULL);
     g_thread_pool_set_max_idle_time(idle_ms);
     return p->gtp ? 0 : -1;
   }
@@ -278,7 +275,7 @@ static int sb_throughput(const kb_params_t *p, kb_result_t *r) {
   if (per < 1) per = 1;
   total = per * (size_t)p->threads;
   sb_pool_t pool;
-  if (pool_open(&pool, p->impl, false, 5000, (unsigned)ncpu()) != 0) return 1;
+  if (pool_open(&pool, p->impl, false, 5000, (unsigned)_keel_os_ncpu()) != 0) return 1;
   sb_run_t run = {&pool, calloc(total, sizeof(sb_job_t)), per, NULL, per / SB_BLOCK + 1};
   run.block_ns = calloc((size_t)p->threads * run.blocks_per, sizeof(float));
   for (size_t i = 0; i < total; i++) job_prepare(&pool, &run.jobs[i], false);
@@ -338,7 +335,7 @@ static int sb_latency(const kb_params_t *p, kb_result_t *r) {
   if (per < 1) per = 1;
   size_t total = per * (size_t)p->threads;
   sb_pool_t pool;
-  if (pool_open(&pool, p->impl, true, 5000, (unsigned)ncpu()) != 0) return 1;
+  if (pool_open(&pool, p->impl, true, 5000, (unsigned)_keel_os_ncpu()) != 0) return 1;
   sb_paced_t pc = {&pool, calloc(total, sizeof(sb_job_t)), per, rate / p->threads, 0};
   for (size_t i = 0; i < total; i++) job_prepare(&pool, &pc.jobs[i], true);
   double s = kb_run_threads(p->threads, paced_producer, &pc);
