@@ -348,19 +348,21 @@ static void checkpoint_locked(keel_pheap_t *ph, ph_tcache_t *tc) {
   }
 }
 
-void _keel_ph_checkpoint(keel_pheap_t *ph, ph_tcache_t *tc) {
-  ckpt_enter(ph, 0);
+/* A checkpoint, unless one the caller waited for reaches `need` (0: always). */
+static void checkpoint_unless(keel_pheap_t *ph, ph_tcache_t *tc, uint64_t need) {
+  if (!ckpt_enter(ph, need)) return;
   checkpoint_locked(ph, tc);
   ckpt_exit(ph);
+}
+
+void _keel_ph_checkpoint(keel_pheap_t *ph, ph_tcache_t *tc) {
+  checkpoint_unless(ph, tc, 0);
 }
 
 void _keel_ph_checkpoint_past(keel_pheap_t *ph, ph_tcache_t *tc, uint64_t need) {
   while (keel_load_acquire(&ph->ckpt_seq) < need) {
     /* A checkpoint that was running when we came may cover `need`. */
-    if (ckpt_enter(ph, need)) {
-      checkpoint_locked(ph, tc);
-      ckpt_exit(ph);
-    }
+    checkpoint_unless(ph, tc, need);
     /* Still short: a log at or below `need` is in flight on another lane;
      * let its thread finish it. */
     if (keel_load_acquire(&ph->ckpt_seq) < need) sched_yield();
