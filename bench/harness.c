@@ -114,16 +114,20 @@ uint64_t kb_rand(uint64_t *s) {
   return x * 0x2545f4914f6cdd1dull;
 }
 
-/* The start gate of kb_run_threads: the caller waits until every thread has
- * arrived, stamps the start, then opens the gate with one broadcast. Threads
- * block on a condition variable rather than spin, so 256 threads on 2 cores
- * arrive without starving the ones still being created. */
+/* The gates of kb_run_threads_span. Start: the caller waits until every
+ * thread has arrived, calls span->begin, stamps the start, then opens the
+ * gate with one broadcast. End (only with span->end): each thread, back from
+ * fn, reports and parks; once all have, the caller calls span->end and then
+ * lets them exit. Threads block on condition variables rather than spin, so
+ * 256 threads on 2 cores arrive without starving the ones still being
+ * created. */
 typedef struct kb_gate {
   pthread_mutex_t mu;
-  pthread_cond_t arrived; /* signalled when ready == n */
+  pthread_cond_t arrived; /* signalled when ready == n, and when done == n */
   pthread_cond_t open;    /* broadcast when go becomes true */
-  int ready, n;
-  bool go;
+  pthread_cond_t leave;   /* broadcast when released becomes true */
+  int ready, done, n;
+  bool go, released, hold; /* hold: threads park after fn until released */
   void (*fn)(int i, void *arg);
   void *arg;
 } kb_gate_t;
@@ -142,14 +146,23 @@ static void *kb_thread_main(void *p) {
   while (!g->go) pthread_cond_wait(&g->open, &g->mu);
   pthread_mutex_unlock(&g->mu);
   g->fn(t->i, g->arg);
+  if (g->hold) {
+    pthread_mutex_lock(&g->mu);
+    if (++g->done == g->n) pthread_cond_signal(&g->arrived);
+    while (!g->released) pthread_cond_wait(&g->leave, &g->mu);
+    pthread_mutex_unlock(&g->mu);
+  }
   return NULL;
 }
 
-double kb_run_threads(int threads, void (*fn)(int i, void *arg), void *arg) {
+double kb_run_threads_span(int threads, void (*fn)(int i, void *arg), void *arg,
+                           const kb_span_t *span) {
   kb_gate_t g = {.mu = PTHREAD_MUTEX_INITIALIZER,
                  .arrived = PTHREAD_COND_INITIALIZER,
                  .open = PTHREAD_COND_INITIALIZER,
+                 .leave = PTHREAD_COND_INITIALIZER,
                  .n = threads,
+                 .hold = span != NULL && span->end != NULL,
                  .fn = fn,
                  .arg = arg};
   kb_thread_t *ts = calloc((size_t)threads, sizeof(*ts));
@@ -169,14 +182,28 @@ double kb_run_threads(int threads, void (*fn)(int i, void *arg), void *arg) {
   }
   pthread_mutex_lock(&g.mu);
   while (g.ready < threads) pthread_cond_wait(&g.arrived, &g.mu);
-  double t0 = kb_now();
+  if (span != NULL && span->begin != NULL) span->begin(span->ctx);
+  double t0 = kb_now(), t1 = 0;
   g.go = true;
   pthread_cond_broadcast(&g.open);
+  if (g.hold) {
+    while (g.done < threads) pthread_cond_wait(&g.arrived, &g.mu);
+    pthread_mutex_unlock(&g.mu);
+    span->end(span->ctx);
+    t1 = kb_now();
+    pthread_mutex_lock(&g.mu);
+    g.released = true;
+    pthread_cond_broadcast(&g.leave);
+  }
   pthread_mutex_unlock(&g.mu);
   for (int i = 0; i < threads; i++) pthread_join(ts[i].tid, NULL);
-  double t1 = kb_now();
+  if (!g.hold) t1 = kb_now();
   free(ts);
   return t1 - t0;
+}
+
+double kb_run_threads(int threads, void (*fn)(int i, void *arg), void *arg) {
+  return kb_run_threads_span(threads, fn, arg, NULL);
 }
 
 /* ---------------------------------------------------------------------------
