@@ -12,7 +12,10 @@
  * through one single-producer ring per thread (256 slots; a full ring means
  * the sender frees the frame itself), the same code for every impl.
  *
- * Impls: "keel-pool" (three keel pools on keel's heap, linked in), plain
+ * Impls: "keel-pool" (three keel pools on keel's heap, linked in, with the
+ * opt-in inline fast paths of keel/pool.h), "keel-pool-call" (the same
+ * pools through the library's functions, what a program gets without
+ * KEEL_POOL_INLINE), plain
  * malloc/free under each allocator (the harness preloads it), and the old
  * GlusterFS pools with a global mutex or spinlock per object type (bench/
  * baseline_locked_pools.c, over glibc malloc, arenas of 4096 objects as
@@ -53,6 +56,7 @@
 #include <unistd.h>
 
 #include <keel/keel.h>
+#define KEEL_POOL_INLINE
 #include <keel/pool.h>
 
 #include "baseline_locked_pools.h"
@@ -69,7 +73,7 @@ static const char *const gl_name[GL_TYPES] = {"dict", "call-stub", "frame"};
 #define GL_SWEEP_MS    100
 #define GL_ARENA_COUNT 4096
 
-typedef enum { GL_POOL, GL_MALLOC, GL_MUTEX, GL_SPIN } gl_kind_t;
+typedef enum { GL_POOL, GL_POOL_CALL, GL_MALLOC, GL_MUTEX, GL_SPIN } gl_kind_t;
 
 /* A single-producer single-consumer ring: the producer is the one thread
  * whose partner owns the ring. head and tail on their own lines. */
@@ -103,11 +107,19 @@ static double gl_cpu_s(void) {
          (double)(ru.ru_utime.tv_usec + ru.ru_stime.tv_usec) * 1e-6;
 }
 
+/* keel's pools, inline or called. */
+static inline bool gl_keel(const gl_ctx_t *c) {
+  return c->kind == GL_POOL || c->kind == GL_POOL_CALL;
+}
+
 static inline void *gl_alloc(gl_ctx_t *c, int t) {
   void *p;
   switch (c->kind) {
     case GL_POOL:
       p = keel_pool_alloc(c->pool[t]);
+      break;
+    case GL_POOL_CALL:
+      p = (keel_pool_alloc)(c->pool[t]);
       break;
     case GL_MALLOC:
       p = malloc(gl_size[t]);
@@ -127,6 +139,9 @@ static inline void gl_free(gl_ctx_t *c, int t, void *p) {
   switch (c->kind) {
     case GL_POOL:
       keel_pool_free(c->pool[t], p);
+      break;
+    case GL_POOL_CALL:
+      (keel_pool_free)(c->pool[t], p);
       break;
     case GL_MALLOC:
       free(p);
@@ -219,7 +234,7 @@ static void gl_worker(int i, void *arg) {
      * periods plus one pass, and the last frees were the drains above). */
     usleep(2 * GL_SWEEP_MS * 1100);
     c->rss_idle_kb = kb_rss_kb();
-    if (c->kind == GL_POOL) {
+    if (gl_keel(c)) {
       for (int t = 0; t < GL_TYPES; t++) {
         keel_pool_stats_t st;
         keel_pool_stats(c->pool[t], &st);
@@ -234,6 +249,8 @@ static int gl_setup(gl_ctx_t *c, const kb_params_t *p, int threads) {
   memset(c, 0, sizeof(*c));
   if (strcmp(p->impl, "keel-pool") == 0)
     c->kind = GL_POOL;
+  else if (strcmp(p->impl, "keel-pool-call") == 0)
+    c->kind = GL_POOL_CALL;
   else if (strcmp(p->impl, "mutex-pool") == 0)
     c->kind = GL_MUTEX;
   else if (strcmp(p->impl, "spin-pool") == 0)
@@ -244,11 +261,11 @@ static int gl_setup(gl_ctx_t *c, const kb_params_t *p, int threads) {
   snprintf(opts, sizeof(opts), "pool_sweep_s=%dms,heap_purge_ms=%d", GL_SWEEP_MS, GL_SWEEP_MS);
   keel_options_set(opts);
   for (int t = 0; t < GL_TYPES; t++) {
-    if (c->kind == GL_POOL) c->pool[t] = keel_pool_create(gl_name[t], gl_size[t], 0, NULL);
+    if (gl_keel(c)) c->pool[t] = keel_pool_create(gl_name[t], gl_size[t], 0, NULL);
     if (c->kind == GL_MUTEX || c->kind == GL_SPIN)
       c->lp[t] = kb_locked_pool_create(gl_size[t], GL_ARENA_COUNT,
                                        c->kind == GL_SPIN ? KB_LOCK_SPIN : KB_LOCK_MUTEX);
-    if ((c->kind == GL_POOL && c->pool[t] == NULL) ||
+    if ((gl_keel(c) && c->pool[t] == NULL) ||
         ((c->kind == GL_MUTEX || c->kind == GL_SPIN) && c->lp[t] == NULL)) {
       fprintf(stderr, "pool bench: cannot create the %s pool\n", gl_name[t]);
       return 1;
@@ -293,7 +310,7 @@ static int gl_measure(const kb_params_t *p, kb_result_t *r, int threads) {
            c->rss_pre_kb
                ? 100.0 * ((double)c->rss_idle_kb - (double)c->rss_pre_kb) / (double)c->rss_pre_kb
                : 0);
-  if (c->kind == GL_POOL) {
+  if (gl_keel(c)) {
     kb_extra(r, "idle_cached_bytes", (double)c->idle_cached);
     double allocs = 0, heap = 0, hot = 0;
     for (int t = 0; t < GL_TYPES; t++) {
@@ -338,6 +355,13 @@ static int hot_case(const kb_params_t *p, kb_result_t *r) {
           keel_pool_free(kp, o);
         }
         break;
+      case GL_POOL_CALL:
+        for (int k = 0; k < 1024; k++) {
+          void *o = (keel_pool_alloc)(kp);
+          kb_escape(o);
+          (keel_pool_free)(kp, o);
+        }
+        break;
       case GL_MALLOC:
         for (int k = 0; k < 1024; k++) {
           void *o = malloc(256);
@@ -363,8 +387,9 @@ static int hot_case(const kb_params_t *p, kb_result_t *r) {
   return 0;
 }
 
-static const kb_impl_t gl_impls[] = {
-    {"keel-pool", NULL}, KB_MALLOC_IMPLS, {"mutex-pool", NULL}, {"spin-pool", NULL}, {NULL, NULL}};
+static const kb_impl_t gl_impls[] = {{"keel-pool", NULL}, {"keel-pool-call", NULL},
+                                     KB_MALLOC_IMPLS,     {"mutex-pool", NULL},
+                                     {"spin-pool", NULL}, {NULL, NULL}};
 
 static const kb_case_t gl_cases[] = {
     {"gluster", "B=80 bricks x T threads: create/write/unlink, dict+stub+frame per op, replies",

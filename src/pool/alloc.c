@@ -5,7 +5,9 @@
  * write the tag: about a dozen instructions, no RMW, no lock. Free is the
  * mirror image plus the tag check. Everything else (first use by a thread, an
  * empty hot list, a pending sweep request, hooks, debug builds, misuse) goes
- * to the generic functions below.
+ * to the generic functions below. A program built with KEEL_POOL_INLINE runs
+ * the same pop and push (keel/pool.h) inline and calls these functions for
+ * the rest.
  */
 #include <string.h>
 
@@ -15,21 +17,12 @@
 #include "pool_impl.h"
 
 /* Pops from the calling thread's hot list, or NULL for the generic path.
- * `heavy` is a constant false on the plain fast path. */
+ * `heavy` is a constant false on the plain fast path. The pop itself is
+ * keel/pool.h's, which the inline fast paths use too. */
 KEEL_INLINE pool_hdr_t *pool_pop_fast(keel_pool_t *p, bool heavy) {
   pool_sub_t *sp = pool_sub_get(p);
   if (keel_unlikely(sp == NULL)) return NULL;
-  pool_enter(sp, heavy);
-  pool_hdr_t *h = NULL;
-  if (keel_likely(pool_req(sp) == POOL_REQ_NONE)) {
-    h = sp->hot;
-    if (keel_likely(h != NULL)) {
-      sp->hot = h->next;
-      pool_count(&sp->hot_hits, 1);
-    }
-  }
-  pool_leave(sp);
-  return h;
+  return _keel_pool_pop(&sp->f, heavy);
 }
 
 /* Takes an object from sp's lists under sp->lock, doing any pending sweep
@@ -37,15 +30,15 @@ KEEL_INLINE pool_hdr_t *pool_pop_fast(keel_pool_t *p, bool heavy) {
 static pool_hdr_t *pool_pop_locked(keel_pool_t *p, pool_sub_t *sp) {
   size_t n = 0;
   pthread_mutex_lock(&sp->lock);
-  uint32_t req = keel_load_relaxed(&sp->req);
+  uint32_t req = keel_load_relaxed(&sp->f.req);
   pool_hdr_t *gone = req != POOL_REQ_NONE ? __keel_pool_sub_service(sp, req, &n) : NULL;
-  pool_hdr_t *h = sp->hot;
+  pool_hdr_t *h = sp->f.hot;
   if (h != NULL) {
-    sp->hot = h->next;
-    pool_count(&sp->hot_hits, 1);
-  } else if ((h = sp->cold) != NULL) {
-    sp->cold = h->next;
-    pool_count(&sp->cold_hits, 1);
+    sp->f.hot = h->next;
+    pool_count(&sp->f.hot_hits, 1);
+  } else if ((h = sp->f.cold) != NULL) {
+    sp->f.cold = h->next;
+    pool_count(&sp->f.cold_hits, 1);
   }
   pool_leave(sp);
   pthread_mutex_unlock(&sp->lock);
@@ -72,7 +65,7 @@ static KEEL_NOINLINE void *pool_alloc_generic(keel_pool_t *p, bool zero) {
   static const char *const call[2] = {"keel_pool_alloc", "keel_pool_zalloc"};
   /* Pools with hooks, debug checks or the fallback fence still pop without
    * a lock; only the per-object extras below are added. */
-  pool_hdr_t *h = p->flags != 0 ? pool_pop_fast(p, p->flags & POOL_F_FENCE) : NULL;
+  pool_hdr_t *h = p->f.flags != 0 ? pool_pop_fast(p, p->f.flags & POOL_F_FENCE) : NULL;
   void *obj;
   if (h != NULL) {
     obj = h + 1;
@@ -90,7 +83,7 @@ static KEEL_NOINLINE void *pool_alloc_generic(keel_pool_t *p, bool zero) {
         errno = ENOMEM;
         return NULL;
       }
-      pool_count(&sp->heap_allocs, 1);
+      pool_count(&sp->f.heap_allocs, 1);
       _keel_pool_sweeper_ensure(); /* cheap when running; restarts it in a forked child */
       KEEL_ASSERT(((uintptr_t)block & (p->hdr_size - 1)) == 0);
       obj = (char *)block + p->hdr_size;
@@ -105,7 +98,7 @@ static KEEL_NOINLINE void *pool_alloc_generic(keel_pool_t *p, bool zero) {
 }
 
 void *keel_pool_alloc(keel_pool_t *p) {
-  if (keel_likely(p->flags == 0)) {
+  if (keel_likely(p->f.flags == 0)) {
     pool_hdr_t *h = pool_pop_fast(p, false);
     if (keel_likely(h != NULL)) {
       h->tag = (uintptr_t)p;
@@ -116,7 +109,7 @@ void *keel_pool_alloc(keel_pool_t *p) {
 }
 
 void *keel_pool_zalloc(keel_pool_t *p) {
-  if (keel_likely(p->flags == 0)) {
+  if (keel_likely(p->f.flags == 0)) {
     pool_hdr_t *h = pool_pop_fast(p, false);
     if (keel_likely(h != NULL)) {
       h->tag = (uintptr_t)p;
@@ -129,16 +122,7 @@ void *keel_pool_zalloc(keel_pool_t *p) {
 /* Pushes h on sp's hot list without a lock; false if a sweep request is
  * pending (the caller then takes the locked path). */
 KEEL_INLINE bool pool_push_fast(pool_sub_t *sp, pool_hdr_t *h, bool heavy) {
-  pool_enter(sp, heavy);
-  if (keel_unlikely(pool_req(sp) != POOL_REQ_NONE)) {
-    pool_leave(sp);
-    return false;
-  }
-  h->next = sp->hot;
-  sp->hot = h;
-  pool_count(&sp->frees, 1);
-  pool_leave(sp);
-  return true;
+  return _keel_pool_push(&sp->f, h, heavy);
 }
 
 /* The misuse checks, in the order that gives the most precise message. */
@@ -170,14 +154,14 @@ static KEEL_NOINLINE void pool_free_generic(keel_pool_t *p, void *obj) {
     _keel_pool_release_list(p, h, 1, "keel_pool_free");
     return;
   }
-  if (pool_push_fast(sp, h, p->flags & POOL_F_FENCE)) return;
+  if (pool_push_fast(sp, h, p->f.flags & POOL_F_FENCE)) return;
   size_t n = 0;
   pthread_mutex_lock(&sp->lock);
-  uint32_t req = keel_load_relaxed(&sp->req);
+  uint32_t req = keel_load_relaxed(&sp->f.req);
   pool_hdr_t *gone = req != POOL_REQ_NONE ? __keel_pool_sub_service(sp, req, &n) : NULL;
-  h->next = sp->hot;
-  sp->hot = h;
-  pool_count(&sp->frees, 1);
+  h->next = sp->f.hot;
+  sp->f.hot = h;
+  pool_count(&sp->f.frees, 1);
   pool_leave(sp);
   pthread_mutex_unlock(&sp->lock);
   if (gone != NULL) _keel_pool_release_list(p, gone, n, "keel_pool_free");
@@ -187,7 +171,7 @@ void keel_pool_free(keel_pool_t *p, void *obj) {
   if (keel_unlikely(obj == NULL)) return;
   pool_hdr_t *h = pool_hdr(obj);
   pool_sub_t *sp = pool_sub_get(p);
-  if (keel_likely(sp != NULL && h->tag == (uintptr_t)p && p->flags == 0)) {
+  if (keel_likely(sp != NULL && h->tag == (uintptr_t)p && p->f.flags == 0)) {
     h->tag = (uintptr_t)p | POOL_TAG_FREE;
     if (keel_likely(pool_push_fast(sp, h, false))) return;
     h->tag = (uintptr_t)p; /* let the generic path see it as live again */

@@ -71,21 +71,21 @@ static void pool_list_validate(const keel_pool_t *p, const pool_hdr_t *h) {
 
 pool_hdr_t *__keel_pool_sub_service(pool_sub_t *sp, uint32_t req, size_t *n) {
 #if KEEL_DEBUG >= 2
-  pool_list_validate(sp->pool, sp->hot);
-  pool_list_validate(sp->pool, sp->cold);
+  pool_list_validate(sp->pool, sp->f.hot);
+  pool_list_validate(sp->pool, sp->f.cold);
 #endif
-  pool_hdr_t *gone = sp->cold;
-  sp->cold = NULL;
+  pool_hdr_t *gone = sp->f.cold;
+  sp->f.cold = NULL;
   if (req == POOL_REQ_SWEEP) {
-    sp->cold = sp->hot;
-    sp->hot = NULL;
+    sp->f.cold = sp->f.hot;
+    sp->f.hot = NULL;
   } else if (req == POOL_REQ_DRAIN) {
-    gone = pool_list_join(sp->hot, gone);
-    sp->hot = NULL;
+    gone = pool_list_join(sp->f.hot, gone);
+    sp->f.hot = NULL;
   }
   /* Release pairs with the owner's acquire load of req in its fast path:
    * once it sees NONE it also sees the lists as left here. */
-  keel_store_release(&sp->req, POOL_REQ_NONE);
+  keel_store_release(&sp->f.req, POOL_REQ_NONE);
   /* The walk costs what the frees after it cost anyway, and keeps the
    * counters exact without a count per list in the fast path. */
   *n = pool_list_len(gone);
@@ -100,28 +100,28 @@ static void pool_check_pattern(keel_pool_t *p, const unsigned char *o, const cha
 }
 
 void _keel_pool_obj_cached(keel_pool_t *p, void *obj) {
-  if (p->flags & POOL_F_DEBUG) memset(obj, POOL_FREE_BYTE, p->obj_size);
+  if (p->f.flags & POOL_F_DEBUG) memset(obj, POOL_FREE_BYTE, p->obj_size);
   POOL_ASAN_POISON(obj, p->obj_size);
-  if (p->flags & POOL_F_TRACK) POOL_VG_FREE(obj);
+  if (p->f.flags & POOL_F_TRACK) POOL_VG_FREE(obj);
 }
 
 /* The pattern check, with the object readable to the tools for its span. */
 static void pool_obj_check(keel_pool_t *p, void *obj, const char *call) {
-  if (!(p->flags & POOL_F_DEBUG)) return;
-  if (p->flags & POOL_F_TRACK) POOL_VG_DEFINED(obj, p->obj_size);
+  if (!(p->f.flags & POOL_F_DEBUG)) return;
+  if (p->f.flags & POOL_F_TRACK) POOL_VG_DEFINED(obj, p->obj_size);
   pool_check_pattern(p, obj, call);
 }
 
 void _keel_pool_obj_reused(keel_pool_t *p, void *obj, const char *call) {
   POOL_ASAN_UNPOISON(obj, p->obj_size);
-  if (p->flags & POOL_F_TRACK) POOL_VG_ALLOC(obj, p->obj_size);
+  if (p->f.flags & POOL_F_TRACK) POOL_VG_ALLOC(obj, p->obj_size);
   pool_obj_check(p, obj, call);
-  if (p->flags & POOL_F_TRACK) POOL_VG_UNDEFINED(obj, p->obj_size); /* as malloc's contents */
+  if (p->f.flags & POOL_F_TRACK) POOL_VG_UNDEFINED(obj, p->obj_size); /* as malloc's contents */
 }
 
 void _keel_pool_obj_fresh(keel_pool_t *p, void *obj) {
-  if (p->flags & POOL_F_TRACK) POOL_VG_ALLOC(obj, p->obj_size);
-  if (p->flags & POOL_F_DEBUG) memset(obj, POOL_NEW_BYTE, p->obj_size);
+  if (p->f.flags & POOL_F_TRACK) POOL_VG_ALLOC(obj, p->obj_size);
+  if (p->f.flags & POOL_F_DEBUG) memset(obj, POOL_NEW_BYTE, p->obj_size);
 }
 
 /* A cached object going back to the heap: checked, then plain memory again
@@ -129,7 +129,7 @@ void _keel_pool_obj_fresh(keel_pool_t *p, void *obj) {
 static void pool_obj_released(keel_pool_t *p, void *obj, const char *call) {
   POOL_ASAN_UNPOISON(obj, p->obj_size);
   pool_obj_check(p, obj, call);
-  if (p->flags & POOL_F_TRACK) POOL_VG_UNDEFINED(obj, p->obj_size);
+  if (p->f.flags & POOL_F_TRACK) POOL_VG_UNDEFINED(obj, p->obj_size);
 }
 
 void _keel_pool_release_list(keel_pool_t *p, pool_hdr_t *list, size_t n, const char *call) {

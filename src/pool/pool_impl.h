@@ -60,6 +60,7 @@
 
 #include <pthread.h>
 #include <stdbool.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <urcu/list.h>
 
@@ -67,16 +68,15 @@
 #include "base/common.h"
 #include "base/tls.h"
 
-/* Header before each object; see above. */
-typedef struct pool_hdr {
-  uintptr_t tag;         /* owning pool | POOL_TAG_FREE while cached */
-  struct pool_hdr *next; /* next object on a hot or cold list; stale while live */
-} pool_hdr_t;
+/* Header before each object; see above. Its layout is public (keel/pool.h,
+ * the opt-in inline fast paths): tag = owning pool | POOL_TAG_FREE while
+ * cached; next = the next object on a hot or cold list, stale while live. */
+typedef struct keel_pool_objhdr pool_hdr_t;
 
 #define POOL_HDR_MIN  ((size_t)sizeof(pool_hdr_t))
 #define POOL_TAG_FREE ((uintptr_t)1)
 
-/* Requests from a sweep to a sub-pool's owner (sp->req), in increasing
+/* Requests from a sweep to a sub-pool's owner (sp->f.req), in increasing
  * strength: a stronger one does everything a weaker one does. */
 enum {
   POOL_REQ_NONE = 0,
@@ -105,14 +105,10 @@ enum {
  * pool | POOL_TAG_FREE. The owner's counters are written by the owner alone
  * (relaxed load + store, no RMW) and read by stats. */
 typedef struct pool_sub {
-  keel_atomic(uint32_t) busy; /* 1 while the owner is inside a fast path */
-  keel_atomic(uint32_t) req;  /* POOL_REQ_*: pending work for whoever gets there */
-  pool_hdr_t *hot;            /* LIFO of recently freed objects */
-  pool_hdr_t *cold;           /* hot list of the previous sweep period */
-  keel_atomic(uint64_t) hot_hits;
-  keel_atomic(uint64_t) cold_hits;
-  keel_atomic(uint64_t) heap_allocs;
-  keel_atomic(uint64_t) frees;
+  /* busy, req, hot, cold and the owner's counters: the part the fast paths
+   * use, whose layout keel/pool.h publishes for the inline ones. First, so
+   * that a slot's pointer to it is a pointer to the sub-pool. */
+  struct keel_pool_sub_fast f;
   /* Cold fields, on their own line. */
   pthread_mutex_t lock KEEL_CACHE_ALIGNED;
   struct keel_pool *pool;
@@ -125,9 +121,9 @@ typedef struct pool_sub {
  * a destroyed one is marked dead and recycled, oldest first, by a later
  * create, so a stale handle is caught (and named) until then. */
 struct keel_pool {
-  /* Read by every call. */
-  uint32_t id;        /* index in the descriptor table and in every slot array */
-  uint32_t flags;     /* POOL_F_* */
+  /* Read by every call: id (index in the descriptor table and in every
+   * slot array) and flags (POOL_F_*); first, layout public (keel/pool.h). */
+  struct keel_pool_fast f;
   uint32_t hdr_size;  /* max(16, align): bytes before the object */
   uint32_t obj_bytes; /* obj_size, for pattern fills */
   keel_pool_ops_t ops;
@@ -147,21 +143,26 @@ struct keel_pool {
 } KEEL_CACHE_ALIGNED;
 
 /* Per-thread state: pool id -> this thread's sub-pool. Ids below
- * POOL_INLINE_SLOTS live in TLS itself (one load from the thread pointer);
- * larger ones in `slots`, a heap array of n_slots entries indexed by id
- * (its first POOL_INLINE_SLOTS entries unused). Slots are written by the
- * owner, and cleared by keel_pool_destroy for other threads; `slots`
- * changes only under the registry lock. */
-#define POOL_INLINE_SLOTS 32
+ * KEEL_POOL_FAST_SLOTS live in the exported TLS array _keel_pool_slots (one
+ * load from the thread pointer, in the library and in inline fast paths);
+ * larger ones in `slots`, a heap array of n_slots entries indexed by id (its
+ * first KEEL_POOL_FAST_SLOTS entries unused). `fast` is the thread's
+ * _keel_pool_slots, for the threads that clear another's slots. Slots are
+ * written by the owner, and cleared by keel_pool_destroy for other threads;
+ * `slots` changes only under the registry lock. Each slot points to a
+ * sub-pool's `f`, i.e. to the sub-pool. */
 typedef struct pool_tls {
-  pool_sub_t *inline_slots[POOL_INLINE_SLOTS];
-  pool_sub_t **slots;
+  struct keel_pool_sub_fast **fast;
+  struct keel_pool_sub_fast **slots;
   uint32_t n_slots;
   bool hook_armed;
   keel_thread_hook_t hook;
 } pool_tls_t;
 
 extern KEEL_TLS pool_tls_t _keel_pool_tls KEEL_HIDDEN;
+
+_Static_assert(offsetof(pool_sub_t, f) == 0, "a slot's pointer is the sub-pool's");
+_Static_assert(offsetof(struct keel_pool, f) == 0, "keel/pool.h reads a pool as keel_pool_fast");
 
 /* True when membarrier is unavailable: new pools get POOL_F_FENCE. */
 extern int _keel_pool_fence_heavy KEEL_HIDDEN;
@@ -180,16 +181,22 @@ extern int _keel_pool_fence_heavy KEEL_HIDDEN;
 
 /* ---- fast-path helpers ---- */
 
-KEEL_INLINE pool_sub_t *pool_sub_get(const keel_pool_t *p) {
-  pool_tls_t *t = &_keel_pool_tls;
-  uint32_t id = p->id;
-  if (keel_likely(id < POOL_INLINE_SLOTS)) return t->inline_slots[id];
-  return id < t->n_slots ? t->slots[id] : NULL;
+/* The sub-pool a slot points to (NULL stays NULL). */
+KEEL_INLINE pool_sub_t *pool_sub_of(struct keel_pool_sub_fast *f) {
+  return (pool_sub_t *)(void *)f;
 }
 
-/* The slot of pool `id` in t; for large ids the caller ensured n_slots. */
-KEEL_INLINE pool_sub_t **pool_slot(pool_tls_t *t, uint32_t id) {
-  return id < POOL_INLINE_SLOTS ? &t->inline_slots[id] : &t->slots[id];
+KEEL_INLINE pool_sub_t *pool_sub_get(const keel_pool_t *p) {
+  uint32_t id = p->f.id;
+  if (keel_likely(id < KEEL_POOL_FAST_SLOTS)) return pool_sub_of(_keel_pool_slots[id]);
+  pool_tls_t *t = &_keel_pool_tls;
+  return id < t->n_slots ? pool_sub_of(t->slots[id]) : NULL;
+}
+
+/* The slot of pool `id` in t; for large ids the caller ensured n_slots,
+ * for small ones t->fast is set (the thread has attached a sub-pool). */
+KEEL_INLINE struct keel_pool_sub_fast **pool_slot(pool_tls_t *t, uint32_t id) {
+  return id < KEEL_POOL_FAST_SLOTS ? &t->fast[id] : &t->slots[id];
 }
 
 KEEL_INLINE pool_hdr_t *pool_hdr(void *obj) {
@@ -201,29 +208,20 @@ KEEL_INLINE void pool_count(keel_atomic(uint64_t) * c, uint64_t n) {
   keel_store_relaxed(c, keel_load_relaxed(c) + n);
 }
 
-/* Enters the owner's side of the hand-off (see the top of this file). The
- * signal fence keeps the compiler from sinking the busy store below the req
- * load; membarrier on the other side supplies the CPU's half. */
+/* The owner's side of the hand-off (see the top of this file), shared with
+ * the inline fast paths of keel/pool.h: busy = 1 with a compiler barrier
+ * (membarrier on the other side supplies the CPU's half) or, heavy, a full
+ * barrier; a seq_cst load of req (a plain MOV on x86, LDAR on arm64) that
+ * pairs with the release or seq_cst store that cleared it; busy = 0 with
+ * release, so a sweeper that reads 0 sees every list write before it. */
 KEEL_INLINE void pool_enter(pool_sub_t *sp, bool heavy) {
-  if (heavy)
-    atomic_exchange_explicit(&sp->busy, 1, memory_order_seq_cst); /* a full barrier */
-  else
-    keel_store_relaxed(&sp->busy, 1);
-  atomic_signal_fence(memory_order_seq_cst);
+  _keel_pool_enter(&sp->f, heavy);
 }
-
-/* The owner's load of req: seq_cst, so that in the fallback mode the four
- * accesses (busy and req on both sides) form a plain seq_cst Dekker. A
- * seq_cst load is an ordinary MOV on x86 and an LDAR on arm64, the same
- * instructions as an acquire load. It pairs with the release (or seq_cst)
- * store that cleared req after a sweep. */
 KEEL_INLINE uint32_t pool_req(pool_sub_t *sp) {
-  return atomic_load_explicit(&sp->req, memory_order_seq_cst);
+  return _keel_pool_req(&sp->f);
 }
-
-/* Release: a sweeper that reads busy == 0 sees every list write before it. */
 KEEL_INLINE void pool_leave(pool_sub_t *sp) {
-  keel_store_release(&sp->busy, 0);
+  _keel_pool_leave(&sp->f);
 }
 
 /* ---- handoff.c ---- */
@@ -235,7 +233,7 @@ void _keel_pool_handoff_init(void) KEEL_HIDDEN;
 void _keel_pool_handoff_barrier(void) KEEL_HIDDEN;
 /* Carries out request `req` on sp's lists; the caller holds sp->lock and
  * either is the owner or has seen busy == 0. Returns the detached objects
- * (a list linked through next) and their count in *n; clears sp->req. */
+ * (a list linked through next) and their count in *n; clears sp->f.req. */
 pool_hdr_t *__keel_pool_sub_service(pool_sub_t *sp, uint32_t req, size_t *n) KEEL_HIDDEN;
 /* Gives a detached list back to the heap (checking debug patterns on the
  * way) and counts it in pool->heap_frees. Takes no lock. */

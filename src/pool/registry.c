@@ -93,7 +93,7 @@ static keel_pool_t *__pool_desc_get(void) {
   keel_pool_t *p = keel_aligned_alloc(KEEL_CACHE_LINE, sizeof(*p));
   if (p == NULL) return NULL;
   memset(p, 0, sizeof(*p));
-  p->id = table_len;
+  p->f.id = table_len;
   pthread_mutex_init(&p->lock, NULL);
   table[table_len++] = p;
   return p;
@@ -110,14 +110,14 @@ static void pool_setup(keel_pool_t *p, const char *name, size_t obj_size, size_t
    * the alignment of its size class, and classes 8 bytes apart exist. */
   p->block_size = KEEL_ALIGN_UP(p->hdr_size + obj_size, p->hdr_size);
   p->ops = ops != NULL ? *ops : (keel_pool_ops_t){0};
-  p->flags = (p->ops.init ? POOL_F_INIT : 0) | (p->ops.fini ? POOL_F_FINI : 0);
-  if (_keel_pool_fence_heavy) p->flags |= POOL_F_FENCE;
-  if (POOL_ON_VALGRIND()) p->flags |= POOL_F_TRACK;
+  p->f.flags = (p->ops.init ? POOL_F_INIT : 0) | (p->ops.fini ? POOL_F_FINI : 0);
+  if (_keel_pool_fence_heavy) p->f.flags |= POOL_F_FENCE;
+  if (POOL_ON_VALGRIND()) p->f.flags |= POOL_F_TRACK;
 #if KEEL_DEBUG >= 1
-  p->flags |= POOL_F_DEBUG;
+  p->f.flags |= POOL_F_DEBUG;
 #endif
 #if defined(KEEL_ASAN)
-  p->flags |= POOL_F_POISON;
+  p->f.flags |= POOL_F_POISON;
 #endif
   CDS_INIT_LIST_HEAD(&p->subs);
   p->gone_allocs = p->gone_frees = p->gone_hot = p->gone_cold = p->gone_heap = 0;
@@ -164,10 +164,10 @@ static void __pool_sum(keel_pool_t *p, keel_pool_stats_t *st) {
   st->frees = p->gone_frees;
   pool_sub_t *sp;
   pool_for_each_sub(sp, p) {
-    st->hot_hits += keel_load_relaxed(&sp->hot_hits);
-    st->cold_hits += keel_load_relaxed(&sp->cold_hits);
-    st->heap_allocs += keel_load_relaxed(&sp->heap_allocs);
-    st->frees += keel_load_relaxed(&sp->frees);
+    st->hot_hits += keel_load_relaxed(&sp->f.hot_hits);
+    st->cold_hits += keel_load_relaxed(&sp->f.cold_hits);
+    st->heap_allocs += keel_load_relaxed(&sp->f.heap_allocs);
+    st->frees += keel_load_relaxed(&sp->f.frees);
     st->threads++;
   }
   st->allocs = st->hot_hits + st->cold_hits + st->heap_allocs;

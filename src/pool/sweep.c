@@ -58,10 +58,10 @@ static void __pool_post(keel_pool_t *p, uint32_t req) {
   pool_sub_t *sp;
   pool_for_each_sub(sp, p) {
     pthread_mutex_lock(&sp->lock);
-    uint32_t before = keel_load_relaxed(&sp->req);
+    uint32_t before = keel_load_relaxed(&sp->f.req);
     sp->req_before = before;
     /* seq_cst: the fallback mode's half of the Dekker (see pool_req). */
-    if (before < req) atomic_store_explicit(&sp->req, req, memory_order_seq_cst);
+    if (before < req) atomic_store_explicit(&sp->f.req, req, memory_order_seq_cst);
     pthread_mutex_unlock(&sp->lock);
   }
   pthread_mutex_unlock(&p->lock);
@@ -76,14 +76,14 @@ static size_t __pool_reap(keel_pool_t *p, size_t goal, size_t done, size_t *busy
   pool_sub_t *sp;
   pool_for_each_sub(sp, p) {
     pthread_mutex_lock(&sp->lock);
-    uint32_t req = keel_load_relaxed(&sp->req);
+    uint32_t req = keel_load_relaxed(&sp->f.req);
     if (req == POOL_REQ_NONE) {
       /* the owner did it */
     } else if (done + n * p->block_size >= goal) {
       /* Enough: withdraw this pass's request, keeping one an earlier pass
        * left for a busy owner. Nothing moved: no order needed. */
-      keel_store_relaxed(&sp->req, sp->req_before);
-    } else if (atomic_load_explicit(&sp->busy, memory_order_seq_cst) == 0) {
+      keel_store_relaxed(&sp->f.req, sp->req_before);
+    } else if (atomic_load_explicit(&sp->f.busy, memory_order_seq_cst) == 0) {
       /* Reads the owner's release in pool_leave, so its last list writes
        * are visible. After the barrier, any later call of the owner sees
        * req != NONE and waits for sp->lock, which is held here. */

@@ -1,8 +1,9 @@
 /* Threads come and go: sub-pool creation on a thread's first use of a pool,
  * and release at thread exit.
  *
- * A thread's slots map pool ids to its sub-pools; the first 32 are inline
- * in TLS so most programs never allocate an array. At thread exit (a
+ * A thread's slots map pool ids to its sub-pools; the first 32 are the
+ * exported TLS array _keel_pool_slots (the inline fast paths of keel/pool.h
+ * read it), so most programs never allocate an array. At thread exit (a
  * base/tls.h hook, armed on first use, so no pthread key per pool) every
  * sub-pool is unlinked and its cached objects go straight back to the heap:
  * the heap's own cross-thread free path is the orphan list, and an exiting
@@ -15,18 +16,21 @@
 #include "pool_impl.h"
 
 KEEL_TLS pool_tls_t _keel_pool_tls;
+/* Exported: keel/pool.h declares it, initial-exec, for inline callers. */
+KEEL_API __thread struct keel_pool_sub_fast *_keel_pool_slots[KEEL_POOL_FAST_SLOTS]
+    __attribute__((tls_model("initial-exec")));
 
 /* Concatenates sp's lists into one; the caller owns sp outright. */
 static pool_hdr_t *pool_sub_take_all(pool_sub_t *sp, size_t *n) {
-  pool_hdr_t *all = sp->cold, **tail = &all;
+  pool_hdr_t *all = sp->f.cold, **tail = &all;
   size_t k = 0;
   while (*tail != NULL) {
     tail = &(*tail)->next;
     k++;
   }
-  *tail = sp->hot;
-  for (pool_hdr_t *h = sp->hot; h != NULL; h = h->next) k++;
-  sp->hot = sp->cold = NULL;
+  *tail = sp->f.hot;
+  for (pool_hdr_t *h = sp->f.hot; h != NULL; h = h->next) k++;
+  sp->f.hot = sp->f.cold = NULL;
   *n = k;
   return all;
 }
@@ -34,13 +38,13 @@ static pool_hdr_t *pool_sub_take_all(pool_sub_t *sp, size_t *n) {
 void __keel_pool_sub_retire(pool_sub_t *sp, pool_hdr_t **list, size_t *n) {
   keel_pool_t *p = sp->pool;
   cds_list_del(&sp->link);
-  p->gone_hot += keel_load_relaxed(&sp->hot_hits);
-  p->gone_cold += keel_load_relaxed(&sp->cold_hits);
-  p->gone_heap += keel_load_relaxed(&sp->heap_allocs);
-  p->gone_frees += keel_load_relaxed(&sp->frees);
+  p->gone_hot += keel_load_relaxed(&sp->f.hot_hits);
+  p->gone_cold += keel_load_relaxed(&sp->f.cold_hits);
+  p->gone_heap += keel_load_relaxed(&sp->f.heap_allocs);
+  p->gone_frees += keel_load_relaxed(&sp->f.frees);
   pool_tls_t *t = sp->owner;
-  KEEL_ASSERT(*pool_slot(t, p->id) == sp);
-  *pool_slot(t, p->id) = NULL;
+  KEEL_ASSERT(*pool_slot(t, p->f.id) == &sp->f);
+  *pool_slot(t, p->f.id) = NULL;
   *list = pool_sub_take_all(sp, n);
   pthread_mutex_destroy(&sp->lock);
   keel_free(sp);
@@ -50,9 +54,9 @@ void __keel_pool_sub_retire(pool_sub_t *sp, pool_hdr_t **list, size_t *n) {
 static void pool_thread_exit(void *arg) {
   pool_tls_t *t = arg;
   _keel_pool_registry_lock();
-  uint32_t n = t->n_slots > POOL_INLINE_SLOTS ? t->n_slots : POOL_INLINE_SLOTS;
+  uint32_t n = t->n_slots > KEEL_POOL_FAST_SLOTS ? t->n_slots : KEEL_POOL_FAST_SLOTS;
   for (uint32_t id = 0; id < n; id++) {
-    pool_sub_t *sp = *pool_slot(t, id);
+    pool_sub_t *sp = pool_sub_of(*pool_slot(t, id));
     if (sp == NULL) continue;
     keel_pool_t *p = sp->pool;
     pool_hdr_t *list;
@@ -74,10 +78,10 @@ static void pool_thread_exit(void *arg) {
 /* Makes room for slot `id`. Caller holds the registry lock (destroy reads
  * other threads' slot arrays under it). */
 static int __pool_slots_grow(pool_tls_t *t, uint32_t id) {
-  if (id < POOL_INLINE_SLOTS || id < t->n_slots) return 0;
-  uint32_t n = t->n_slots ? t->n_slots : 2 * POOL_INLINE_SLOTS;
+  if (id < KEEL_POOL_FAST_SLOTS || id < t->n_slots) return 0;
+  uint32_t n = t->n_slots ? t->n_slots : 2 * KEEL_POOL_FAST_SLOTS;
   while (n <= id) n *= 2;
-  pool_sub_t **s = keel_calloc(n, sizeof(*s));
+  struct keel_pool_sub_fast **s = keel_calloc(n, sizeof(*s));
   if (s == NULL) return KEEL_ENOMEM;
   if (t->slots != NULL) memcpy(s, t->slots, t->n_slots * sizeof(*s));
   keel_free(t->slots);
@@ -95,7 +99,8 @@ pool_sub_t *_keel_pool_sub_attach(keel_pool_t *p) {
   sp->pool = p;
   sp->owner = t;
   _keel_pool_registry_lock();
-  if (__pool_slots_grow(t, p->id) != 0) {
+  t->fast = _keel_pool_slots; /* before any slot is set or the exit hook runs */
+  if (__pool_slots_grow(t, p->f.id) != 0) {
     _keel_pool_registry_unlock();
     pthread_mutex_destroy(&sp->lock);
     keel_free(sp);
@@ -112,7 +117,7 @@ pool_sub_t *_keel_pool_sub_attach(keel_pool_t *p) {
   pthread_mutex_lock(&p->lock);
   cds_list_add_tail(&sp->link, &p->subs);
   pthread_mutex_unlock(&p->lock);
-  *pool_slot(t, p->id) = sp;
+  *pool_slot(t, p->f.id) = &sp->f;
   _keel_pool_registry_unlock();
   return sp;
 nomem:

@@ -46,6 +46,34 @@ cc -o "$tmp/app/pc_static" "$tmp/app/main.c" $(pkg-config --cflags keel) "$libdi
 "$tmp/app/pc_static" | grep -q '^keel .* ok$'
 echo "install: pkg-config build runs"
 
+# 1b. The opt-in inline pool fast paths against the installed shared library:
+# the program reads libkeel.so's exported TLS slots itself.
+cat >"$tmp/app/inline.c" <<'C'
+#define KEEL_POOL_INLINE
+#include <keel/pool.h>
+#include <stdio.h>
+int main(void) {
+  keel_pool_t *p = keel_pool_create("inline", 48, 0, NULL);
+  if (p == NULL) return 1;
+  void *o = keel_pool_alloc(p); /* first use: the library's path */
+  keel_pool_free(p, o);
+  for (int i = 0; i < 1000; i++) { /* then the inline pop and push */
+    void *x = keel_pool_alloc(p);
+    if (x != o) return 2;
+    keel_pool_free(p, x);
+  }
+  keel_pool_stats_t st;
+  keel_pool_stats(p, &st);
+  if (st.allocs != 1001 || st.frees != 1001 || st.hot_hits != 1000 || st.live != 0) return 3;
+  if (keel_pool_destroy(p) != 0) return 4;
+  printf("inline pool ok\n");
+  return 0;
+}
+C
+cc -o "$tmp/app/inline" "$tmp/app/inline.c" $(pkg-config --cflags --libs keel) -Wl,-rpath,"$libdir"
+"$tmp/app/inline" | grep -q '^inline pool ok$'
+echo "install: inline pool fast paths run against libkeel.so"
+
 # 2. CMake find_package, shared and static targets.
 cat >"$tmp/app/CMakeLists.txt" <<'CM'
 cmake_minimum_required(VERSION 3.18)

@@ -14,6 +14,9 @@
 
 #include <keel/heap.h>
 #include <keel/pool.h>
+#if defined(KEEL_POOL_INLINE) && !defined(keel_pool_alloc)
+#error "KEEL_POOL_INLINE did not select the inline fast paths"
+#endif
 
 #include "base/options.h"
 #include "harness.h"
@@ -103,23 +106,23 @@ static void owner_services_pending_sweep(void) {
   for (int i = 0; i < 4; i++) keel_pool_free(p, o[i]); /* hot: 4 */
   pool_sub_t *sp = pool_sub_get(p);
   KT_REQUIRE(sp != NULL);
-  keel_store_relaxed(&sp->busy, 1); /* as if this thread were mid-call */
+  keel_store_relaxed(&sp->f.busy, 1); /* as if this thread were mid-call */
   KT_EQ(keel_pool_sweep(p), 0);
-  KT_EQ(keel_load_relaxed(&sp->req), POOL_REQ_SWEEP);
+  KT_EQ(keel_load_relaxed(&sp->f.req), POOL_REQ_SWEEP);
   KT_EQ(stats(p).heap_frees, 0);
-  keel_store_relaxed(&sp->busy, 0);
+  keel_store_relaxed(&sp->f.busy, 0);
   /* The next alloc sees the request: hot turns cold under the lock, then
    * the object comes from the cold list. */
   void *a = keel_pool_alloc(p); /* hot: 0, cold: 3 */
-  KT_EQ(keel_load_relaxed(&sp->req), POOL_REQ_NONE);
+  KT_EQ(keel_load_relaxed(&sp->f.req), POOL_REQ_NONE);
   KT_EQ(stats(p).cold_hits, 1);
-  keel_store_relaxed(&sp->busy, 1);
+  keel_store_relaxed(&sp->f.busy, 1);
   keel_pool_sweep(p);
-  keel_store_relaxed(&sp->busy, 0);
-  KT_EQ(keel_load_relaxed(&sp->req), POOL_REQ_SWEEP);
+  keel_store_relaxed(&sp->f.busy, 0);
+  KT_EQ(keel_load_relaxed(&sp->f.req), POOL_REQ_SWEEP);
   /* This time a free carries it out: the 3 cold go to the heap. */
   keel_pool_free(p, a);
-  KT_EQ(keel_load_relaxed(&sp->req), POOL_REQ_NONE);
+  KT_EQ(keel_load_relaxed(&sp->f.req), POOL_REQ_NONE);
   keel_pool_stats_t st = stats(p);
   KT_EQ(st.heap_frees, 3);
   KT_EQ(st.cached, 1);
@@ -136,14 +139,14 @@ static void reclaim_keeps_pending_sweep(void) {
   keel_pool_free(a, keel_pool_alloc(a));
   keel_pool_free(b, keel_pool_alloc(b));
   pool_sub_t *sb = pool_sub_get(b);
-  keel_store_relaxed(&sb->busy, 1);
+  keel_store_relaxed(&sb->f.busy, 1);
   keel_pool_sweep(b); /* left pending: the owner is "mid-call" */
-  KT_EQ(keel_load_relaxed(&sb->req), POOL_REQ_SWEEP);
+  KT_EQ(keel_load_relaxed(&sb->f.req), POOL_REQ_SWEEP);
   KT_EQ(keel_pool_reclaim(1), stats(a).block_bytes); /* a's object satisfies the goal */
-  KT_EQ(keel_load_relaxed(&sb->req), POOL_REQ_SWEEP);
-  keel_store_relaxed(&sb->busy, 0);
+  KT_EQ(keel_load_relaxed(&sb->f.req), POOL_REQ_SWEEP);
+  keel_store_relaxed(&sb->f.busy, 0);
   keel_pool_free(b, keel_pool_alloc(b)); /* the owner does the sweep: hot turns cold */
-  KT_EQ(keel_load_relaxed(&sb->req), POOL_REQ_NONE);
+  KT_EQ(keel_load_relaxed(&sb->f.req), POOL_REQ_NONE);
   KT_EQ(stats(b).cold_hits, 1);
   KT_EQ(keel_pool_destroy(a), 0);
   KT_EQ(keel_pool_destroy(b), 0);
@@ -450,7 +453,7 @@ static void create_destroy_churn(void) {
   for (int i = 0; i < 200; i++) {
     keel_pool_t *p = keel_pool_create("churn", 32 + (size_t)i, 0, NULL);
     KT_REQUIRE(p != NULL);
-    KT_CHECK(p->id < 8);
+    KT_CHECK(p->f.id < 8);
     void *o = keel_pool_alloc(p);
     keel_pool_free(p, o);
     KT_EQ(keel_pool_destroy(p), 0);
