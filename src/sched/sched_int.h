@@ -187,7 +187,8 @@ typedef struct sched {
   pthread_t monitor;
   bool monitor_started;
   uint64_t last_spawn_ns;
-  bool mon_saw_work; /* the last tick saw work waiting with a worker parked */
+  bool mon_saw_work;    /* the last tick saw work waiting with a worker parked */
+  uint64_t mon_busy_ns; /* last tick that saw work or a worker out of the idle stack */
   pthread_mutex_t life_lock;
   keel_atomic(int) gate_closed; /* shutdown saw every producer leave the gate */
 } sched_t;
