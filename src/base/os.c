@@ -9,7 +9,6 @@
 
 #include <errno.h>
 #include <fcntl.h>
-#include <sched.h>
 #include <stdint.h>
 #include <sys/mman.h>
 #include <unistd.h>
@@ -182,11 +181,4 @@ size_t _keel_os_rss_kb(void) {
   size_t pages = 0;
   for (s++; *s >= '0' && *s <= '9'; s++) pages = pages * 10 + (size_t)(*s - '0');
   return pages * (_keel_os_page_size() / 1024);
-}
-
-int _keel_os_ncpu(void) {
-  cpu_set_t set;
-  if (sched_getaffinity(0, sizeof set, &set) == 0 && CPU_COUNT(&set) > 0) return CPU_COUNT(&set);
-  long n = sysconf(_SC_NPROCESSORS_ONLN);
-  return n < 1 ? 1 : (int)n;
 }

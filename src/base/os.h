@@ -62,9 +62,13 @@ size_t _keel_os_fault_hits(void) KEEL_HIDDEN;
 /* The process's resident set size in KiB (from /proc/self/statm), or 0. */
 size_t _keel_os_rss_kb(void) KEEL_HIDDEN;
 
-/* CPUs the calling thread may run on (its affinity mask: taskset and
- * cgroup cpusets narrow it, the online count does not), at least 1. What
- * sizes thread pools and arenas. */
+/* CPUs the process may use, at least 1: the calling thread's affinity mask
+ * (taskset and cgroup cpusets narrow it, the online count does not), capped
+ * by its cgroup's CPU quota rounded up (ncpu.c). What sizes thread pools
+ * and arenas. */
 int _keel_os_ncpu(void) KEEL_HIDDEN;
+/* Tests: where ncpu.c reads /proc/self/cgroup and finds the cgroup mounts. */
+extern const char *_keel_os_cgroup_file KEEL_HIDDEN;
+extern const char *_keel_os_cgroup_root KEEL_HIDDEN;
 
 #endif /* KEEL_BASE_OS_H */

@@ -5,6 +5,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 
 #include <keel/keel.h>
 
@@ -205,6 +206,70 @@ static void os_ncpu_follows_affinity(void) {
   pthread_join(t, NULL);
 }
 
+/* The CPU count follows the cgroup's CPU quota, v2 (every ancestor's
+ * cpu.max binds) and v1 (cfs quota / period), rounded up; no quota, an
+ * unreadable tree or garbage leave the affinity count. A fake tree under a
+ * temporary directory stands in for /proc/self/cgroup and /sys/fs/cgroup. */
+static void put_file(const char *dir, const char *rel, const char *text) {
+  char path[512];
+  snprintf(path, sizeof path, "%s/%s", dir, rel);
+  for (char *p = path + strlen(dir) + 1; (p = strchr(p, '/')) != NULL; p++) {
+    *p = '\0';
+    mkdir(path, 0700);
+    *p = '/';
+  }
+  FILE *f = fopen(path, "w");
+  KT_REQUIRE(f != NULL);
+  fputs(text, f);
+  fclose(f);
+}
+
+static int ncpu_with(const char *dir) {
+  char file[512], root[512];
+  snprintf(file, sizeof file, "%s/proc_cgroup", dir);
+  snprintf(root, sizeof root, "%s/fs", dir);
+  const char *of = _keel_os_cgroup_file, *orr = _keel_os_cgroup_root;
+  _keel_os_cgroup_file = file;
+  _keel_os_cgroup_root = root;
+  int n = _keel_os_ncpu();
+  _keel_os_cgroup_file = of;
+  _keel_os_cgroup_root = orr;
+  return n;
+}
+
+static void os_ncpu_follows_cgroup_quota(void) {
+  cpu_set_t set;
+  KT_EQ(sched_getaffinity(0, sizeof set, &set), 0);
+  int aff = CPU_COUNT(&set);
+  char dir[] = "/tmp/keel-cgroup-XXXXXX";
+  KT_REQUIRE(mkdtemp(dir) != NULL);
+  /* v2: the cgroup allows 1.5 CPUs, its parent 0.5: the parent binds. */
+  put_file(dir, "proc_cgroup", "0::/a/b\n");
+  put_file(dir, "fs/a/b/cpu.max", "150000 100000\n");
+  put_file(dir, "fs/a/cpu.max", "50000 100000\n");
+  KT_EQ(ncpu_with(dir), 1);
+  /* The parent unlimited: 1.5 rounds up to 2 (or the affinity count). */
+  put_file(dir, "fs/a/cpu.max", "max 100000\n");
+  KT_EQ(ncpu_with(dir), aff < 2 ? aff : 2);
+  /* Neither limited, or unreadable: the affinity count. */
+  put_file(dir, "fs/a/b/cpu.max", "max 100000\n");
+  KT_EQ(ncpu_with(dir), aff);
+  put_file(dir, "fs/a/b/cpu.max", "garbage\n");
+  KT_EQ(ncpu_with(dir), aff);
+  put_file(dir, "proc_cgroup", "0::/no/such/group\n");
+  KT_EQ(ncpu_with(dir), aff);
+  /* v1 (a hybrid host lists both): the cpu controller's cfs pair, 1 CPU. */
+  put_file(dir, "proc_cgroup", "4:memory:/m\n3:cpu,cpuacct:/x\n0::/\n");
+  put_file(dir, "fs/cpu,cpuacct/x/cpu.cfs_quota_us", "100000\n");
+  put_file(dir, "fs/cpu,cpuacct/x/cpu.cfs_period_us", "100000\n");
+  KT_EQ(ncpu_with(dir), 1);
+  put_file(dir, "fs/cpu,cpuacct/x/cpu.cfs_quota_us", "-1\n");
+  KT_EQ(ncpu_with(dir), aff);
+  char cmd[600];
+  snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
+  KT_EQ(system(cmd), 0);
+}
+
 static void os_alloc_aligned(void) {
   for (size_t align = 4096; align <= (64u << 20); align <<= 1) {
     void *p = _keel_os_alloc(12345, align);
@@ -277,5 +342,5 @@ KT_MAIN(KT_CASE(options_defaults), KT_CASE(options_good_values), KT_CASE(options
         KT_CASE(options_bad_values), KT_CASE(options_empty_and_long),
         KT_CASE(options_from_environment), KT_CASE(options_print_table),
         KT_CASE(os_reserve_commit_decommit), KT_CASE(os_alloc_aligned),
-        KT_CASE(os_ncpu_follows_affinity), KT_CASE(die_format), KT_CASE(errors_have_messages),
-        KT_CASE(thread_hooks_run_at_exit))
+        KT_CASE(os_ncpu_follows_affinity), KT_CASE(os_ncpu_follows_cgroup_quota),
+        KT_CASE(die_format), KT_CASE(errors_have_messages), KT_CASE(thread_hooks_run_at_exit))
