@@ -22,7 +22,7 @@
 KEEL_INLINE pool_hdr_t *pool_pop_fast(keel_pool_t *p, bool heavy) {
   pool_sub_t *sp = pool_sub_get(p);
   if (keel_unlikely(sp == NULL)) return NULL;
-  return _keel_pool_pop(&sp->f, heavy);
+  return keel_pool_inline_pop(&sp->f, heavy);
 }
 
 /* Takes an object from sp's lists under sp->lock, doing any pending sweep
@@ -97,7 +97,9 @@ static KEEL_NOINLINE void *pool_alloc_generic(keel_pool_t *p, bool zero) {
   return obj;
 }
 
-void *keel_pool_alloc(keel_pool_t *p) {
+/* Parenthesised names: the definitions stand even where keel/pool.h's
+ * KEEL_POOL_INLINE macros are in force. */
+void *(keel_pool_alloc)(keel_pool_t *p) {
   if (keel_likely(p->f.flags == 0)) {
     pool_hdr_t *h = pool_pop_fast(p, false);
     if (keel_likely(h != NULL)) {
@@ -122,7 +124,7 @@ void *keel_pool_zalloc(keel_pool_t *p) {
 /* Pushes h on sp's hot list without a lock; false if a sweep request is
  * pending (the caller then takes the locked path). */
 KEEL_INLINE bool pool_push_fast(pool_sub_t *sp, pool_hdr_t *h, bool heavy) {
-  return _keel_pool_push(&sp->f, h, heavy);
+  return keel_pool_inline_push(&sp->f, h, heavy);
 }
 
 /* The misuse checks, in the order that gives the most precise message. */
@@ -167,7 +169,7 @@ static KEEL_NOINLINE void pool_free_generic(keel_pool_t *p, void *obj) {
   if (gone != NULL) _keel_pool_release_list(p, gone, n, "keel_pool_free");
 }
 
-void keel_pool_free(keel_pool_t *p, void *obj) {
+void(keel_pool_free)(keel_pool_t *p, void *obj) {
   if (keel_unlikely(obj == NULL)) return;
   pool_hdr_t *h = pool_hdr(obj);
   pool_sub_t *sp = pool_sub_get(p);

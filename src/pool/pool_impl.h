@@ -143,11 +143,11 @@ struct keel_pool {
 } KEEL_CACHE_ALIGNED;
 
 /* Per-thread state: pool id -> this thread's sub-pool. Ids below
- * KEEL_POOL_FAST_SLOTS live in the exported TLS array _keel_pool_slots (one
+ * KEEL_POOL_FAST_SLOTS live in the exported TLS array keel_pool_slots_v1 (one
  * load from the thread pointer, in the library and in inline fast paths);
  * larger ones in `slots`, a heap array of n_slots entries indexed by id (its
  * first KEEL_POOL_FAST_SLOTS entries unused). `fast` is the thread's
- * _keel_pool_slots, for the threads that clear another's slots. Slots are
+ * keel_pool_slots_v1, for the threads that clear another's slots. Slots are
  * written by the owner, and cleared by keel_pool_destroy for other threads;
  * `slots` changes only under the registry lock. Each slot points to a
  * sub-pool's `f`, i.e. to the sub-pool. */
@@ -163,6 +163,25 @@ extern KEEL_TLS pool_tls_t _keel_pool_tls KEEL_HIDDEN;
 
 _Static_assert(offsetof(pool_sub_t, f) == 0, "a slot's pointer is the sub-pool's");
 _Static_assert(offsetof(struct keel_pool, f) == 0, "keel/pool.h reads a pool as keel_pool_fast");
+/* The layouts keel/pool.h publishes, version 1 (keel_pool_slots_v1). A
+ * change here must rename that array to the next version, so that programs
+ * built with KEEL_POOL_INLINE against the old layouts fail to load. */
+_Static_assert(sizeof(struct keel_pool_objhdr) == 16 &&
+                   offsetof(struct keel_pool_objhdr, next) == 8,
+               "pool layout v1: object header");
+_Static_assert(sizeof(struct keel_pool_fast) == 8 && offsetof(struct keel_pool_fast, flags) == 4,
+               "pool layout v1: pool");
+_Static_assert(sizeof(struct keel_pool_sub_fast) == 56 &&
+                   offsetof(struct keel_pool_sub_fast, req) == 4 &&
+                   offsetof(struct keel_pool_sub_fast, hot) == 8 &&
+                   offsetof(struct keel_pool_sub_fast, cold) == 16 &&
+                   offsetof(struct keel_pool_sub_fast, hot_hits) == 24 &&
+                   offsetof(struct keel_pool_sub_fast, frees) == 48,
+               "pool layout v1: sub-pool");
+_Static_assert(KEEL_POOL_FAST_SLOTS == 32, "pool layout v1: slots");
+
+/* Whether new pools get POOL_F_DEBUG (KEEL_DEBUG builds; tests may clear it). */
+extern int _keel_pool_debug KEEL_HIDDEN;
 
 /* True when membarrier is unavailable: new pools get POOL_F_FENCE. */
 extern int _keel_pool_fence_heavy KEEL_HIDDEN;
@@ -188,7 +207,7 @@ KEEL_INLINE pool_sub_t *pool_sub_of(struct keel_pool_sub_fast *f) {
 
 KEEL_INLINE pool_sub_t *pool_sub_get(const keel_pool_t *p) {
   uint32_t id = p->f.id;
-  if (keel_likely(id < KEEL_POOL_FAST_SLOTS)) return pool_sub_of(_keel_pool_slots[id]);
+  if (keel_likely(id < KEEL_POOL_FAST_SLOTS)) return pool_sub_of(keel_pool_slots_v1[id]);
   pool_tls_t *t = &_keel_pool_tls;
   return id < t->n_slots ? pool_sub_of(t->slots[id]) : NULL;
 }
@@ -215,13 +234,13 @@ KEEL_INLINE void pool_count(keel_atomic(uint64_t) * c, uint64_t n) {
  * pairs with the release or seq_cst store that cleared it; busy = 0 with
  * release, so a sweeper that reads 0 sees every list write before it. */
 KEEL_INLINE void pool_enter(pool_sub_t *sp, bool heavy) {
-  _keel_pool_enter(&sp->f, heavy);
+  keel_pool_inline_enter(&sp->f, heavy);
 }
 KEEL_INLINE uint32_t pool_req(pool_sub_t *sp) {
-  return _keel_pool_req(&sp->f);
+  return keel_pool_inline_req(&sp->f);
 }
 KEEL_INLINE void pool_leave(pool_sub_t *sp) {
-  _keel_pool_leave(&sp->f);
+  keel_pool_inline_leave(&sp->f);
 }
 
 /* ---- handoff.c ---- */

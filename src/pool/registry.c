@@ -13,6 +13,10 @@
 
 #include "base/die.h"
 #include "pool_impl.h"
+
+/* Debug builds pattern-fill (POOL_F_DEBUG) the pools created while this is
+ * set; tests clear it to reach the flag-free fast paths in those builds. */
+int _keel_pool_debug = KEEL_DEBUG >= 1;
 #include "track.h"
 
 static pthread_mutex_t registry_lock = PTHREAD_MUTEX_INITIALIZER;
@@ -113,9 +117,7 @@ static void pool_setup(keel_pool_t *p, const char *name, size_t obj_size, size_t
   p->f.flags = (p->ops.init ? POOL_F_INIT : 0) | (p->ops.fini ? POOL_F_FINI : 0);
   if (_keel_pool_fence_heavy) p->f.flags |= POOL_F_FENCE;
   if (POOL_ON_VALGRIND()) p->f.flags |= POOL_F_TRACK;
-#if KEEL_DEBUG >= 1
-  p->f.flags |= POOL_F_DEBUG;
-#endif
+  if (_keel_pool_debug) p->f.flags |= POOL_F_DEBUG;
 #if defined(KEEL_ASAN)
   p->f.flags |= POOL_F_POISON;
 #endif

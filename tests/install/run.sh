@@ -70,8 +70,22 @@ int main(void) {
   return 0;
 }
 C
-cc -o "$tmp/app/inline" "$tmp/app/inline.c" $(pkg-config --cflags --libs keel) -Wl,-rpath,"$libdir"
+cc -std=c11 -Wall -Wextra -pedantic -Werror -O2 -o "$tmp/app/inline" "$tmp/app/inline.c" \
+  $(pkg-config --cflags --libs keel) -Wl,-rpath,"$libdir"
 "$tmp/app/inline" | grep -q '^inline pool ok$'
+# It really reads the slots itself (versioned layout), not only calls.
+nm -u "$tmp/app/inline" | grep -q 'keel_pool_slots_v1'
+# A library loaded with dlopen after start-up needs no static TLS.
+if readelf -d "$libdir/libkeel.so" | grep -q STATIC_TLS; then
+  echo "install: libkeel.so needs static TLS"; exit 1
+fi
+# Without the option the header stays clean for C99 and C++ includers.
+printf '#include <keel/pool.h>\nint main(void) {\n  keel_pool_stats_t st = {0};\n  return (int)st.live;\n}\n' >"$tmp/app/c99.c"
+cc -std=c99 -pedantic-errors -Wall -Werror $(pkg-config --cflags keel) -c -o "$tmp/app/c99.o" "$tmp/app/c99.c"
+if command -v c++ >/dev/null; then
+  cp "$tmp/app/c99.c" "$tmp/app/cxx.cc"
+  c++ -std=c++11 -pedantic-errors -Wall -Werror $(pkg-config --cflags keel) -c -o "$tmp/app/cxx.o" "$tmp/app/cxx.cc"
+fi
 echo "install: inline pool fast paths run against libkeel.so"
 
 # 2. CMake find_package, shared and static targets.

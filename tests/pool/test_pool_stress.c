@@ -210,5 +210,14 @@ static void thousand_threads(void) {
   _keel_option_set(KEEL_OPT_pool_sweep_s, 10000);
 }
 
+#ifdef KEEL_POOL_INLINE
+/* Debug and sanitizer builds pattern-fill every pool, which sends every call
+ * to the library: clear that here so that TSan runs the inline fast paths of
+ * keel/pool.h against the sweeper. */
+__attribute__((constructor)) static void inline_paths_in_debug_builds(void) {
+  _keel_pool_debug = 0;
+}
+#endif
+
 KT_MAIN(KT_CASE(cross_thread_with_sweeps), KT_CASE(cross_thread_fallback_fence),
         KT_CASE(thousand_threads))
