@@ -13,10 +13,13 @@
  * The cgroup path comes from /proc/self/cgroup and is looked up under the
  * usual mount points; in a container with its own cgroup namespace the path
  * is "/" and the mount is the container's own cgroup. Anything unreadable
- * counts as no limit. Like the rest of base, no allocation: stack buffers
- * and read(2).
+ * counts as no limit. v1 mounts are looked for under the cgroup root by
+ * their controller list (cpu,cpuacct and the like), not in mountinfo: a
+ * co-mount under another name or another root reads as no limit. Like the
+ * rest of base, no allocation: stack buffers and read(2).
  */
 #define _GNU_SOURCE
+#include <errno.h>
 #include <fcntl.h>
 #include <sched.h>
 #include <stdint.h>
@@ -36,7 +39,12 @@ static bool read_small(const char *path, char *buf, size_t cap) {
   int fd = open(path, O_RDONLY | O_CLOEXEC);
   if (fd < 0) return false;
   ssize_t n, got = 0;
-  while ((size_t)got < cap - 1 && (n = read(fd, buf + got, cap - 1 - (size_t)got)) > 0) got += n;
+  while ((size_t)got < cap - 1) {
+    n = read(fd, buf + got, cap - 1 - (size_t)got);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) break;
+    got += n;
+  }
   close(fd);
   buf[got] = '\0';
   return got > 0;
@@ -45,7 +53,7 @@ static bool read_small(const char *path, char *buf, size_t cap) {
 /* The quota in thousandths of a CPU of one cgroup directory, or 0 if it
  * sets none. v2 names cpu.max; v1 (v1 set) names the cfs pair. */
 static uint64_t dir_quota_milli(const char *dir, bool v1) {
-  char path[4096], buf[128];
+  char path[1024], buf[128];
   long long quota = -1, period = 0;
   if (!v1) {
     if (snprintf(path, sizeof path, "%s/cpu.max", dir) >= (int)sizeof path) return 0;
@@ -57,14 +65,15 @@ static uint64_t dir_quota_milli(const char *dir, bool v1) {
     if (snprintf(path, sizeof path, "%s/cpu.cfs_period_us", dir) >= (int)sizeof path) return 0;
     if (!read_small(path, buf, sizeof buf) || sscanf(buf, "%lld", &period) != 1) return 0;
   }
-  if (quota <= 0 || period <= 0) return 0;
-  return (uint64_t)quota * 1000 / (uint64_t)period;
+  if (quota <= 0 || period <= 0 || quota > (1ll << 50)) return 0;
+  /* Rounded up, so the CPU count rounds up too and is never 0. */
+  return ((uint64_t)quota * 1000 + (uint64_t)period - 1) / (uint64_t)period;
 }
 
 /* The smallest quota along `mount`/`rel` and its ancestors up to `mount`
  * (0: none). rel starts with '/'. */
 static uint64_t chain_quota_milli(const char *mount, const char *rel, bool v1) {
-  char dir[4096];
+  char dir[1024];
   if (snprintf(dir, sizeof dir, "%s%s", mount, strcmp(rel, "/") == 0 ? "" : rel) >= (int)sizeof dir)
     return 0;
   size_t root = strlen(mount);
@@ -91,6 +100,8 @@ static uint64_t cgroup_quota_milli(void) {
     if (c2 == NULL || c2[1] != '/') continue;
     *c2 = '\0';
     const char *ctrl = c1 + 1, *rel = c2 + 1;
+    /* Outside our cgroup namespace's root ("/../x"): not under the mount. */
+    if (strstr(rel, "/..") != NULL) continue;
     uint64_t q = 0;
     char mount[512];
     if (*ctrl == '\0') { /* "0::/path": the v2 unified hierarchy */
@@ -101,7 +112,9 @@ static uint64_t cgroup_quota_milli(void) {
       for (const char *t = ctrl; t != NULL; t = strchr(t, ',') ? strchr(t, ',') + 1 : NULL)
         if (strncmp(t, "cpu", 3) == 0 && (t[3] == ',' || t[3] == '\0')) cpu = true;
       if (!cpu) continue;
-      static const char *const dirs[] = {"cpu,cpuacct", "cpuacct,cpu", "cpu"};
+      /* The mount is usually named by the controller list as the kernel
+       * prints it, else by the common spellings. */
+      const char *const dirs[] = {ctrl, "cpu,cpuacct", "cpuacct,cpu", "cpu"};
       for (size_t i = 0; i < sizeof dirs / sizeof dirs[0] && q == 0; i++) {
         if (snprintf(mount, sizeof mount, "%s/%s", _keel_os_cgroup_root, dirs[i]) >=
             (int)sizeof mount)

@@ -70,6 +70,7 @@ static void reset(const keel_sched_config_t *cfg) {
   atomic_store(&s->waking, 0);
   atomic_store(&s->nyielding, 0);
   s->mon_saw_work = false;
+  s->mon_busy_ns = 0;
   s->cfg = *cfg;
   s->ncpu = _keel_os_ncpu();
 }

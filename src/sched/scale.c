@@ -22,14 +22,15 @@
  * leader with SIGALRM, which every thread in the process could receive.
  *
  * It lingers: it goes to MON_INF only MON_LINGER_NS after the last tick that
- * saw work waiting or a worker off the idle stack, ticking each millisecond
- * until then. A worker that takes a batch of one and leaves work behind
+ * saw work waiting, a job start or end, or a worker waking or spinning,
+ * ticking each millisecond until then (a long job alone does not keep it
+ * up: its worker's seq stays put). A worker that takes a batch of one and leaves work behind
  * pokes the monitor before it runs its job, a FUTEX_WAKE on the job's path;
  * under a paced load (a burst every millisecond, keel-bench sched latency
  * at 1 producer) that happened once per burst and put the median
  * submit-to-start at 22 us against 15 us with the monitor ticking through
  * the gaps (medians of 7 alternated runs; throughput unchanged within the
- * noise). The price is 20 wake-ups of one thread after the pool goes idle.
+ * noise). The price is 20 wake-ups of one thread after the pool goes quiet.
  */
 #include "base/clock.h"
 #include "sched/sched_int.h"
@@ -85,13 +86,20 @@ static uint64_t tick(uint64_t now) {
   int blocked = 0;
   pthread_mutex_lock(&s->lock);
   sched_worker_t *w;
-  cds_list_for_each_entry(w, &s->workers, link) blocked += look(w, now, block_ns, &timers);
+  bool moved = false; /* a job started or ended since the last tick */
+  cds_list_for_each_entry(w, &s->workers, link) {
+    uint64_t seq = keel_load_relaxed(&w->seq);
+    moved |= seq != w->mon_seen;
+    w->mon_seen = seq;
+    blocked += look(w, now, block_ns, &timers);
+  }
   int n = keel_load_relaxed(&s->nthreads);
   int cap = s->ncpu > (int)s->cfg.min_threads ? s->ncpu : (int)s->cfg.min_threads;
   bool work = backlog();
-  int nidle = atomic_load(&s->nidle);
-  bool waiting = work && nidle == 0;
-  if (work || nidle < n) s->mon_busy_ns = now;
+  bool waiting = work && atomic_load(&s->nidle) == 0;
+  /* Activity, not occupancy: one long job alone lets the monitor sleep. */
+  if (work || moved || keel_load_relaxed(&s->waking) > 0 || keel_load_relaxed(&s->nspinning) > 0)
+    s->mon_busy_ns = now;
   bool grow = waiting && n < (int)s->cfg.max_threads && n - blocked < cap && __may_grow();
   pthread_mutex_unlock(&s->lock);
   if (work && !waiting) {
@@ -126,7 +134,10 @@ static bool go_inf(void) {
   uint32_t m = atomic_load(&s->mon_mode);
   if (m == MON_EXIT || !atomic_compare_exchange_strong(&s->mon_mode, &m, MON_INF)) return false;
   pthread_mutex_lock(&s->lock);
-  bool again = (backlog() && atomic_load(&s->nidle) == 0) || !cds_list_empty(&s->zombies);
+  /* Any backlog, parked workers or not: a worker that left work behind a
+   * batch of one skipped its poke if it read MON_TICK, and may be in a long
+   * job now; the tick's second look wakes a parked one for it. */
+  bool again = backlog() || !cds_list_empty(&s->zombies);
   pthread_mutex_unlock(&s->lock);
   if (again) {
     uint32_t inf = MON_INF;

@@ -81,6 +81,7 @@ typedef struct sched_worker {
   keel_atomic(uint32_t) word;             /* futex: 0 parked, 1 woken, 2 kicked */
   keel_atomic(uint64_t) seq;              /* (own) odd while inside fn; +2 per job */
   uint64_t mon_seq, mon_since;            /* monitor's last sight of seq, and when */
+  uint64_t mon_seen;                      /* monitor only: seq at its last tick, to tell activity */
   keel_atomic(int) blocking;              /* (own) running a KEEL_JOB_BLOCKING job */
   keel_atomic(unsigned) cur_prio;         /* (own) priority of the job inside fn */
   keel_atomic(keel_job_t *) current;      /* (own) the job inside fn, for cancel */
@@ -188,7 +189,7 @@ typedef struct sched {
   bool monitor_started;
   uint64_t last_spawn_ns;
   bool mon_saw_work;    /* the last tick saw work waiting with a worker parked */
-  uint64_t mon_busy_ns; /* last tick that saw work or a worker out of the idle stack */
+  uint64_t mon_busy_ns; /* monitor only: last tick that saw work or a job start or end */
   pthread_mutex_t life_lock;
   keel_atomic(int) gate_closed; /* shutdown saw every producer leave the gate */
 } sched_t;

@@ -258,11 +258,11 @@ int keel_sched_after(keel_job_t *job, uint64_t ms) {
   /* Under the lock: once it is released, w may retire (handing the timer
    * on) and be freed. */
   if (rc == 0 && earliest && w != _keel_sched_self) _keel_sched_kick_worker(w);
+  bool in_job = rc == 0 && (w == _keel_sched_self || (keel_load_acquire(&w->seq) & 1));
   pthread_mutex_unlock(&_keel_sched.lock);
   if (rc != 0) return rc;
-  /* Armed from inside a job: if that job runs long, the monitor is the one
-   * who fires this timer on time. */
-  if (w == _keel_sched_self && keel_load_relaxed(&_keel_sched.mon_mode) == MON_INF)
-    _keel_sched_poke();
+  /* The owner is inside a job (this one, or another thread's pick): if that
+   * job runs long, the monitor is the one who fires this timer on time. */
+  if (in_job && keel_load_relaxed(&_keel_sched.mon_mode) == MON_INF) _keel_sched_poke();
   return 0;
 }

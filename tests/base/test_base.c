@@ -196,6 +196,9 @@ static void *ncpu_pinned(void *arg) {
 }
 
 static void os_ncpu_follows_affinity(void) {
+  /* No cgroup quota here, whatever host the test runs on (see below). */
+  const char *of = _keel_os_cgroup_file;
+  _keel_os_cgroup_file = "/nonexistent/keel-test-cgroup";
   cpu_set_t set;
   KT_EQ(sched_getaffinity(0, sizeof set, &set), 0);
   KT_EQ(_keel_os_ncpu(), CPU_COUNT(&set));
@@ -204,6 +207,7 @@ static void os_ncpu_follows_affinity(void) {
   pthread_t t;
   KT_EQ(pthread_create(&t, NULL, ncpu_pinned, &first), 0);
   pthread_join(t, NULL);
+  _keel_os_cgroup_file = of;
 }
 
 /* The CPU count follows the cgroup's CPU quota, v2 (every ancestor's
@@ -264,6 +268,26 @@ static void os_ncpu_follows_cgroup_quota(void) {
   put_file(dir, "fs/cpu,cpuacct/x/cpu.cfs_period_us", "100000\n");
   KT_EQ(ncpu_with(dir), 1);
   put_file(dir, "fs/cpu,cpuacct/x/cpu.cfs_quota_us", "-1\n");
+  KT_EQ(ncpu_with(dir), aff);
+  /* A quota a hair over one CPU rounds up; a tiny one is still 1 CPU. */
+  put_file(dir, "fs/cpu,cpuacct/x/cpu.cfs_quota_us", "100001\n");
+  KT_EQ(ncpu_with(dir), aff < 2 ? aff : 2);
+  put_file(dir, "fs/cpu,cpuacct/x/cpu.cfs_quota_us", "5\n");
+  KT_EQ(ncpu_with(dir), 1);
+  /* v1 ancestors bind too; a co-mount is found by its controller list. */
+  put_file(dir, "fs/cpu,cpuacct/x/cpu.cfs_quota_us", "-1\n");
+  put_file(dir, "fs/cpu,cpuacct/cpu.cfs_quota_us", "100000\n");
+  put_file(dir, "fs/cpu,cpuacct/cpu.cfs_period_us", "100000\n");
+  KT_EQ(ncpu_with(dir), 1);
+  put_file(dir, "proc_cgroup", "3:cpuset,cpu,cpuacct:/y\n");
+  put_file(dir, "fs/cpuset,cpu,cpuacct/y/cpu.cfs_quota_us", "50000\n");
+  put_file(dir, "fs/cpuset,cpu,cpuacct/y/cpu.cfs_period_us", "100000\n");
+  KT_EQ(ncpu_with(dir), 1);
+  /* The v2 namespace root ("/"), and a path outside it ignored. */
+  put_file(dir, "proc_cgroup", "0::/\n");
+  put_file(dir, "fs/cpu.max", "50000 100000\n");
+  KT_EQ(ncpu_with(dir), 1);
+  put_file(dir, "proc_cgroup", "0::/../outside\n");
   KT_EQ(ncpu_with(dir), aff);
   char cmd[600];
   snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);

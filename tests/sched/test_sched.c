@@ -671,6 +671,37 @@ static void timer_of_stuck_worker(void) {
   KT_CHECK(stuck_timer.ran_at - stuck_armed_at >= 0.020); /* never early */
 }
 
+/* A timer armed from outside the pool can land on a worker that is inside
+ * a long job (owners are picked round-robin). Armed after the monitor has
+ * gone to sleep without deadline (its linger is 20 ms), it must still fire
+ * on time: arming pokes the monitor when the owner is inside a job. */
+static tjob_t outside_timer;
+static atomic_int outside_in_job;
+static void outside_long_fn(keel_job_t *j) {
+  (void)j;
+  atomic_store(&outside_in_job, 1);
+  double end = kt_now() + 60;
+  while (atomic_load(&outside_timer.runs) == 0 && kt_now() < end) sleep_ms(1);
+}
+
+static void timer_from_outside_on_busy_worker(void) {
+  start(1, 4, 1000, 10);
+  tjob_init(&outside_timer, 0, 0);
+  atomic_store(&outside_in_job, 0);
+  keel_job_t j;
+  keel_job_init(&j, outside_long_fn, 0);
+  KT_EQ(keel_sched_submit(&j), 0);
+  while (!atomic_load(&outside_in_job)) sleep_ms(1);
+  sleep_ms(200); /* no activity since: the monitor sleeps */
+  double armed = kt_now();
+  KT_EQ(keel_sched_after(&outside_timer.job, 20), 0); /* the only worker, in the job */
+  KT_CHECK(wait_for(all_done, NULL, 70));
+  KT_EQ(atomic_load(&outside_timer.runs), 1);
+  KT_CHECK(outside_timer.ran_at - armed >= 0.020); /* never early */
+  KT_CHECK(outside_timer.ran_at - armed < 10);     /* not when the job ends (60 s) */
+  KT_EQ(keel_sched_shutdown(KEEL_SCHED_DRAIN), 0);
+}
+
 static bool all_parked(void *a) {
   keel_sched_stats_t st;
   keel_sched_stats(&st);
@@ -937,5 +968,6 @@ KT_MAIN(KT_CASE(lazy_init), KT_CASE(bad_input), KT_CASE(submit_after_shutdown),
         KT_CASE(fairness_bound), KT_CASE(timers_in_order), KT_CASE(grow_long_jobs),
         KT_CASE(grow_blocking_jobs), KT_CASE(run_convenience), KT_CASE(run_if_cancelled_thread),
         KT_CASE(resubmit_from_inside), KT_CASE(timer_of_stuck_worker),
-        KT_CASE(one_wakeup_per_burst), KT_CASE(stats_counts), KT_CASE(drain_grows_pool),
-        KT_CASE(timers_move_on_retire), KT_CASE(queued_prio_counts), KT_CASE(client_destroy_timed))
+        KT_CASE(timer_from_outside_on_busy_worker), KT_CASE(one_wakeup_per_burst),
+        KT_CASE(stats_counts), KT_CASE(drain_grows_pool), KT_CASE(timers_move_on_retire),
+        KT_CASE(queued_prio_counts), KT_CASE(client_destroy_timed))
