@@ -26,7 +26,7 @@
  * touch 16 KiB of stack, then RSS is read with every thread alive and idle
  * ("rss_pre_kb"); after the load they stay alive, idle, for 2N seconds
  * (plus 10% for the length of a sweep pass) and RSS is read again ("rss_idle_kb", "idle_rss_pct" = growth over pre-load
- * in %; "idle_cached_bytes" for keel-pool). Case "idle" reports that figure
+ * in %; "idle_cached_bytes" for keel's pools). Case "idle" reports that figure
  * as its metric at 320 threads.
  *
  * "load_cpu_s" and "ops_per_cpu_s" give the process's user+sys time over
@@ -39,9 +39,8 @@
  * Size: F = 10000, not the issue's 1000. At 1000 a keel-pool run at 320
  * threads lasted about 20 ms, shorter than the thread start-up it sits
  * between, and the figures were noise. At 10000 the whole suite (3 cases,
- * 8 impls, 3 repetitions) took 2 min 29 s on the 2-core development
- * machine while other builds ran (load average above 100); the spinlock
- * pool is most of it. Each worker also stops at a 2 s x size deadline, so
+ * 9 impls, 3 repetitions) takes about 2 min on the 2-core development
+ * machine (127 s in `make bench`); the spinlock pool is most of it. Each worker also stops at a 2 s x size deadline, so
  * a pathological impl cannot stall the suite; ops counts only what was
  * done. */
 #define _GNU_SOURCE

@@ -270,11 +270,8 @@ static float median_blocks(float *v, size_t n) {
   return v[m / 2];
 }
 
-/* The timed span of the throughput run: from the producers' start until
- * the pool has drained, producers still alive, so that getrusage reads the
- * pool's CPU and not the creation and exit of 256 producer threads (a fixed
- * cost that every impl pays and that, at 256 producers, was most of keel's
- * sys time per million jobs). */
+/* The timed span of the throughput run (kb_run_threads_span): from the
+ * producers' start until the pool has drained, producers still alive. */
 typedef struct sb_span {
   sb_pool_t *pool;
   struct rusage u0, u1;

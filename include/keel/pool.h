@@ -181,7 +181,7 @@ struct keel_pool_fast {
 /* The calling thread's sub-pools of the pools with ids below
  * KEEL_POOL_FAST_SLOTS. The suffix is the layout version above. */
 #define KEEL_POOL_FAST_SLOTS 32
-extern KEEL_API __thread struct keel_pool_sub_fast *keel_pool_slots_v1[KEEL_POOL_FAST_SLOTS];
+extern KEEL_API _Thread_local struct keel_pool_sub_fast *keel_pool_slots_v1[KEEL_POOL_FAST_SLOTS];
 
 /* Enters the owner's side of the sweeper hand-off: busy = 1, then the
  * compiler may not move the req load above it (the sweeper's membarrier

@@ -98,8 +98,9 @@ typedef struct keel_sched_config {
   unsigned block_ms;    /* a job running this long counts as blocking */
 } keel_sched_config_t;
 
-/* Fills *cfg with the KEEL_OPTIONS defaults (max 0 there means 16 per CPU,
- * at most 1024). Does not allocate or block. */
+/* Fills *cfg with the KEEL_OPTIONS defaults (max 0 there means 16 per
+ * usable CPU, at most 1024; usable: the affinity mask, capped by the
+ * cgroup's CPU quota). Does not allocate or block. */
 KEEL_API void keel_sched_config_default(keel_sched_config_t *cfg);
 
 /* Starts the pool (cfg NULL: defaults): 0, KEEL_EINVAL (max 0, min 0 or

@@ -65,6 +65,7 @@ static uint64_t dir_quota_milli(const char *dir, bool v1) {
     if (snprintf(path, sizeof path, "%s/cpu.cfs_period_us", dir) >= (int)sizeof path) return 0;
     if (!read_small(path, buf, sizeof buf) || sscanf(buf, "%lld", &period) != 1) return 0;
   }
+  /* The bound keeps quota * 1000 in range (kernel quotas are below 2^44). */
   if (quota <= 0 || period <= 0 || quota > (1ll << 50)) return 0;
   /* Rounded up, so the CPU count rounds up too and is never 0. */
   return ((uint64_t)quota * 1000 + (uint64_t)period - 1) / (uint64_t)period;
@@ -88,6 +89,15 @@ static uint64_t chain_quota_milli(const char *mount, const char *rel, bool v1) {
   return best;
 }
 
+/* Whether the comma-separated controller list names `c` exactly. */
+static bool has_controller(const char *list, const char *c) {
+  size_t n = strlen(c);
+  for (const char *t = list;; t++) {
+    if (strncmp(t, c, n) == 0 && (t[n] == ',' || t[n] == '\0')) return true;
+    if ((t = strchr(t, ',')) == NULL) return false;
+  }
+}
+
 /* The CPU quota of this process's cgroup in thousandths, 0 if none. */
 static uint64_t cgroup_quota_milli(void) {
   char buf[4096];
@@ -107,11 +117,7 @@ static uint64_t cgroup_quota_milli(void) {
     if (*ctrl == '\0') { /* "0::/path": the v2 unified hierarchy */
       q = chain_quota_milli(_keel_os_cgroup_root, rel, false);
     } else {
-      /* v1: the line whose controller list holds "cpu" */
-      bool cpu = false;
-      for (const char *t = ctrl; t != NULL; t = strchr(t, ',') ? strchr(t, ',') + 1 : NULL)
-        if (strncmp(t, "cpu", 3) == 0 && (t[3] == ',' || t[3] == '\0')) cpu = true;
-      if (!cpu) continue;
+      if (!has_controller(ctrl, "cpu")) continue; /* v1: the cpu controller's line */
       /* The mount is usually named by the controller list as the kernel
        * prints it, else by the common spellings. */
       const char *const dirs[] = {ctrl, "cpu,cpuacct", "cpuacct,cpu", "cpu"};

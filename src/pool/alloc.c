@@ -35,12 +35,12 @@ static pool_hdr_t *pool_pop_locked(keel_pool_t *p, pool_sub_t *sp) {
   pool_hdr_t *h = sp->f.hot;
   if (h != NULL) {
     sp->f.hot = h->next;
-    pool_count(&sp->f.hot_hits, 1);
+    keel_pool_inline_count(&sp->f.hot_hits);
   } else if ((h = sp->f.cold) != NULL) {
     sp->f.cold = h->next;
-    pool_count(&sp->f.cold_hits, 1);
+    keel_pool_inline_count(&sp->f.cold_hits);
   }
-  pool_leave(sp);
+  keel_pool_inline_leave(&sp->f);
   pthread_mutex_unlock(&sp->lock);
   if (gone != NULL) _keel_pool_release_list(p, gone, n, "keel_pool_alloc");
   return h;
@@ -83,7 +83,7 @@ static KEEL_NOINLINE void *pool_alloc_generic(keel_pool_t *p, bool zero) {
         errno = ENOMEM;
         return NULL;
       }
-      pool_count(&sp->f.heap_allocs, 1);
+      keel_pool_inline_count(&sp->f.heap_allocs);
       _keel_pool_sweeper_ensure(); /* cheap when running; restarts it in a forked child */
       KEEL_ASSERT(((uintptr_t)block & (p->hdr_size - 1)) == 0);
       obj = (char *)block + p->hdr_size;
@@ -121,12 +121,6 @@ void *keel_pool_zalloc(keel_pool_t *p) {
   return pool_alloc_generic(p, true);
 }
 
-/* Pushes h on sp's hot list without a lock; false if a sweep request is
- * pending (the caller then takes the locked path). */
-KEEL_INLINE bool pool_push_fast(pool_sub_t *sp, pool_hdr_t *h, bool heavy) {
-  return keel_pool_inline_push(&sp->f, h, heavy);
-}
-
 /* The misuse checks, in the order that gives the most precise message. */
 static void pool_free_check(keel_pool_t *p, void *obj) {
   _keel_pool_check_live(p, "keel_pool_free");
@@ -156,15 +150,15 @@ static KEEL_NOINLINE void pool_free_generic(keel_pool_t *p, void *obj) {
     _keel_pool_release_list(p, h, 1, "keel_pool_free");
     return;
   }
-  if (pool_push_fast(sp, h, p->f.flags & POOL_F_FENCE)) return;
+  if (keel_pool_inline_push(&sp->f, h, p->f.flags & POOL_F_FENCE)) return; /* false: req set */
   size_t n = 0;
   pthread_mutex_lock(&sp->lock);
   uint32_t req = keel_load_relaxed(&sp->f.req);
   pool_hdr_t *gone = req != POOL_REQ_NONE ? __keel_pool_sub_service(sp, req, &n) : NULL;
   h->next = sp->f.hot;
   sp->f.hot = h;
-  pool_count(&sp->f.frees, 1);
-  pool_leave(sp);
+  keel_pool_inline_count(&sp->f.frees);
+  keel_pool_inline_leave(&sp->f);
   pthread_mutex_unlock(&sp->lock);
   if (gone != NULL) _keel_pool_release_list(p, gone, n, "keel_pool_free");
 }
@@ -175,7 +169,7 @@ void(keel_pool_free)(keel_pool_t *p, void *obj) {
   pool_sub_t *sp = pool_sub_get(p);
   if (keel_likely(sp != NULL && h->tag == (uintptr_t)p && p->f.flags == 0)) {
     h->tag = (uintptr_t)p | POOL_TAG_FREE;
-    if (keel_likely(pool_push_fast(sp, h, false))) return;
+    if (keel_likely(keel_pool_inline_push(&sp->f, h, false))) return;
     h->tag = (uintptr_t)p; /* let the generic path see it as live again */
   }
   pool_free_generic(p, obj);

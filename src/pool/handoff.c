@@ -83,7 +83,7 @@ pool_hdr_t *__keel_pool_sub_service(pool_sub_t *sp, uint32_t req, size_t *n) {
     gone = pool_list_join(sp->f.hot, gone);
     sp->f.hot = NULL;
   }
-  /* Release pairs with the owner's acquire load of req in its fast path:
+  /* Release pairs with the owner's (seq_cst) load of req in its fast path:
    * once it sees NONE it also sees the lists as left here. */
   keel_store_release(&sp->f.req, POOL_REQ_NONE);
   /* The walk costs what the frees after it cost anyway, and keeps the

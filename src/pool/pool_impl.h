@@ -222,26 +222,9 @@ KEEL_INLINE pool_hdr_t *pool_hdr(void *obj) {
   return (pool_hdr_t *)obj - 1;
 }
 
-/* Counter bump by its only writer: a load and a store, no locked RMW. */
-KEEL_INLINE void pool_count(keel_atomic(uint64_t) * c, uint64_t n) {
-  keel_store_relaxed(c, keel_load_relaxed(c) + n);
-}
-
-/* The owner's side of the hand-off (see the top of this file), shared with
- * the inline fast paths of keel/pool.h: busy = 1 with a compiler barrier
- * (membarrier on the other side supplies the CPU's half) or, heavy, a full
- * barrier; a seq_cst load of req (a plain MOV on x86, LDAR on arm64) that
- * pairs with the release or seq_cst store that cleared it; busy = 0 with
- * release, so a sweeper that reads 0 sees every list write before it. */
-KEEL_INLINE void pool_enter(pool_sub_t *sp, bool heavy) {
-  keel_pool_inline_enter(&sp->f, heavy);
-}
-KEEL_INLINE uint32_t pool_req(pool_sub_t *sp) {
-  return keel_pool_inline_req(&sp->f);
-}
-KEEL_INLINE void pool_leave(pool_sub_t *sp) {
-  keel_pool_inline_leave(&sp->f);
-}
+/* The owner's side of the hand-off (busy, req, the counters) is
+ * keel_pool_inline_enter/req/leave/count/pop/push in keel/pool.h, shared
+ * with the inline fast paths. */
 
 /* ---- handoff.c ---- */
 

@@ -14,10 +14,11 @@
 #include "base/die.h"
 #include "pool_impl.h"
 
+#include "track.h"
+
 /* Debug builds pattern-fill (POOL_F_DEBUG) the pools created while this is
  * set; tests clear it to reach the flag-free fast paths in those builds. */
 int _keel_pool_debug = KEEL_DEBUG >= 1;
-#include "track.h"
 
 static pthread_mutex_t registry_lock = PTHREAD_MUTEX_INITIALIZER;
 static pthread_once_t registry_once = PTHREAD_ONCE_INIT;

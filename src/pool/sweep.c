@@ -60,7 +60,7 @@ static void __pool_post(keel_pool_t *p, uint32_t req) {
     pthread_mutex_lock(&sp->lock);
     uint32_t before = keel_load_relaxed(&sp->f.req);
     sp->req_before = before;
-    /* seq_cst: the fallback mode's half of the Dekker (see pool_req). */
+    /* seq_cst: the fallback mode's half of the Dekker (see keel_pool_inline_req). */
     if (before < req) atomic_store_explicit(&sp->f.req, req, memory_order_seq_cst);
     pthread_mutex_unlock(&sp->lock);
   }
@@ -84,7 +84,7 @@ static size_t __pool_reap(keel_pool_t *p, size_t goal, size_t done, size_t *busy
        * left for a busy owner. Nothing moved: no order needed. */
       keel_store_relaxed(&sp->f.req, sp->req_before);
     } else if (atomic_load_explicit(&sp->f.busy, memory_order_seq_cst) == 0) {
-      /* Reads the owner's release in pool_leave, so its last list writes
+      /* Reads the owner's release in keel_pool_inline_leave, so its last list writes
        * are visible. After the barrier, any later call of the owner sees
        * req != NONE and waits for sp->lock, which is held here. */
       size_t k;

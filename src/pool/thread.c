@@ -19,7 +19,7 @@ KEEL_TLS pool_tls_t _keel_pool_tls;
 /* Exported: keel/pool.h declares it for inline callers. The default TLS
  * model keeps libkeel.so loadable by dlopen (base/tls.h); a PIE program's
  * accesses are initial-exec anyway. */
-KEEL_API __thread struct keel_pool_sub_fast *keel_pool_slots_v1[KEEL_POOL_FAST_SLOTS];
+KEEL_API _Thread_local struct keel_pool_sub_fast *keel_pool_slots_v1[KEEL_POOL_FAST_SLOTS];
 
 /* Concatenates sp's lists into one; the caller owns sp outright. */
 static pool_hdr_t *pool_sub_take_all(pool_sub_t *sp, size_t *n) {

@@ -13,29 +13,33 @@
  * It also wakes a parked worker when work has waited a tick while one was
  * parked (workers chain-wake a sibling only when they fill a batch).
  *
- * The monitor sleeps on its futex with no deadline (MON_INF) while nothing
- * waits; the producer that makes the queue non-empty with no worker parked,
- * or a worker that leaves work behind, pokes it (one CAS and FUTEX_WAKE,
- * only from MON_INF). While jobs wait it ticks: every millisecond when it
- * could grow, else every block_ms/2 to spot long jobs and to fire the due
- * timers of workers stuck in them. No signals: GlusterFS's pool woke its
- * leader with SIGALRM, which every thread in the process could receive.
+ * While jobs wait the monitor ticks: every millisecond when it could grow,
+ * else every block_ms/2 to spot long jobs and to fire the due timers of
+ * workers stuck in them. Once nothing waits it lingers, ticking each
+ * millisecond (MON_TICK_NS), until MON_LINGER_NS have passed since the last
+ * tick that saw work waiting, a job start or end, or a worker waking or
+ * spinning (a long job alone does not keep it up: its worker's seq stays
+ * put); then it sleeps on its futex with no deadline (MON_INF). From there
+ * the producer that makes the queue non-empty with no worker parked, a
+ * worker that leaves work behind, and a timer armed on a worker inside a job
+ * poke it (one CAS and FUTEX_WAKE, only from MON_INF). No signals:
+ * GlusterFS's pool woke its leader with SIGALRM, which every thread in the
+ * process could receive.
  *
- * It lingers: it goes to MON_INF only MON_LINGER_NS after the last tick that
- * saw work waiting, a job start or end, or a worker waking or spinning,
- * ticking each millisecond until then (a long job alone does not keep it
- * up: its worker's seq stays put). A worker that takes a batch of one and leaves work behind
+ * Why it lingers: A worker that takes a batch of one and leaves work behind
  * pokes the monitor before it runs its job, a FUTEX_WAKE on the job's path;
  * under a paced load (a burst every millisecond, keel-bench sched latency
  * at 1 producer) that happened once per burst and put the median
  * submit-to-start at 22 us against 15 us with the monitor ticking through
  * the gaps (medians of 7 alternated runs; throughput unchanged within the
- * noise). The price is 20 wake-ups of one thread after the pool goes quiet.
+ * noise). The price is MON_LINGER_NS / MON_TICK_NS (20) wake-ups of one
+ * thread after the pool goes quiet.
  */
 #include "base/clock.h"
 #include "sched/sched_int.h"
 
 #define SPAWN_INTERVAL_NS 1000000u  /* 1 ms: 1000 threads/s at most */
+#define MON_TICK_NS       1000000u  /* 1 ms: the linger's period */
 #define MON_LINGER_NS     20000000u /* 20 ms */
 
 void _keel_sched_poke(void) {
@@ -61,9 +65,12 @@ static bool __may_grow(void) {
 }
 
 /* Looks at one worker; true if it counts as blocked. Fires its due timers if
- * it is stuck in a job. *timers is set if it runs a job and owns timers. */
-static bool look(sched_worker_t *w, uint64_t now, uint64_t block_ns, bool *timers) {
+ * it is stuck in a job. *timers is set if it runs a job and owns timers,
+ * *moved if it started or ended a job since the last tick. */
+static bool look(sched_worker_t *w, uint64_t now, uint64_t block_ns, bool *timers, bool *moved) {
   uint64_t seq = keel_load_acquire(&w->seq);
+  *moved |= seq != w->mon_seen;
+  w->mon_seen = seq;
   if (!(seq & 1)) return false;
   if (seq != w->mon_seq) {
     w->mon_seq = seq;
@@ -86,13 +93,8 @@ static uint64_t tick(uint64_t now) {
   int blocked = 0;
   pthread_mutex_lock(&s->lock);
   sched_worker_t *w;
-  bool moved = false; /* a job started or ended since the last tick */
-  cds_list_for_each_entry(w, &s->workers, link) {
-    uint64_t seq = keel_load_relaxed(&w->seq);
-    moved |= seq != w->mon_seen;
-    w->mon_seen = seq;
-    blocked += look(w, now, block_ns, &timers);
-  }
+  bool moved = false;
+  cds_list_for_each_entry(w, &s->workers, link) blocked += look(w, now, block_ns, &timers, &moved);
   int n = keel_load_relaxed(&s->nthreads);
   int cap = s->ncpu > (int)s->cfg.min_threads ? s->ncpu : (int)s->cfg.min_threads;
   bool work = backlog();
@@ -155,7 +157,7 @@ static void *monitor_main(void *arg) {
     _keel_sched_join_zombies();
     uint64_t now = keel_clock_ns();
     uint64_t wait = tick(now);
-    if (wait == UINT64_MAX && now - s->mon_busy_ns < MON_LINGER_NS) wait = SPAWN_INTERVAL_NS;
+    if (wait == UINT64_MAX && now - s->mon_busy_ns < MON_LINGER_NS) wait = MON_TICK_NS;
     if (wait == UINT64_MAX) {
       if (go_inf()) keel_futex_wait_until(&s->mon_mode, MON_INF, UINT64_MAX);
       continue;

@@ -189,7 +189,8 @@ typedef struct sched {
   bool monitor_started;
   uint64_t last_spawn_ns;
   bool mon_saw_work;    /* the last tick saw work waiting with a worker parked */
-  uint64_t mon_busy_ns; /* monitor only: last tick that saw work or a job start or end */
+  uint64_t mon_busy_ns; /* monitor only: last tick that saw work, a job start or end, or a
+                         * worker waking or spinning */
   pthread_mutex_t life_lock;
   keel_atomic(int) gate_closed; /* shutdown saw every producer leave the gate */
 } sched_t;

@@ -258,7 +258,7 @@ int keel_sched_after(keel_job_t *job, uint64_t ms) {
   /* Under the lock: once it is released, w may retire (handing the timer
    * on) and be freed. */
   if (rc == 0 && earliest && w != _keel_sched_self) _keel_sched_kick_worker(w);
-  bool in_job = rc == 0 && (w == _keel_sched_self || (keel_load_acquire(&w->seq) & 1));
+  bool in_job = rc == 0 && (w == _keel_sched_self || (keel_load_relaxed(&w->seq) & 1));
   pthread_mutex_unlock(&_keel_sched.lock);
   if (rc != 0) return rc;
   /* The owner is inside a job (this one, or another thread's pick): if that

@@ -154,10 +154,9 @@ static void *worker_main(void *arg) {
     if (n > 0) {
       /* A worker that owns timers is going into jobs: should one run long,
        * the monitor fires them, so it must not be asleep for good. One load
-       * per batch; the poke only from MON_INF (the monitor lingers 20 ms
-       * after activity, so a busy pool rarely pays it). */
-      if (keel_unlikely(atomic_load_explicit(&w->next_deadline, memory_order_relaxed) !=
-                        UINT64_MAX) &&
+       * per batch; the poke only from MON_INF (the monitor lingers
+       * MON_LINGER_NS after activity, so a busy pool rarely pays it). */
+      if (keel_unlikely(keel_load_relaxed(&w->next_deadline) != UINT64_MAX) &&
           keel_load_relaxed(&s->mon_mode) == MON_INF)
         _keel_sched_poke();
       run_batch(w, n);
