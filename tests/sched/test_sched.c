@@ -641,6 +641,13 @@ static void resubmit_from_inside(void) {
   KT_EQ(keel_sched_shutdown(KEEL_SCHED_DRAIN), 0);
 }
 
+/* Stays inside the calling job until t has run (or 60 s pass): t can only
+ * have run on another worker, whatever the machine's load. */
+static void hold_until_ran(tjob_t *t) {
+  double end = kt_now() + 60;
+  while (atomic_load(&t->runs) == 0 && kt_now() < end) sleep_ms(1);
+}
+
 /* A timer armed from inside a job lives in that worker's heap; while the
  * worker is stuck in the job, the monitor fires it and grows the pool so
  * that it runs long before the job ends. */
@@ -651,10 +658,7 @@ static void stuck_fn(keel_job_t *j) {
   (void)j;
   stuck_armed_at = kt_now();
   KT_EQ(keel_sched_after(&stuck_timer.job, 20), 0);
-  /* Stays inside the job until the timer has run (or 60 s pass): the timer
-   * can only have run elsewhere, whatever the machine's load. */
-  double end = kt_now() + 60;
-  while (atomic_load(&stuck_timer.runs) == 0 && kt_now() < end) sleep_ms(1);
+  hold_until_ran(&stuck_timer);
   atomic_store(&stuck_saw_timer, atomic_load(&stuck_timer.runs));
 }
 
@@ -673,15 +677,14 @@ static void timer_of_stuck_worker(void) {
 
 /* A timer armed from outside the pool can land on a worker that is inside
  * a long job (owners are picked round-robin). Armed after the monitor has
- * gone to sleep without deadline (its linger is 20 ms), it must still fire
+ * gone to sleep without deadline (its linger, MON_LINGER_NS, is 20 ms), it must still fire
  * on time: arming pokes the monitor when the owner is inside a job. */
 static tjob_t outside_timer;
 static atomic_int outside_in_job;
 static void outside_long_fn(keel_job_t *j) {
   (void)j;
   atomic_store(&outside_in_job, 1);
-  double end = kt_now() + 60;
-  while (atomic_load(&outside_timer.runs) == 0 && kt_now() < end) sleep_ms(1);
+  hold_until_ran(&outside_timer);
 }
 
 static void timer_from_outside_on_busy_worker(void) {
