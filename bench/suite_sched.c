@@ -8,7 +8,9 @@
  *              drained. Extras: submit_ns_p50 (median producer-side cost of
  *              one submit, timed in blocks of 32), user/sys seconds per
  *              million jobs (getrusage over the timed region, which
- *              leaves out the producers' creation and exit).
+ *              leaves out the producers' creation and exit), and
+ *              jobs_per_cpu_s (jobs per CPU second of the process: on a
+ *              shared machine, steadier than the wall-clock rate).
  *  cpu         the same run, tabled by sys CPU per million jobs.
  *  latency     moderate load: 100k jobs/s in total, paced by the producers
  *              (each sleeps 1 ms, then submits what is due), 0.3 s x size;
@@ -304,6 +306,8 @@ static int sb_throughput(const kb_params_t *p, kb_result_t *r) {
   double mj = (double)total / 1e6;
   kb_extra(r, "user_s_per_Mjob", cpu_s(&sp.u0, &sp.u1, false) / mj);
   kb_extra(r, "sys_s_per_Mjob", cpu_s(&sp.u0, &sp.u1, true) / mj);
+  double cpu = cpu_s(&sp.u0, &sp.u1, false) + cpu_s(&sp.u0, &sp.u1, true);
+  kb_extra(r, "jobs_per_cpu_s", cpu > 0 ? (double)total / cpu : 0);
   kb_extra(r, "submit_ns_p50", median_blocks(run.block_ns, (size_t)p->threads * run.blocks_per));
   free(run.block_ns);
   free(run.jobs);
