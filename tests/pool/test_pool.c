@@ -5,7 +5,9 @@
 #define _GNU_SOURCE
 #include <errno.h>
 #include <pthread.h>
+#include <sched.h>
 #include <semaphore.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -465,6 +467,52 @@ static void create_destroy_churn(void) {
   for (int i = 0; i < 80; i++) KT_EQ(keel_pool_destroy(ps[i]), 0);
 }
 
+/* keel_pool_destroy clears the slot of every live thread that used the pool,
+ * so when the descriptor (and its id) is recycled, that thread's next call,
+ * inline or not, attaches a fresh sub-pool instead of popping from the
+ * destroyed one's lists. */
+static keel_pool_t *volatile slot_pool;
+static atomic_int slot_step;
+static void *slot_user(void *arg) {
+  (void)arg;
+  keel_pool_free(slot_pool, keel_pool_alloc(slot_pool)); /* a sub-pool with one cached */
+  atomic_store(&slot_step, 1);
+  while (atomic_load(&slot_step) != 2) sched_yield(); /* main destroys and recreates */
+  void *o = keel_pool_alloc(slot_pool);
+  KT_CHECK(o != NULL);
+  keel_pool_free(slot_pool, o);
+  return NULL;
+}
+
+static void destroy_clears_live_threads_slots(void) {
+  sweeper_quiet();
+  keel_pool_t *p = keel_pool_create("slot-a", 72, 0, NULL);
+  slot_pool = p;
+  atomic_store(&slot_step, 0);
+  pthread_t t;
+  KT_EQ(pthread_create(&t, NULL, slot_user, NULL), 0);
+  while (atomic_load(&slot_step) != 1) sched_yield();
+  uint32_t id = p->f.id;
+  KT_EQ(keel_pool_destroy(p), 0); /* the thread's one cached object goes back */
+  /* Descriptors are recycled oldest first: create until p's comes back
+   * (same id, so the same slot in the thread). */
+  keel_pool_t *q, *extra[512];
+  int n_extra = 0;
+  while ((q = keel_pool_create("slot-b", 72, 0, NULL)) != NULL && q->f.id != id && n_extra < 512)
+    extra[n_extra++] = q;
+  KT_REQUIRE(q != NULL && q->f.id == id);
+  slot_pool = q;
+  atomic_store(&slot_step, 2);
+  pthread_join(t, NULL);
+  keel_pool_stats_t st = stats(q);
+  KT_EQ(st.allocs, 1);
+  KT_EQ(st.heap_allocs, 1); /* fresh, not a hot hit from p's old list */
+  KT_EQ(st.hot_hits, 0);
+  KT_EQ(st.live, 0);
+  KT_EQ(keel_pool_destroy(q), 0);
+  for (int i = 0; i < n_extra; i++) KT_EQ(keel_pool_destroy(extra[i]), 0);
+}
+
 /* The sweeper on a 50 ms period: cached bytes reach 0 after two sweeps and
  * the memory goes back to the OS. */
 static void idle_returns_to_zero(void) {
@@ -672,5 +720,5 @@ KT_MAIN(KT_CASE(state_machine), KT_CASE(owner_services_pending_sweep),
         KT_CASE(reclaim_keeps_pending_sweep), KT_CASE(hooks_and_zalloc), KT_CASE(alignment),
         KT_CASE(bad_create), KT_CASE(bad_input_aborts), KT_CASE(destroy_busy),
         KT_CASE(thread_exit_releases), KT_CASE(reclaim), KT_CASE(print_stats),
-        KT_CASE(create_destroy_churn), KT_CASE(idle_returns_to_zero), KT_CASE(out_of_memory),
-        KT_CASE(idle_threads_keep_no_pages))
+        KT_CASE(create_destroy_churn), KT_CASE(destroy_clears_live_threads_slots),
+        KT_CASE(idle_returns_to_zero), KT_CASE(out_of_memory), KT_CASE(idle_threads_keep_no_pages))
