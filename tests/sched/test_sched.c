@@ -677,8 +677,9 @@ static void timer_of_stuck_worker(void) {
 
 /* A timer armed from outside the pool can land on a worker that is inside
  * a long job (owners are picked round-robin). Armed after the monitor has
- * gone to sleep without deadline (its linger, MON_LINGER_NS, is 20 ms), it must still fire
- * on time: arming pokes the monitor when the owner is inside a job. */
+ * gone to sleep without deadline (it lingers MON_LINGER_NS, 20 ms), it
+ * must still fire on time: arming pokes the monitor when the owner is
+ * inside a job. */
 static tjob_t outside_timer;
 static atomic_int outside_in_job;
 static void outside_long_fn(keel_job_t *j) {
