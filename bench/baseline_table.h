@@ -23,7 +23,7 @@ typedef struct tb_impl {
 } tb_impl_t;
 
 /* The baselines, by name: "list-1024", "list-16k", "rbtree-1024", "rculfhash",
- * "rculfhash-48" (rculfhash with its node padded to keel's 48 bytes). */
+ * "rculfhash-40" (rculfhash with its node padded to keel's 40 bytes). */
 const tb_impl_t *tb_baseline(const char *name);
 
 /* The bucket hash every table uses (MurmurHash3's 64-bit finaliser). */

@@ -1,9 +1,11 @@
 /* keel table: an RCU resource table for tens of millions of entries.
  *
- * A hash table of caller-owned, reference-counted entries, built on
- * liburcu's rculfhash (memb flavour) with automatic resize: lookups take no
- * lock and never wait for writers or for a resize; inserts and removals are
- * lock-free; the bucket array grows and shrinks with the contents. Entries
+ * A hash table of caller-owned, reference-counted entries: one-pointer
+ * buckets kept at most one entry each, RCU (liburcu's memb flavour) for
+ * readers. Lookups take no lock and never wait for writers or for a resize;
+ * inserts and removals lock one bucket for a few stores (a bit lock in the
+ * bucket word); the bucket array grows and shrinks with the contents,
+ * migrated a few buckets at a time by the writes that follow. Entries
  * are intrusive: the caller embeds a keel_table_node_t in its own struct and
  * gets back to it with keel_table_entry(). Removed entries are handed to the
  * config's free callback after an RCU grace period, so a reader that found
@@ -28,9 +30,11 @@
  *
  * Concurrency: every function below may run concurrently with every other on
  * the same table, except keel_table_destroy(), which must be the last call
- * on its table. Readers, writers, keel_table_for_each() and shrinking never
- * block one another except on the short LRU locks (one per LRU shard, held
- * for a list splice, never across a grace period).
+ * on its table. Readers never block. Writers, keel_table_for_each() and
+ * shrinking block one another only on short locks: a bucket's (held for a
+ * chain walk and a few stores) and the LRU shards' (held for a list splice),
+ * never across a grace period. A walk pauses resizing while it runs
+ * (inserts and removals go on).
  *
  * RCU threads. liburcu's memb flavour requires every thread that enters a
  * read-side section to be registered. keel does this for its callers: the
@@ -66,18 +70,17 @@ extern "C" {
 
 typedef struct keel_table keel_table_t;
 
-/* The node the caller embeds in its entry (48 bytes, 8-aligned). Its fields
+/* The node the caller embeds in its entry (40 bytes, 8-aligned). Its fields
  * are keel's except `key`, which the caller sets with keel_table_node_init_*
  * before insertion and must not change while the entry is in the table (or
  * until the free callback runs). For byte-string keys the node points at the
  * caller's key bytes, which must stay valid and unchanged as long. */
 typedef struct keel_table_node {
-  /* What a lookup touches comes first and fits in 32 bytes, so a node
-   * in a 16-aligned struct spans one cache line on the lookup path. */
-  void *_lfht[2];    /* liburcu's struct cds_lfht_node (next, reverse hash) */
-  uint32_t _ref;     /* reference count and state bits */
-  uint16_t _tag;     /* tag of the table the entry was inserted into */
-  uint16_t _key_len; /* byte-string keys: length in bytes */
+  /* What a lookup touches comes first and fits in 24 bytes. */
+  struct keel_table_node *_next; /* the bucket's chain */
+  uint32_t _ref;                 /* reference count and state bits */
+  uint16_t _tag;                 /* tag of the table the entry was inserted into */
+  uint16_t _key_len;             /* byte-string keys: length in bytes */
   union {
     uint64_t u64;      /* KEEL_TABLE_KEY_U64 */
     const void *bytes; /* KEEL_TABLE_KEY_BYTES: the caller's key bytes */
@@ -135,9 +138,10 @@ static inline void keel_table_node_init_bytes(keel_table_node_t *node, const voi
   if (len > KEEL_TABLE_KEY_MAX) node->_tag = 0xffff;
 }
 
-/* Creates a table. Allocates (about 70 KiB: 4,096 buckets at least, plus
- * 32 LRU shards) and, with liburcu 0.13, starts rculfhash's resize worker
- * thread for this table. NULL with errno EINVAL (bad config) or ENOMEM. */
+/* Creates a table. Allocates about 3 KiB (32 LRU shards) plus 8 bytes per
+ * bucket: the size hint rounded up to a power of two, at least 64 buckets
+ * (the table never shrinks below that). Starts no thread. NULL with errno
+ * EINVAL (bad config) or ENOMEM. */
 KEEL_API keel_table_t *keel_table_create(const keel_table_config_t *config);
 
 /* Destroys a table that no one references: if an entry in it has a count
@@ -153,17 +157,19 @@ KEEL_API int keel_table_destroy(keel_table_t *table);
 /* Inserts an initialised node; on success the caller holds one reference.
  * KEEL_EEXIST if the key is present (table and node unchanged), KEEL_EINVAL
  * if the key is longer than key_max or the node is already in a table.
- * Lock-free and allocation-free: growing the bucket array is signalled to
- * rculfhash's worker and never waited for. On a table over its limit it
+ * Locks one bucket briefly. The insert that takes the table past one entry
+ * per bucket allocates the next bucket array (twice the size; if that fails
+ * the table works on, fuller); while a resize is in flight each insert and
+ * removal moves a few buckets (1 growing, 8 shrinking) into the new array. On a table over its limit it
  * also evicts (LRU shard locks, see keel_table_shrink). May run inside a
  * read-side section. */
 KEEL_API int keel_table_insert(keel_table_t *table, keel_table_node_t *node);
 
 /* Inserts an initialised node unless its key is present; either way the caller
  * gets one reference: to node (inserted) or to the live entry with that key
- * (node untouched; the caller may free it). One hash, one rculfhash pass.
- * NULL with errno EINVAL for what insert rejects with KEEL_EINVAL. Lock-free,
- * allocation-free; may run inside a read-side section. */
+ * (node untouched; the caller may free it). One hash, one bucket pass.
+ * NULL with errno EINVAL for what insert rejects with KEEL_EINVAL. Locks and
+ * allocates as insert; may run inside a read-side section. */
 KEEL_API keel_table_node_t *keel_table_get_or_insert(keel_table_t *table, keel_table_node_t *node);
 
 /* Enters / leaves an RCU read-side section (nestable; registers the thread
@@ -211,7 +217,8 @@ KEEL_API void keel_table_put(keel_table_t *table, keel_table_node_t *node);
  * entry is freed after its last reference is put and a grace period.
  * KEEL_ENOENT if it was already removed (by this or another thread, or by
  * shrinking), KEEL_EINVAL if it was never inserted or belongs to another
- * table. Lock-free (plus one short LRU lock if the entry was cached). */
+ * table. Locks the entry's bucket briefly (plus one short LRU lock if the
+ * entry was cached). */
 KEEL_API int keel_table_remove(keel_table_t *table, keel_table_node_t *node);
 
 /* Removes the entry with this key if it has no references; KEEL_ENOENT if
@@ -224,7 +231,8 @@ KEEL_API int keel_table_remove_key(keel_table_t *table, const void *key, size_t 
  * entry present for the whole walk is visited exactly once; entries added or
  * removed during it may or may not be. fn may call insert, get, ref, put and
  * remove (the node it was given included) but not destroy or anything that
- * waits for a grace period. A long walk delays every deferred free. */
+ * waits for a grace period. A long walk delays every deferred free, and
+ * pauses resizing (a table that grows meanwhile gets fuller until it ends). */
 KEEL_API int keel_table_for_each(keel_table_t *table, int (*fn)(keel_table_node_t *node, void *arg),
                                  void *arg);
 
@@ -246,6 +254,9 @@ typedef struct keel_table_stats {
   size_t removed_referenced; /* removed entries not yet released (freed after their last put) */
   size_t evicted;            /* entries removed by shrink and the limit since creation */
   size_t charged_bytes;      /* bytes counted against max_bytes (0 without one) */
+  size_t buckets;            /* buckets of the index (8 bytes each) */
+  size_t resizes;            /* resizes of the index finished since creation */
+  bool resizing;             /* a resize is in flight */
 } keel_table_stats_t;
 
 /* Fills *stats. Lock-free. */

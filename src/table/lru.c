@@ -36,7 +36,7 @@ static void gc_free_batch(keel_table_t *t, keel_table_node_t *n) {
 }
 
 /* Runs on liburcu's call_rcu thread a grace period after the batch was
- * taken. The batch's nodes were all unlinked from rculfhash before the
+ * taken. The batch's nodes were all unlinked from the index before the
  * batch was taken, so no reader can still hold them. */
 static void gc_callback(struct rcu_head *head) {
   keel_table_t *t = caa_container_of(head, keel_table_t, gc_head);
@@ -119,7 +119,7 @@ void _keel_table_put_last(keel_table_t *t, keel_table_node_t *n, uint32_t v) {
 /* Off the LRU by the removal owner, then burial if the count is zero. */
 void _keel_table_removed(keel_table_t *t, keel_table_node_t *n) {
   table_shard_t *s = node_shard(t, n);
-  keel_fetch_sub_relaxed(&s->in_table, 1);
+  shard_count_add(t, s, -1);
   if (t->limited) keel_fetch_sub_relaxed(&t->charge, node_charge(t, n));
   keel_atomic(uint32_t) *ref = node_ref(n);
   uint32_t v = keel_fetch_or_acq_rel(ref, REF_DEAD) | REF_DEAD;
@@ -181,12 +181,12 @@ static bool shrink_step(keel_table_t *t, table_shard_t *s, keel_table_node_t *n)
     if (keel_cas_weak_acq_rel(ref, &v, v | REF_DEAD)) break;
   }
   /* DEAD from a zero count: no new reference can appear. */
-  if (cds_lfht_del(t->ht, node_lfht(n)) != 0) {
+  if (_keel_tidx_del(t, n) != 0) {
     /* keel_table_remove deleted it first and will unlink it after us. */
     lru_rotate(s, n);
     return false;
   }
-  keel_fetch_sub_relaxed(&s->in_table, 1);
+  shard_count_add(t, s, -1);
   if (t->limited) keel_fetch_sub_relaxed(&t->charge, node_charge(t, n));
   lru_unlink(s, n);
   keel_fetch_and_acq_rel(ref, ~REF_ON_LRU);
@@ -215,7 +215,7 @@ size_t keel_table_shrink(keel_table_t *t, size_t n) {
   /* Spread the work: each shard gives its share, then any shard gives what
    * is still missing. */
   size_t share = n / TABLE_SHARDS + 1;
-  _keel_rcu_read_lock(); /* cds_lfht_del needs a read-side section */
+  _keel_rcu_read_lock(); /* _keel_tidx_del needs a read-side section */
   for (int pass = 0; pass < 2 && done < n; pass++) {
     for (unsigned i = 0; i < TABLE_SHARDS && done < n; i++) {
       size_t want = n - done;

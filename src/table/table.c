@@ -1,16 +1,12 @@
 /* keel table: create, destroy, insert, lookup, references and removal.
  *
- * The index is liburcu's rculfhash (split-ordered lists, Shalev & Shavit
- * 2006, with Desnoyers' lock-free resize): a lookup reads the bucket array
- * and walks one sorted chain comparing full hashes, so the key is read
- * only on a full-hash match; resizes run in rculfhash's own worker thread
- * (liburcu 0.13: one per table) and never block readers or writers. Its
- * auto-resize with accounting keeps 1 to 8 entries per 16-byte bucket
- * (growth at a power-of-two count above 8 per bucket), so the bucket array
- * costs 2 to 16 bytes per entry (3.4 at 10M entries, 2.1 at
- * 16M). What keel adds on a lookup is one acquire load of the entry's state
- * word (same cache line as the chain link) and, once per LRU pass, setting
- * its ACCESSED bit.
+ * The index is keel's own RCU hash table (index.h: one-pointer buckets, at
+ * most one entry per bucket, resized incrementally by writers): a lookup
+ * hashes the key, loads one bucket and walks 1.5 nodes on average, comparing
+ * keys in the node (byte-string keys: length first, then the caller's
+ * bytes). What the entry state adds on a lookup is one acquire load of the
+ * state word (same cache line as the chain link) and, once per LRU pass,
+ * setting its ACCESSED bit.
  *
  * See table_internal.h for the entry state machine; lru.c for caching,
  * eviction and the deferred free.
@@ -30,41 +26,18 @@ static keel_atomic(uint32_t) table_tags; /* tags 1..0xfffe, then wrap */
 
 /* --- keys ------------------------------------------------------------------ */
 
-typedef struct bytes_key {
-  const void *p;
-  size_t len;
-} bytes_key_t;
-
-/* The acquire load pairs with the release CAS that inserted the node: what
- * the caller wrote into its entry before insert is visible to whoever finds
- * it (rculfhash's publication does this too, but TSan cannot see liburcu's
- * asm atomics, and on x86 an acquire load is a plain load). */
-static int match_u64(struct cds_lfht_node *l, const void *key) {
-  keel_table_node_t *n = lfht_node(l);
-  (void)keel_load_acquire(node_ref(n));
-  return n->key.u64 == *(const uint64_t *)key;
-}
-
-static int match_bytes(struct cds_lfht_node *l, const void *key) {
-  keel_table_node_t *n = lfht_node(l);
-  const bytes_key_t *k = key;
-  (void)keel_load_acquire(node_ref(n));
-  return n->_key_len == k->len && (k->len == 0 || memcmp(n->key.bytes, k->p, k->len) == 0);
-}
-
 /* Validates a lookup key and hashes it; false (errno EINVAL) if malformed. */
-static bool key_prepare(const keel_table_t *t, const void *key, size_t len, bytes_key_t *bk,
-                        uint64_t *hash) {
+KEEL_INLINE bool key_prepare(const keel_table_t *t, const void *key, size_t len, table_key_t *k,
+                             uint64_t *hash) {
   if (t->cfg.key_type == KEEL_TABLE_KEY_U64) {
     if (keel_unlikely(len != sizeof(uint64_t) || key == NULL)) goto bad;
-    uint64_t k;
-    memcpy(&k, key, sizeof k);
-    *hash = _keel_hash_u64(k, t->seed);
+    memcpy(&k->u64, key, sizeof k->u64);
+    *hash = _keel_hash_u64(k->u64, t->seed);
     return true;
   }
   if (keel_unlikely(len > t->cfg.key_max || (key == NULL && len != 0))) goto bad;
-  bk->p = key;
-  bk->len = len;
+  k->p = key;
+  k->len = len;
   *hash = _keel_hash_bytes(key, len, t->seed);
   return true;
 bad:
@@ -72,34 +45,17 @@ bad:
   return false;
 }
 
-static uint64_t node_hash(const keel_table_t *t, const keel_table_node_t *n) {
-  if (t->cfg.key_type == KEEL_TABLE_KEY_U64) return _keel_hash_u64(n->key.u64, t->seed);
-  return _keel_hash_bytes(n->key.bytes, n->_key_len, t->seed);
-}
-
 /* Finds a node inside a read-side section; NULL if absent. */
-static keel_table_node_t *find(keel_table_t *t, const void *key, size_t len) {
-  bytes_key_t bk;
+KEEL_INLINE keel_table_node_t *find(keel_table_t *t, const void *key, size_t len) {
+  table_key_t k = {0, NULL, 0};
   uint64_t hash;
-  if (!key_prepare(t, key, len, &bk, &hash)) return NULL;
-  struct cds_lfht_iter it;
-  if (t->cfg.key_type == KEEL_TABLE_KEY_U64)
-    cds_lfht_lookup(t->ht, hash, match_u64, key, &it);
-  else
-    cds_lfht_lookup(t->ht, hash, match_bytes, &bk, &it);
-  struct cds_lfht_node *l = cds_lfht_iter_get_node(&it);
-  if (l == NULL) {
-    errno = ENOENT;
-    return NULL;
-  }
-  return lfht_node(l);
+  if (!key_prepare(t, key, len, &k, &hash)) return NULL;
+  keel_table_node_t *n = tidx_find(t, hash, &k);
+  if (n == NULL) errno = ENOENT;
+  return n;
 }
 
 /* --- create / destroy ------------------------------------------------------ */
-
-static size_t pow2_ceil(size_t x) {
-  return x <= 1 ? 1 : (size_t)1 << (64 - __builtin_clzll((unsigned long long)(x - 1)));
-}
 
 static uint64_t table_seed(const keel_table_t *t) {
   struct timespec ts;
@@ -139,13 +95,7 @@ keel_table_t *keel_table_create(const keel_table_config_t *config) {
     pthread_mutex_init(&t->shards[i].lock, NULL);
     CDS_INIT_LIST_HEAD(&t->shards[i].lru);
   }
-  /* Presize to about 4 entries per bucket: rculfhash grows at 8. */
-  size_t init = pow2_ceil(cfg.size_hint / 4);
-  if (init < TABLE_MIN_BUCKETS) init = TABLE_MIN_BUCKETS;
-  if (init > TABLE_MAX_BUCKETS) init = TABLE_MAX_BUCKETS;
-  t->ht = cds_lfht_new_flavor(init, TABLE_MIN_BUCKETS, TABLE_MAX_BUCKETS,
-                              CDS_LFHT_AUTO_RESIZE | CDS_LFHT_ACCOUNTING, &urcu_memb_flavor, NULL);
-  if (t->ht == NULL) {
+  if (_keel_tidx_init(t, cfg.size_hint) != 0) {
     for (int i = 0; i < TABLE_SHARDS; i++) pthread_mutex_destroy(&t->shards[i].lock);
     free(t);
     goto nomem;
@@ -167,28 +117,29 @@ static long sum_shards(const keel_table_t *t, bool unburied) {
   return s;
 }
 
-/* Destroy, once nothing references any entry: take every entry out of
- * rculfhash, forget the LRU lists (their links are reused below, and no one
- * else may touch the table now), wait one grace period, then free the
- * entries directly. One walk of the table in hash order: a walk of the LRU
- * lists would visit the same entries in random order, a cache miss each. */
+/* Destroy, once nothing references any entry: forget the LRU lists (their
+ * links are reused below, and no one else may touch the table now), collect
+ * every entry in one walk of the buckets (a walk of the LRU lists would
+ * visit the same entries in random order, a cache miss each), wait one grace
+ * period for readers that started before the destroy, then free the entries
+ * directly and the index with them. */
+static int destroy_collect(keel_table_node_t *n, void *arg) {
+  keel_table_node_t **dead = arg;
+  uint32_t v = keel_load_relaxed(node_ref(n));
+  keel_store_relaxed(node_ref(n), (v & ~REF_ON_LRU) | REF_DEAD | REF_BURIED);
+  n->_lru[0] = *dead;
+  *dead = n;
+  return 0;
+}
+
 static void destroy_entries(keel_table_t *t) {
   for (int i = 0; i < TABLE_SHARDS; i++) {
     CDS_INIT_LIST_HEAD(&t->shards[i].lru);
     keel_store_relaxed(&t->shards[i].lru_len, 0);
   }
   keel_table_node_t *dead = NULL;
-  struct cds_lfht_iter it;
-  struct cds_lfht_node *l;
   _keel_rcu_read_lock();
-  cds_lfht_for_each(t->ht, &it, l) {
-    keel_table_node_t *n = lfht_node(l);
-    if (cds_lfht_del(t->ht, l) != 0) continue;
-    uint32_t v = keel_load_relaxed(node_ref(n));
-    keel_store_relaxed(node_ref(n), (v & ~REF_ON_LRU) | REF_DEAD | REF_BURIED);
-    n->_lru[0] = dead;
-    dead = n;
-  }
+  _keel_tidx_walk(t, destroy_collect, &dead);
   _keel_rcu_read_unlock();
   urcu_memb_synchronize_rcu();
   _keel_rcu_tsan_gp_acquire();
@@ -199,6 +150,11 @@ static void destroy_entries(keel_table_t *t) {
   }
 }
 
+static int referenced(keel_table_node_t *n, void *arg) {
+  (void)arg;
+  return (keel_load_acquire(node_ref(n)) & REF_COUNT) != 0;
+}
+
 int keel_table_destroy(keel_table_t *t) {
   if (t == NULL) return 0;
   rcu_ensure_registered();
@@ -206,20 +162,18 @@ int keel_table_destroy(keel_table_t *t) {
   /* Referenced entries: in the table with a count, or removed and not yet
    * released (their last put would touch the table). */
   int busy = sum_shards(t, true) != sum_shards(t, false);
-  struct cds_lfht_iter it;
-  struct cds_lfht_node *l;
-  _keel_rcu_read_lock();
-  cds_lfht_for_each(t->ht, &it, l) {
-    if (busy) break;
-    busy = (keel_load_acquire(node_ref(lfht_node(l))) & REF_COUNT) != 0;
+  if (!busy) {
+    _keel_rcu_read_lock();
+    busy = _keel_tidx_walk(t, referenced, NULL);
+    _keel_rcu_read_unlock();
   }
-  _keel_rcu_read_unlock();
   if (busy) return KEEL_EBUSY;
   destroy_entries(t);
   _keel_table_gc_drain(t);
-  if (cds_lfht_destroy(t->ht, NULL) != 0)
-    keel_die("keel_table_destroy", "rculfhash not empty after removing every entry of %p",
-             (void *)t);
+  /* Arrays replaced by resizes are freed by call_rcu callbacks: let them
+   * run, so that none outlives the table's destruction. */
+  if (keel_load_relaxed(&t->ix.resizes) != 0) urcu_memb_barrier();
+  _keel_tidx_fini(t);
   for (int i = 0; i < TABLE_SHARDS; i++) pthread_mutex_destroy(&t->shards[i].lock);
   free(t);
   return 0;
@@ -245,7 +199,7 @@ static bool ref_try(keel_table_node_t *n, bool strict) {
  * node already in a table. A CAS, so one insert wins even if two race on the
  * same node; only the winner writes the tag. The release store then orders
  * the caller's writes to its entry, and the tag, before any reader that
- * finds the node and loads the word (see match_u64). The CAS costs about
+ * finds the node and loads the word (see tidx_find). The CAS costs about
  * 8 ns where a node is claimed on every call (get_or_insert with a reused
  * spare node, measured for issue 7): a check and a store would do if that
  * race were left to the caller. */
@@ -274,20 +228,11 @@ static void node_unclaim(keel_table_node_t *n, uint16_t old_tag) {
   n->_tag = old_tag;
 }
 
-/* rculfhash's add_unique for a claimed node (inside a read-side section):
- * returns n's own lfht node if it went in, else the live node with its key. */
-static struct cds_lfht_node *node_add(keel_table_t *t, keel_table_node_t *n, uint64_t hash) {
-  bytes_key_t bk = {n->key.bytes, n->_key_len};
-  if (t->cfg.key_type == KEEL_TABLE_KEY_U64)
-    return cds_lfht_add_unique(t->ht, hash, match_u64, &n->key.u64, node_lfht(n));
-  return cds_lfht_add_unique(t->ht, hash, match_bytes, &bk, node_lfht(n));
-}
-
-/* Counts a node that add_unique published, and applies the limit. */
+/* Counts a node that _keel_tidx_add published, and applies the limit. */
 static void node_added(keel_table_t *t, keel_table_node_t *n) {
   table_shard_t *s = node_shard(t, n);
-  keel_fetch_add_relaxed(&s->in_table, 1);
   keel_fetch_add_relaxed(&s->unburied, 1);
+  shard_count_add(t, s, 1);
   if (t->limited) {
     keel_fetch_add_relaxed(&t->charge, node_charge(t, n));
     _keel_table_enforce_limit(t);
@@ -301,9 +246,9 @@ int keel_table_insert(keel_table_t *t, keel_table_node_t *n) {
   if (rc != 0) return rc;
   uint64_t hash = node_hash(t, n);
   _keel_rcu_read_lock();
-  struct cds_lfht_node *got = node_add(t, n, hash);
+  keel_table_node_t *got = _keel_tidx_add(t, n, hash);
   _keel_rcu_read_unlock();
-  if (got != node_lfht(n)) {
+  if (got != n) {
     node_unclaim(n, old_tag);
     return KEEL_EEXIST;
   }
@@ -312,12 +257,12 @@ int keel_table_insert(keel_table_t *t, keel_table_node_t *n) {
 }
 
 /* e is still linked but DEAD from a zero count: an evictor or remove_key
- * marked it and has not yet deleted it from rculfhash. Rather than wait for
+ * marked it and has not yet deleted it from the index. Rather than wait for
  * that thread (which may be preempted), delete it here: whoever wins
- * cds_lfht_del is the removal owner (table_internal.h), and the loser backs
+ * _keel_tidx_del is the removal owner (table_internal.h), and the loser backs
  * off as it does against keel_table_remove. Inside a read-side section. */
 static void help_remove(keel_table_t *t, keel_table_node_t *e) {
-  if (cds_lfht_del(t->ht, node_lfht(e)) == 0) _keel_table_removed(t, e);
+  if (_keel_tidx_del(t, e) == 0) _keel_table_removed(t, e);
 }
 
 keel_table_node_t *keel_table_get_or_insert(keel_table_t *t, keel_table_node_t *n) {
@@ -326,11 +271,10 @@ keel_table_node_t *keel_table_get_or_insert(keel_table_t *t, keel_table_node_t *
   if (node_claim(t, n, &old_tag) != 0) goto inval;
   uint64_t hash = node_hash(t, n);
   _keel_rcu_read_lock();
-  struct cds_lfht_node *got;
+  keel_table_node_t *e;
   /* Usually one pass. Another only when the entry found is dying, and the
    * next pass cannot find that one again: help_remove deleted it. */
-  while ((got = node_add(t, n, hash)) != node_lfht(n)) {
-    keel_table_node_t *e = lfht_node(got);
+  while ((e = _keel_tidx_add(t, n, hash)) != n) {
     if (ref_try(e, true)) {
       _keel_rcu_read_unlock();
       node_unclaim(n, old_tag);
@@ -423,7 +367,7 @@ int keel_table_remove(keel_table_t *t, keel_table_node_t *n) {
   if (n->_tag != t->tag || !(v & REF_LINKED)) return KEEL_EINVAL;
   if (v & REF_DEAD) return KEEL_ENOENT;
   _keel_rcu_read_lock();
-  int rc = cds_lfht_del(t->ht, node_lfht(n));
+  int rc = _keel_tidx_del(t, n);
   _keel_rcu_read_unlock();
   if (rc != 0) return KEEL_ENOENT; /* another remover or the shrinker won */
   _keel_table_removed(t, n);
@@ -452,7 +396,7 @@ int keel_table_remove_key(keel_table_t *t, const void *key, size_t len) {
       goto out;
     }
   } while (!keel_cas_weak_acq_rel(ref, &v, v | REF_DEAD));
-  if (cds_lfht_del(t->ht, node_lfht(n)) != 0)
+  if (_keel_tidx_del(t, n) != 0)
     rc = KEEL_ENOENT; /* a concurrent keel_table_remove owns it */
   else
     _keel_table_removed(t, n);
@@ -464,15 +408,8 @@ out:
 /* --- walking and counting ---------------------------------------------------- */
 
 int keel_table_for_each(keel_table_t *t, int (*fn)(keel_table_node_t *node, void *arg), void *arg) {
-  int rc = 0;
-  struct cds_lfht_iter it;
-  struct cds_lfht_node *l;
   _keel_rcu_read_lock();
-  cds_lfht_for_each(t->ht, &it, l) {
-    keel_table_node_t *n = lfht_node(l);
-    (void)keel_load_acquire(node_ref(n)); /* see match_u64 */
-    if ((rc = fn(n, arg)) != 0) break;
-  }
+  int rc = _keel_tidx_walk(t, fn, arg);
   _keel_rcu_read_unlock();
   return rc;
 }
@@ -491,4 +428,7 @@ void keel_table_stats(const keel_table_t *t, keel_table_stats_t *st) {
     st->lru_entries += keel_load_relaxed(&t->shards[i].lru_len);
   st->evicted = keel_load_relaxed(&t->evicted);
   st->charged_bytes = t->cfg.max_bytes ? keel_load_relaxed(&t->charge) : 0;
+  st->buckets = _keel_tidx_buckets(t);
+  st->resizes = keel_load_relaxed(&t->ix.resizes);
+  st->resizing = keel_load_relaxed(&t->ix.resizing) != 0;
 }

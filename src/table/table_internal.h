@@ -14,10 +14,10 @@
  *  - LINKED is set by the insert that wins the CAS from an unlinked word and
  *    is never cleared: a node is inserted at most once in its life.
  *  - DEAD means "no longer findable, or about to be": set once, by the thread
- *    that removes the entry from rculfhash (after its cds_lfht_del) or by the
- *    evictor (a CAS from COUNT == 0, before its cds_lfht_del). Exactly one
- *    thread wins cds_lfht_del for an entry; it is the "removal owner" and
- *    takes the entry off its LRU.
+ *    that removes the entry from the index (after its _keel_tidx_del) or by
+ *    the evictor (a CAS from COUNT == 0, before its _keel_tidx_del). Exactly
+ *    one thread's _keel_tidx_del succeeds for an entry; it is the "removal
+ *    owner" and takes the entry off its LRU.
  *  - ON_LRU mirrors membership of the shard's LRU list and changes only under
  *    that shard's lock; it is set only by a CAS that sees !DEAD.
  *  - ACCESSED is set by lookups (second chance) and cleared by the shrinker;
@@ -47,15 +47,14 @@
 #include <urcu/list.h>
 #include <urcu/urcu-memb.h>
 
-#include <urcu/rculfhash.h>
-
 #include "base/atomic.h"
 #include "base/common.h"
+#include "index.h"
 
 /* State word bits. */
 #define REF_COUNT    0x00ffffffu /* references held by callers (16M: overflow aborts) */
 #define REF_LINKED   (1u << 24)  /* inserted (never cleared) */
-#define REF_DEAD     (1u << 25)  /* removed from rculfhash, or being evicted */
+#define REF_DEAD     (1u << 25)  /* removed from the index, or being evicted */
 #define REF_ON_LRU   (1u << 26)  /* on its shard's LRU list (shard lock) */
 #define REF_ACCESSED (1u << 27)  /* inserted or looked up since the shrinker last passed */
 #define REF_BURIED   (1u << 28)  /* handed to the deferred free (checked in debug) */
@@ -66,16 +65,6 @@
  * turn. */
 #define TABLE_SHARDS 32
 
-/* Bucket counts handed to rculfhash. liburcu 0.13.2 started from 1 bucket
- * with auto-resize livelocked inside cds_lfht_add in about half of 2M-key
- * runs (measured for issue 7); from 4096 it never did, so no table starts
- * smaller. Its own policy never shrinks below 1024 per CPU. The largest size
- * bounds the virtual reservation of the mmap bucket allocator: 2^27 buckets
- * are 2 GiB of address space, committed only as the table grows, and serve
- * a billion entries at rculfhash's load factor of up to 8. */
-#define TABLE_MIN_BUCKETS (1ul << 12)
-#define TABLE_MAX_BUCKETS (1ul << 27)
-
 typedef struct table_shard {
   pthread_mutex_t lock;        /* guards lru, lru_len and every ON_LRU bit of its nodes */
   struct cds_list_head lru;    /* cold at the head, recently released at the tail */
@@ -85,7 +74,7 @@ typedef struct table_shard {
 } KEEL_CACHE_ALIGNED table_shard_t;
 
 struct keel_table {
-  struct cds_lfht *ht;
+  tidx_t ix; /* the index (index.h) */
   keel_table_config_t cfg;
   uint64_t seed;                /* per-table hash seed */
   uint16_t tag;                 /* stamped into every node this table inserts */
@@ -105,12 +94,8 @@ KEEL_INLINE keel_atomic(uint32_t) * node_ref(keel_table_node_t *n) {
   return (keel_atomic(uint32_t) *)&n->_ref;
 }
 
-KEEL_INLINE struct cds_lfht_node *node_lfht(keel_table_node_t *n) {
-  return (struct cds_lfht_node *)(void *)n->_lfht;
-}
-
-KEEL_INLINE keel_table_node_t *lfht_node(struct cds_lfht_node *l) {
-  return (keel_table_node_t *)(void *)((char *)l - offsetof(keel_table_node_t, _lfht));
+KEEL_INLINE keel_atomic(keel_table_node_t *) * node_next(keel_table_node_t *n) {
+  return (keel_atomic(keel_table_node_t *) *)&n->_next;
 }
 
 KEEL_INLINE struct cds_list_head *node_lru(keel_table_node_t *n) {
@@ -136,9 +121,8 @@ KEEL_INLINE size_t node_charge(const keel_table_t *t, const keel_table_node_t *n
 
 /* --- hashing (hash.c) ------------------------------------------------------ */
 
-/* 64-bit finaliser of a u64 key under a seed: a bijection (so distinct keys
- * never share a reverse hash, and rculfhash's full-hash compare settles
- * almost every mismatch before the key is read). */
+/* 64-bit finaliser of a u64 key under a seed: every input bit reaches the
+ * low bits that pick the bucket, so sequential keys spread evenly. */
 KEEL_INLINE uint64_t _keel_hash_u64(uint64_t k, uint64_t seed) {
   k ^= seed;
   k ^= k >> 33;
@@ -151,6 +135,92 @@ KEEL_INLINE uint64_t _keel_hash_u64(uint64_t k, uint64_t seed) {
 
 /* Hash of a byte string under a seed (multiply-fold, 16 bytes a step). */
 uint64_t _keel_hash_bytes(const void *p, size_t len, uint64_t seed) KEEL_HIDDEN;
+
+/* The hash of an entry's key. */
+KEEL_INLINE uint64_t node_hash(const keel_table_t *t, const keel_table_node_t *n) {
+  if (t->cfg.key_type == KEEL_TABLE_KEY_U64) return _keel_hash_u64(n->key.u64, t->seed);
+  return _keel_hash_bytes(n->key.bytes, n->_key_len, t->seed);
+}
+
+/* Whether two entries of t have the same key. */
+KEEL_INLINE bool node_same_key(const keel_table_t *t, const keel_table_node_t *a,
+                               const keel_table_node_t *b) {
+  if (t->cfg.key_type == KEEL_TABLE_KEY_U64) return a->key.u64 == b->key.u64;
+  return a->_key_len == b->_key_len &&
+         (a->_key_len == 0 || memcmp(a->key.bytes, b->key.bytes, a->_key_len) == 0);
+}
+
+/* A lookup key: a u64, or bytes. */
+typedef struct table_key {
+  uint64_t u64;
+  const void *p;
+  size_t len;
+} table_key_t;
+
+/* Whether a reader's node has key k (a BYTES table's; U64 tables compare
+ * inline in tidx_find). */
+KEEL_INLINE bool match_bytes(const keel_table_node_t *n, const table_key_t *k) {
+  return n->_key_len == k->len && (k->len == 0 || memcmp(n->key.bytes, k->p, k->len) == 0);
+}
+
+/* --- the index (index.h, index.c) ---------------------------------------- */
+
+/* Finds the entry with key k (hash h) inside a read-side section: the
+ * current array's bucket, then, only while a resize is in flight and the key
+ * was not there, the next array's (index.h says why that is complete).
+ * The key type is tested once, outside the walk. The acquire load of the
+ * found node's state word pairs with the release that inserted it
+ * (node_claim): what the caller wrote into its entry before the insert is
+ * visible to whoever finds it (the bucket's release store publishes the
+ * node as well; this one states it for the fields, and TSan sees it). */
+KEEL_INLINE keel_table_node_t *tidx_find(keel_table_t *t, uint64_t h, const table_key_t *k) {
+  const bool u64 = t->cfg.key_type == KEEL_TABLE_KEY_U64;
+  tidx_array_t *a = keel_load_acquire(&t->ix.arr);
+  do {
+    uintptr_t head = keel_load_acquire(&a->b[h & a->mask]);
+    if (head != TIDX_MOVED) {
+      keel_table_node_t *n = tidx_first(head);
+      if (keel_likely(u64)) {
+        for (; n != NULL; n = keel_load_acquire(node_next(n)))
+          if (n->key.u64 == k->u64) goto found;
+      } else {
+        for (; n != NULL; n = keel_load_acquire(node_next(n)))
+          if (match_bytes(n, k)) goto found;
+      }
+      continue; /* to the next array, if any */
+    found:
+      (void)keel_load_acquire(node_ref(n));
+      return n;
+    }
+  } while (keel_unlikely((a = keel_load_acquire(&a->next)) != NULL));
+  return NULL;
+}
+
+/* An array for about `hint` entries (at least TIDX_MIN_BUCKETS); -1 if no
+ * memory. */
+int _keel_tidx_init(keel_table_t *t, size_t hint) KEEL_HIDDEN;
+/* Frees the arrays (destroy: no other thread uses the table). */
+void _keel_tidx_fini(keel_table_t *t) KEEL_HIDDEN;
+/* Links n unless an entry with its key is there; returns n, or that entry.
+ * Inside a read-side section. */
+keel_table_node_t *_keel_tidx_add(keel_table_t *t, keel_table_node_t *n, uint64_t hash) KEEL_HIDDEN;
+/* Unlinks n: 0, or -1 if it is not in the table (removed by another thread).
+ * Inside a read-side section. */
+int _keel_tidx_del(keel_table_t *t, keel_table_node_t *n) KEEL_HIDDEN;
+/* Calls fn on every entry once, in bucket order, inside a read-side
+ * section; stops at fn's first non-zero return and returns it. */
+int _keel_tidx_walk(keel_table_t *t, int (*fn)(keel_table_node_t *, void *), void *arg) KEEL_HIDDEN;
+/* Starts a resize if the count asks for one. */
+void _keel_tidx_check(keel_table_t *t) KEEL_HIDDEN;
+/* Buckets of the current array. */
+size_t _keel_tidx_buckets(const keel_table_t *t) KEEL_HIDDEN;
+
+/* Changes a shard's count of entries in the table; every 128th value checks
+ * the load (shrinking has no other trigger). */
+KEEL_INLINE void shard_count_add(keel_table_t *t, table_shard_t *s, long d) {
+  long v = keel_fetch_add_relaxed(&s->in_table, d) + d;
+  if (keel_unlikely((v & 127) == 0)) _keel_tidx_check(t);
+}
 
 /* --- RCU (rcu.c) ----------------------------------------------------------- */
 

@@ -394,12 +394,101 @@ static void grow_and_shrink(void) {
     keel_table_put(t, &v[i].node);
   }
   KT_EQ(keel_table_count(t), n);
+  /* From 64 buckets to at most two entries per bucket (one, or a grow
+   * under way), each doubling a resize. */
+  keel_table_stats_t st;
+  keel_table_stats(t, &st);
+  KT_CHECK(st.buckets * 2 >= n);
+  size_t doublings = 0;
+  for (size_t b = 64; b * 2 <= n; b *= 2) doublings++;
+  KT_CHECK(st.resizes + 1 >= doublings);
   for (size_t i = 0; i < n; i += 97) KT_CHECK(keel_table_get_u64(t, i) == &v[i].node);
   for (size_t i = 0; i < n; i += 97) keel_table_put(t, &v[i].node);
   KT_EQ(keel_table_shrink(t, SIZE_MAX), n);
   KT_EQ(keel_table_count(t), 0);
+  /* Evictions are writes: they shrank the array back towards 64 buckets. */
+  size_t grown = st.buckets, resizes = st.resizes;
+  keel_table_stats(t, &st);
+  KT_CHECK(st.buckets <= 4096 && st.buckets < grown);
+  KT_CHECK(st.resizes > resizes);
   KT_EQ(keel_table_destroy(t), 0);
   for (size_t i = 0; i < n; i++) KT_EQ(keel_load_relaxed(&v[i].freed), 1);
+  free(v);
+}
+
+/* The state between two arrays, held still: inserting stops as soon as a
+ * grow has started, so most buckets are still in the old array and a few
+ * are MOVED. Every key is found, no absent one is, a walk visits each
+ * entry once, removals and inserts work in both arrays, and the writes
+ * that follow finish the resize. */
+static int count_visits(keel_table_node_t *n, void *arg) {
+  uint8_t *seen = arg;
+  seen[n->key.u64]++;
+  return 0;
+}
+
+static void resize_in_flight(void) {
+  keel_table_t *t = u64_table(0);
+  size_t n = 20000;
+  item_t *v = items_new(n, 0);
+  keel_table_stats_t st;
+  size_t in = 0;
+  do {
+    KT_EQ(keel_table_insert(t, &v[in].node), 0);
+    keel_table_put(t, &v[in].node);
+    in++;
+    keel_table_stats(t, &st);
+  } while (!(st.resizing && st.resizes >= 3) && in < n);
+  KT_REQUIRE(st.resizing);
+  /* A few writes more: some buckets MOVED, most not. */
+  for (int k = 0; k < 3; k++, in++) {
+    KT_EQ(keel_table_insert(t, &v[in].node), 0);
+    keel_table_put(t, &v[in].node);
+  }
+  keel_table_stats(t, &st);
+  KT_CHECK(st.resizing);
+  keel_table_read_lock();
+  for (size_t i = 0; i < in; i++) KT_CHECK(keel_table_lookup_u64(t, i) == &v[i].node);
+  for (size_t i = in; i < in + 1000; i++) KT_CHECK(keel_table_lookup_u64(t, i) == NULL);
+  keel_table_read_unlock();
+  uint8_t *seen = calloc(n, 1);
+  KT_EQ(keel_table_for_each(t, count_visits, seen), 0);
+  for (size_t i = 0; i < n; i++) KT_EQ(seen[i], i < in ? 1 : 0);
+  /* Removals in both arrays (by node and by key) and a duplicate check. */
+  for (size_t i = 0; i < in; i += 3) KT_EQ(keel_table_remove(t, &v[i].node), 0);
+  for (size_t i = 1; i < in; i += 3) {
+    uint64_t k = i;
+    KT_EQ(keel_table_remove_key(t, &k, sizeof k), 0);
+  }
+  item_t dup;
+  keel_table_node_init_u64(&dup.node, 2);
+  KT_EQ(keel_table_insert(t, &dup.node), KEEL_EEXIST);
+  /* Writes finish the resize. */
+  size_t mid = in;
+  for (; in < n; in++) {
+    KT_EQ(keel_table_insert(t, &v[in].node), 0);
+    keel_table_put(t, &v[in].node);
+  }
+  keel_table_stats(t, &st);
+  KT_CHECK(!st.resizing || st.resizes >= 4);
+  keel_table_read_lock();
+  for (size_t i = 0; i < n; i++) {
+    bool present = i >= mid || i % 3 == 2;
+    KT_CHECK(keel_table_lookup_u64(t, i) == (present ? &v[i].node : NULL));
+  }
+  keel_table_read_unlock();
+  memset(seen, 0, n);
+  KT_EQ(keel_table_for_each(t, count_visits, seen), 0);
+  size_t live = 0;
+  for (size_t i = 0; i < n; i++) {
+    KT_CHECK(seen[i] <= 1);
+    live += seen[i];
+  }
+  KT_EQ(live, keel_table_count(t));
+  keel_table_stats(t, &st);
+  KT_CHECK(st.buckets * 2 >= live);
+  KT_EQ(keel_table_destroy(t), 0);
+  free(seen);
   free(v);
 }
 
@@ -554,6 +643,6 @@ KT_MAIN(KT_CASE(create_bad_config), KT_CASE(insert_lookup_get_put), KT_CASE(dupl
         KT_CASE(remove_twice_and_foreign), KT_CASE(destroy_busy), KT_CASE(bytes_keys_and_key_limit),
         KT_CASE(put_misuse_aborts), KT_CASE(lru_shrink_order), KT_CASE(new_entries_second_chance),
         KT_CASE(entry_limit), KT_CASE(byte_limit), KT_CASE(for_each_visits_and_removes),
-        KT_CASE(grow_and_shrink), KT_CASE(thread_registration),
+        KT_CASE(grow_and_shrink), KT_CASE(resize_in_flight), KT_CASE(thread_registration),
         KT_CASE(destroy_inside_read_section), KT_CASE(get_or_insert_basic),
         KT_CASE(get_or_insert_bad_input), KT_CASE(get_or_insert_helps_dying_entry))

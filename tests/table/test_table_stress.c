@@ -253,6 +253,166 @@ static void grow_from_tiny_repeatedly(void) {
   free(items);
 }
 
+/* --- resizes under readers and walkers ----------------------------------------- */
+
+/* A small stable set of entries, held referenced, while writers insert and
+ * remove a churning set in waves big enough to grow the index from the
+ * stable size to hundreds of times that and shrink it back, over and over.
+ * Readers assert that every stable key is found on every lookup and that
+ * keys never inserted are not; walkers assert that each walk visits every
+ * stable entry exactly once. These are the invariants migration must keep
+ * (src/table/index.h): a key is findable in the old array or the new one
+ * at every instant, and a walk sees each entry once. */
+#define RS_STABLE 2048u
+#define RS_ABSENT (1ull << 40) /* keys from here on are never inserted */
+
+typedef struct rs_ctx {
+  keel_table_t *t;
+  keel_atomic(int) done; /* the writers have finished: readers and walker stop */
+  size_t wave;           /* churn keys per writer per wave */
+  int writers;
+  keel_atomic(long) lookups, walks;
+} rs_ctx_t;
+
+typedef struct rs_worker {
+  rs_ctx_t *c;
+  int id;
+  pthread_t th;
+} rs_worker_t;
+
+static void *rs_reader(void *arg) {
+  rs_worker_t *w = arg;
+  uint64_t s = 0x2545f4914f6cdd1dull + (uint64_t)w->id;
+  long n = 0;
+  while (!keel_load_relaxed(&w->c->done)) {
+    keel_table_read_lock();
+    for (int i = 0; i < 64; i++) {
+      uint64_t k = rnd(&s) % RS_STABLE;
+      keel_table_node_t *e = keel_table_lookup_u64(w->c->t, k);
+      if (e == NULL) kt_fail(__FILE__, __LINE__, "stable key %" PRIu64 " not found", k);
+      check_found(e, k);
+      if (keel_table_lookup_u64(w->c->t, RS_ABSENT + rnd(&s) % 4096) != NULL)
+        kt_fail(__FILE__, __LINE__, "a key never inserted was found");
+    }
+    keel_table_read_unlock();
+    n += 128;
+  }
+  keel_fetch_add_relaxed(&w->c->lookups, n);
+  return NULL;
+}
+
+static int rs_visit(keel_table_node_t *n, void *arg) {
+  uint8_t *seen = arg;
+  if (n->key.u64 < RS_STABLE) seen[n->key.u64]++;
+  return 0;
+}
+
+static void *rs_walker(void *arg) {
+  rs_worker_t *w = arg;
+  uint8_t seen[RS_STABLE];
+  long n = 0;
+  while (!keel_load_relaxed(&w->c->done)) {
+    memset(seen, 0, sizeof seen);
+    double t0 = kt_now();
+    keel_table_for_each(w->c->t, rs_visit, seen);
+    for (unsigned k = 0; k < RS_STABLE; k++)
+      if (seen[k] != 1)
+        kt_fail(__FILE__, __LINE__, "walk visited stable key %u %u times", k, seen[k]);
+    n++;
+    /* A walk pauses resizing: rest twice as long as it took (TSan makes a
+     * walk slow enough to pause them for good otherwise). */
+    usleep((useconds_t)(2e6 * (kt_now() - t0)) + 1000);
+  }
+  keel_fetch_add_relaxed(&w->c->walks, n);
+  return NULL;
+}
+
+static void *rs_writer(void *arg) {
+  rs_worker_t *w = arg;
+  rs_ctx_t *c = w->c;
+  item_t **mine = calloc(c->wave, sizeof *mine);
+  uint64_t base = RS_STABLE + (uint64_t)w->id * c->wave;
+  /* Two waves at least, however slow the machine: each grows the index
+   * several times and shrinks it back. */
+  for (int waves = 0; waves < 2 || !keel_load_relaxed(&stop); waves++) {
+    for (size_t i = 0; i < c->wave; i++) {
+      mine[i] = item_new(base + i);
+      if (keel_table_insert(c->t, &mine[i]->node) != 0) kt_fail(__FILE__, __LINE__, "insert");
+      keel_table_put(c->t, &mine[i]->node);
+      keel_fetch_add_relaxed(&progress, 1);
+    }
+    for (size_t i = 0; i < c->wave; i++) {
+      uint64_t k = base + i;
+      if (keel_table_remove_key(c->t, &k, sizeof k) != 0) kt_fail(__FILE__, __LINE__, "remove");
+      keel_fetch_add_relaxed(&progress, 1);
+    }
+  }
+  free(mine);
+  return NULL;
+}
+
+static void resizes_under_readers_and_walkers(void) {
+  int writers = (int)kt_env_int("KEEL_TEST_THREADS", 4);
+  if (writers > 16) writers = 16;
+  double secs = (double)kt_env_int("KEEL_TEST_SECONDS", 3);
+  keel_table_config_t cfg = {.key_type = KEEL_TABLE_KEY_U64, .free_fn = item_free};
+  /* Waves of at least 16 times the stable set, so that each one grows the
+   * index 16-fold and the removals shrink it back (a shrink needs the count
+   * under a quarter of the buckets). */
+  size_t wave = (size_t)tsan_quarter(kt_scale(100000)) / (size_t)writers;
+  if (wave < 16 * RS_STABLE / (size_t)writers) wave = 16 * RS_STABLE / (size_t)writers;
+  rs_ctx_t c = {.t = keel_table_create(&cfg), .wave = wave, .writers = writers};
+  KT_REQUIRE(c.t != NULL);
+  item_t *stable = calloc(RS_STABLE, sizeof *stable);
+  for (unsigned i = 0; i < RS_STABLE; i++) {
+    keel_table_node_init_u64(&stable[i].node, i);
+    stable[i].payload = i * PAYLOAD_MUL;
+    keel_store_relaxed(&stable[i].magic, MAGIC_LIVE);
+    stable[i].in_array = true;
+    KT_EQ(keel_table_insert(c.t, &stable[i].node), 0); /* held: never evicted */
+  }
+  keel_table_stats_t st0;
+  keel_table_stats(c.t, &st0);
+  keel_store_relaxed(&stop, 0);
+  long stall_s = kt_env_int("KEEL_TEST_STALL", 60);
+  pthread_t wd;
+  keel_store_relaxed(&watch_stop, 0);
+  pthread_create(&wd, NULL, watchdog, &stall_s);
+  rs_worker_t w[2 + 1 + 16];
+  int nw = 0;
+  for (int i = 0; i < 2; i++, nw++) {
+    w[nw] = (rs_worker_t){&c, i, 0};
+    pthread_create(&w[nw].th, NULL, rs_reader, &w[nw]);
+  }
+  w[nw] = (rs_worker_t){&c, 0, 0};
+  pthread_create(&w[nw].th, NULL, rs_walker, &w[nw]);
+  nw++;
+  for (int i = 0; i < writers; i++, nw++) {
+    w[nw] = (rs_worker_t){&c, i, 0};
+    pthread_create(&w[nw].th, NULL, rs_writer, &w[nw]);
+  }
+  usleep((useconds_t)(secs * 1e6));
+  keel_store_relaxed(&stop, 1);
+  for (int i = 3; i < nw; i++) pthread_join(w[i].th, NULL); /* writers */
+  keel_store_relaxed(&c.done, 1);
+  for (int i = 0; i < 3; i++) pthread_join(w[i].th, NULL);
+  keel_store_relaxed(&watch_stop, 1);
+  pthread_join(wd, NULL);
+  keel_table_stats_t st;
+  keel_table_stats(c.t, &st);
+  printf("  resize: %zu resizes in %.0f s (%d writers, waves of %zu), %ld lookups, %ld walks\n",
+         st.resizes - st0.resizes, secs, writers, c.wave, keel_load_relaxed(&c.lookups),
+         keel_load_relaxed(&c.walks));
+  /* Each wave takes the index from 2048 entries to 16 times that and back:
+   * two waves give at least 4 finished resizes. */
+  KT_CHECK(st.resizes - st0.resizes >= 4);
+  KT_CHECK(keel_load_relaxed(&c.walks) > 0);
+  KT_EQ(keel_table_count(c.t), RS_STABLE);
+  for (unsigned i = 0; i < RS_STABLE; i++) keel_table_put(c.t, &stable[i].node);
+  KT_EQ(keel_table_destroy(c.t), 0);
+  free(stable);
+}
+
 /* --- big table, mixed readers and writers ------------------------------------ */
 
 typedef struct mix_ctx {
@@ -652,4 +812,5 @@ static void get_or_insert_one_winner(void) {
 }
 
 KT_MAIN(KT_CASE(hot_keys_refcount_races), KT_CASE(grow_from_tiny_repeatedly),
-        KT_CASE(big_table_readers_writers), KT_CASE(get_or_insert_one_winner))
+        KT_CASE(resizes_under_readers_and_walkers), KT_CASE(big_table_readers_writers),
+        KT_CASE(get_or_insert_one_winner))

@@ -1,0 +1,282 @@
+/* keel table: the index's writers: bucket locks, insert, removal, resizing,
+ * migration and walks. See index.h for the design and its invariants; the
+ * lookup is table_internal.h's tidx_find.
+ */
+#include <sched.h>
+#include <stdlib.h>
+
+#include "base/die.h"
+#include "table_internal.h"
+
+/* --- arrays ------------------------------------------------------------------ */
+
+static tidx_array_t *array_new(size_t buckets) {
+  /* calloc, not aligned_alloc and memset: a large array comes from fresh
+   * zero pages, committed as it fills. Aligned by hand to a cache line so
+   * that the migrators' counters and the buckets do not share lines with
+   * what readers load. */
+  void *raw = calloc(1, sizeof(tidx_array_t) + buckets * sizeof(uintptr_t) + KEEL_CACHE_LINE);
+  if (raw == NULL) return NULL;
+  uintptr_t p = ((uintptr_t)raw + KEEL_CACHE_LINE - 1) & ~(uintptr_t)(KEEL_CACHE_LINE - 1);
+  tidx_array_t *a = (tidx_array_t *)p;
+  a->raw = raw;
+  a->mask = buckets - 1;
+  return a;
+}
+
+static void array_free(tidx_array_t *a) {
+  if (a != NULL) free(a->raw);
+}
+
+static void array_free_cb(struct rcu_head *head) {
+  tidx_array_t *a = caa_container_of(head, tidx_array_t, rcu);
+  _keel_rcu_tsan_handoff_acquire(head);
+  _keel_rcu_tsan_gp_acquire();
+  array_free(a);
+}
+
+static size_t pow2_ceil(size_t x) {
+  return x <= 1 ? 1 : (size_t)1 << (64 - __builtin_clzll((unsigned long long)(x - 1)));
+}
+
+int _keel_tidx_init(keel_table_t *t, size_t hint) {
+  size_t n = pow2_ceil(hint);
+  if (n < TIDX_MIN_BUCKETS) n = TIDX_MIN_BUCKETS;
+  if (n > ((size_t)1 << 40)) n = (size_t)1 << 40;
+  tidx_array_t *a = array_new(n);
+  if (a == NULL) return -1;
+  t->ix.min_buckets = n;
+  keel_store_relaxed(&t->ix.arr, a);
+  return 0;
+}
+
+void _keel_tidx_fini(keel_table_t *t) {
+  tidx_array_t *a = keel_load_relaxed(&t->ix.arr);
+  array_free(keel_load_relaxed(&a->next));
+  array_free(a);
+}
+
+size_t _keel_tidx_buckets(const keel_table_t *t) {
+  _keel_rcu_read_lock(); /* keeps the array allocated */
+  tidx_array_t *a = keel_load_acquire(&((keel_table_t *)t)->ix.arr);
+  size_t n = a->mask + 1;
+  _keel_rcu_read_unlock();
+  return n;
+}
+
+/* --- bucket locks ------------------------------------------------------------ */
+
+/* Spins briefly, then yields: with hundreds of threads on a few cores the
+ * holder may be preempted, and spinning would only keep it off the CPU. */
+static void backoff(unsigned *spins) {
+  if (++*spins < 64)
+    keel_cpu_relax();
+  else
+    sched_yield();
+}
+
+/* Locks a bucket and returns its chain head, or TIDX_MOVED (not locked:
+ * the state is final) if its chain has been migrated. */
+static uintptr_t bucket_lock(keel_atomic(uintptr_t) * b) {
+  unsigned spins = 0;
+  uintptr_t v = keel_load_acquire(b);
+  for (;;) {
+    if (v == TIDX_MOVED) return v;
+    if (!(v & TIDX_LOCK) && atomic_compare_exchange_weak_explicit(
+                                b, &v, v | TIDX_LOCK, memory_order_acquire, memory_order_acquire))
+      return v;
+    if (v & TIDX_LOCK) {
+      backoff(&spins);
+      v = keel_load_acquire(b);
+    }
+  }
+}
+
+/* Unlocks a bucket, storing its (new) head; the release publishes every
+ * node linked under the lock. */
+KEEL_INLINE void bucket_unlock(keel_atomic(uintptr_t) * b, uintptr_t head) {
+  keel_store_release(b, head);
+}
+
+/* Locks the bucket of `hash` in the array that holds its chain now: the
+ * current one, or the next one if that bucket was migrated. */
+static keel_atomic(uintptr_t) * bucket_lock_hash(keel_table_t *t, uint64_t hash, uintptr_t *head) {
+  tidx_array_t *a = keel_load_acquire(&t->ix.arr);
+  for (;;) {
+    keel_atomic(uintptr_t) *b = &a->b[hash & a->mask];
+    uintptr_t v = bucket_lock(b);
+    if (v != TIDX_MOVED) {
+      *head = v;
+      return b;
+    }
+    a = keel_load_acquire(&a->next);
+  }
+}
+
+/* --- resizing ---------------------------------------------------------------- */
+
+/* The size the load asks of an array of `size` buckets: grow above one
+ * entry per bucket (to between a half and one), halve below a quarter but
+ * never below the size the hint asked for. Halving, not a jump to the
+ * count: the resize takes size/8 writes, during which the count may grow
+ * again, and a half-size array still holds what a quarter grows to in
+ * that time at a load of at most one. */
+static size_t want_buckets(keel_table_t *t, size_t size) {
+  size_t count = keel_table_count(t);
+  if (count > size) return pow2_ceil(count);
+  if (count < size / 4 && size / 2 >= t->ix.min_buckets) return size / 2;
+  return size;
+}
+
+/* Starts a resize if the load asks for one and none is under way. */
+void _keel_tidx_check(keel_table_t *t) {
+  if (keel_load_relaxed(&t->ix.resizing)) return;
+  _keel_rcu_read_lock(); /* keeps the array read here allocated */
+  tidx_array_t *a = keel_load_acquire(&t->ix.arr);
+  size_t size = a->mask + 1;
+  _keel_rcu_read_unlock();
+  if (want_buckets(t, size) == size) return;
+  int idle = 0;
+  if (!atomic_compare_exchange_strong(&t->ix.resizing, &idle, 1)) return;
+  /* With the flag held the current array has no next one: the last resize
+   * made its array current before it cleared the flag. Decide again on
+   * that array (it may be newer than the one above). */
+  a = keel_load_acquire(&t->ix.arr);
+  size_t want = want_buckets(t, a->mask + 1);
+  tidx_array_t *to = want != a->mask + 1 ? array_new(want) : NULL;
+  if (to == NULL) { /* no resize needed after all, or no memory: stay as is */
+    keel_store_release(&t->ix.resizing, 0);
+    return;
+  }
+  /* Buckets each write moves (index.h): a grow starts at one entry per
+   * bucket and must end before the count doubles; a shrink starts at a
+   * quarter and must end before the removals that follow empty the table. */
+  a->help = want > a->mask + 1 ? TIDX_HELP_GROW : TIDX_HELP_SHRINK;
+  keel_store_release(&a->next, to);
+}
+
+/* Moves bucket i of `from` into `to`, tail first (index.h). */
+static void migrate_bucket(keel_table_t *t, tidx_array_t *from, tidx_array_t *to, size_t i) {
+  keel_atomic(uintptr_t) *b = &from->b[i];
+  uintptr_t head = bucket_lock(b);
+  KEEL_ASSERT(head != TIDX_MOVED);
+  keel_table_node_t *first = tidx_first(head);
+  while (first != NULL) {
+    keel_table_node_t *prev = NULL, *tail = first, *nx;
+    while ((nx = keel_load_relaxed(node_next(tail))) != NULL) {
+      prev = tail;
+      tail = nx;
+    }
+    keel_atomic(uintptr_t) *nb = &to->b[node_hash(t, tail) & to->mask];
+    uintptr_t nh = bucket_lock(nb); /* `to` has no MOVED bucket before it is current */
+    keel_store_release(node_next(tail), tidx_first(nh));
+    bucket_unlock(nb, (uintptr_t)tail);
+    if (prev != NULL)
+      keel_store_release(node_next(prev), NULL);
+    else
+      first = NULL;
+  }
+  bucket_unlock(b, TIDX_MOVED);
+}
+
+/* The migrator of the last bucket: the next array becomes current and the
+ * old one is freed after a grace period. */
+static void resize_finish(keel_table_t *t, tidx_array_t *from, tidx_array_t *to) {
+  keel_store_release(&t->ix.arr, to);
+  keel_fetch_add_relaxed(&t->ix.resizes, 1);
+  _keel_rcu_tsan_handoff_release(&from->rcu);
+  urcu_memb_call_rcu(&from->rcu, array_free_cb);
+  keel_store_release(&t->ix.resizing, 0);
+}
+
+/* A write's share of a resize in flight: from->help buckets. Inside a
+ * read-side section (it keeps `from` allocated). */
+static void migrate_some(keel_table_t *t) {
+  atomic_fetch_add(&t->ix.migrating, 1);
+  if (atomic_load(&t->ix.walkers) != 0) goto out; /* a walk is on: see index.h */
+  tidx_array_t *from = keel_load_acquire(&t->ix.arr);
+  tidx_array_t *to = keel_load_acquire(&from->next);
+  if (to == NULL) goto out;
+  size_t size = from->mask + 1;
+  size_t lo = keel_fetch_add_relaxed(&from->claim, from->help);
+  if (lo >= size) goto out;
+  size_t hi = lo + from->help < size ? lo + from->help : size;
+  for (size_t i = lo; i < hi; i++) migrate_bucket(t, from, to, i);
+  if (keel_fetch_add_acq_rel(&from->moved, hi - lo) + (hi - lo) == size) resize_finish(t, from, to);
+out:
+  keel_fetch_sub_acq_rel(&t->ix.migrating, 1);
+}
+
+KEEL_INLINE void write_done(keel_table_t *t) {
+  if (keel_unlikely(keel_load_relaxed(&t->ix.resizing))) migrate_some(t);
+}
+
+/* --- insert and remove --------------------------------------------------------- */
+
+keel_table_node_t *_keel_tidx_add(keel_table_t *t, keel_table_node_t *n, uint64_t hash) {
+  uintptr_t head;
+  keel_atomic(uintptr_t) *b = bucket_lock_hash(t, hash, &head);
+  unsigned len = 0;
+  for (keel_table_node_t *p = tidx_first(head); p != NULL; p = keel_load_relaxed(node_next(p))) {
+    if (node_same_key(t, p, n)) {
+      bucket_unlock(b, head);
+      return p;
+    }
+    len++;
+  }
+  keel_store_relaxed(node_next(n), tidx_first(head));
+  bucket_unlock(b, (uintptr_t)n);
+  if (keel_unlikely(len >= TIDX_CHAIN_CHECK)) _keel_tidx_check(t);
+  write_done(t);
+  return n;
+}
+
+int _keel_tidx_del(keel_table_t *t, keel_table_node_t *n) {
+  uintptr_t head;
+  keel_atomic(uintptr_t) *b = bucket_lock_hash(t, node_hash(t, n), &head);
+  keel_table_node_t *prev = NULL;
+  for (keel_table_node_t *p = tidx_first(head); p != NULL; p = keel_load_relaxed(node_next(p))) {
+    if (p != n) {
+      prev = p;
+      continue;
+    }
+    /* n keeps its link: a reader standing on it still reaches the rest. */
+    keel_table_node_t *nx = keel_load_relaxed(node_next(n));
+    if (prev == NULL) {
+      bucket_unlock(b, (uintptr_t)nx);
+    } else {
+      keel_store_release(node_next(prev), nx);
+      bucket_unlock(b, head);
+    }
+    write_done(t);
+    return 0;
+  }
+  bucket_unlock(b, head);
+  return -1; /* not in the table: another thread removed it */
+}
+
+/* --- walks --------------------------------------------------------------------- */
+
+int _keel_tidx_walk(keel_table_t *t, int (*fn)(keel_table_node_t *, void *), void *arg) {
+  atomic_fetch_add(&t->ix.walkers, 1);
+  unsigned spins = 0;
+  while (atomic_load(&t->ix.migrating) != 0) backoff(&spins);
+  /* Migration is stopped: every entry is in a live bucket of the current
+   * array or in the next one, and stays there. An array started during the
+   * walk holds no entry (nothing migrates into it). */
+  tidx_array_t *a = keel_load_acquire(&t->ix.arr);
+  tidx_array_t *next = keel_load_acquire(&a->next);
+  int rc = 0;
+  for (int k = 0; k < 2 && a != NULL && rc == 0; k++, a = next) {
+    for (size_t i = 0; i <= a->mask && rc == 0; i++) {
+      uintptr_t h = keel_load_acquire(&a->b[i]);
+      if (h == TIDX_MOVED) continue;
+      for (keel_table_node_t *p = tidx_first(h); p != NULL; p = keel_load_acquire(node_next(p))) {
+        (void)keel_load_acquire(node_ref(p)); /* see tidx_find */
+        if ((rc = fn(p, arg)) != 0) break;
+      }
+    }
+  }
+  keel_fetch_sub_acq_rel(&t->ix.walkers, 1);
+  return rc;
+}
