@@ -33,8 +33,7 @@
  * on its table. Readers never block. Writers, keel_table_for_each() and
  * shrinking block one another only on short locks: a bucket's (held for a
  * chain walk and a few stores) and the LRU shards' (held for a list splice),
- * never across a grace period. A walk pauses resizing while it runs
- * (inserts and removals go on).
+ * never across a grace period.
  *
  * RCU threads. liburcu's memb flavour requires every thread that enters a
  * read-side section to be registered. keel does this for its callers: the
@@ -160,7 +159,7 @@ KEEL_API int keel_table_destroy(keel_table_t *table);
  * Locks one bucket briefly. The insert that takes the table past one entry
  * per bucket allocates the next bucket array (twice the size; if that fails
  * the table works on, fuller); while a resize is in flight each insert and
- * removal moves a few buckets (1 growing, 8 shrinking) into the new array. On a table over its limit it
+ * removal moves a few buckets (1 growing, 16 shrinking) into the new array. On a table over its limit it
  * also evicts (LRU shard locks, see keel_table_shrink). May run inside a
  * read-side section. */
 KEEL_API int keel_table_insert(keel_table_t *table, keel_table_node_t *node);
@@ -231,8 +230,9 @@ KEEL_API int keel_table_remove_key(keel_table_t *table, const void *key, size_t 
  * entry present for the whole walk is visited exactly once; entries added or
  * removed during it may or may not be. fn may call insert, get, ref, put and
  * remove (the node it was given included) but not destroy or anything that
- * waits for a grace period. A long walk delays every deferred free, and
- * pauses resizing (a table that grows meanwhile gets fuller until it ends). */
+ * waits for a grace period. A long walk delays every deferred free. Copies
+ * each bucket's chain under its lock before calling fn on it; KEEL_ENOMEM if
+ * a chain of more than 32 entries could not be copied. */
 KEEL_API int keel_table_for_each(keel_table_t *table, int (*fn)(keel_table_node_t *node, void *arg),
                                  void *arg);
 
@@ -259,7 +259,8 @@ typedef struct keel_table_stats {
   bool resizing;             /* a resize is in flight */
 } keel_table_stats_t;
 
-/* Fills *stats. Lock-free. */
+/* Fills *stats. Lock-free; enters a read-side section (so registers the
+ * calling thread with RCU on its first use, see "RCU threads"). */
 KEEL_API void keel_table_stats(const keel_table_t *table, keel_table_stats_t *stats);
 
 #ifdef __cplusplus

@@ -4,6 +4,7 @@
  */
 #include <sched.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "base/die.h"
 #include "table_internal.h"
@@ -40,9 +41,11 @@ static size_t pow2_ceil(size_t x) {
 }
 
 int _keel_tidx_init(keel_table_t *t, size_t hint) {
+  /* A hint above 2^27 entries is taken as 2^27 (1 GiB of buckets, committed
+   * as they fill): the table grows past it by itself. */
+  if (hint > TIDX_MAX_INIT_BUCKETS) hint = TIDX_MAX_INIT_BUCKETS;
   size_t n = pow2_ceil(hint);
   if (n < TIDX_MIN_BUCKETS) n = TIDX_MIN_BUCKETS;
-  if (n > ((size_t)1 << 40)) n = (size_t)1 << 40;
   tidx_array_t *a = array_new(n);
   if (a == NULL) return -1;
   t->ix.min_buckets = n;
@@ -118,7 +121,7 @@ static keel_atomic(uintptr_t) * bucket_lock_hash(keel_table_t *t, uint64_t hash,
 /* The size the load asks of an array of `size` buckets: grow above one
  * entry per bucket (to between a half and one), halve below a quarter but
  * never below the size the hint asked for. Halving, not a jump to the
- * count: the resize takes size/8 writes, during which the count may grow
+ * count: the resize takes size/16 writes, during which the count may grow
  * again, and a half-size array still holds what a quarter grows to in
  * that time at a load of at most one. */
 static size_t want_buckets(keel_table_t *t, size_t size) {
@@ -155,26 +158,45 @@ void _keel_tidx_check(keel_table_t *t) {
   keel_store_release(&a->next, to);
 }
 
-/* Moves bucket i of `from` into `to`, tail first (index.h). */
+/* Moves one node, the tail of its old chain, to the head of its new
+ * bucket (its link now leads into the new chain), then cuts it from the
+ * old chain: index.h says why a reader never loses the rest of a chain. */
+static void move_tail(keel_table_t *t, tidx_array_t *to, keel_table_node_t *prev,
+                      keel_table_node_t *tail) {
+  keel_atomic(uintptr_t) *nb = &to->b[node_hash(t, tail) & to->mask];
+  uintptr_t nh = bucket_lock(nb); /* `to` has no MOVED bucket before it is current */
+  keel_store_release(node_next(tail), tidx_first(nh));
+  bucket_unlock(nb, (uintptr_t)tail);
+  if (prev != NULL) keel_store_release(node_next(prev), NULL);
+}
+
+/* Moves bucket i of `from` into `to`, tail first, holding its lock. A
+ * chain of up to 32 nodes is collected once and moved from its end; a
+ * longer one (only a table whose growth lagged far behind) is walked again
+ * for each tail. */
 static void migrate_bucket(keel_table_t *t, tidx_array_t *from, tidx_array_t *to, size_t i) {
   keel_atomic(uintptr_t) *b = &from->b[i];
   uintptr_t head = bucket_lock(b);
   KEEL_ASSERT(head != TIDX_MOVED);
-  keel_table_node_t *first = tidx_first(head);
-  while (first != NULL) {
-    keel_table_node_t *prev = NULL, *tail = first, *nx;
-    while ((nx = keel_load_relaxed(node_next(tail))) != NULL) {
-      prev = tail;
-      tail = nx;
+  keel_table_node_t *chain[32], *p = tidx_first(head);
+  size_t n = 0;
+  for (; p != NULL && n < 32; p = keel_load_relaxed(node_next(p))) chain[n++] = p;
+  if (p == NULL) {
+    while (n > 0) {
+      n--;
+      move_tail(t, to, n > 0 ? chain[n - 1] : NULL, chain[n]);
     }
-    keel_atomic(uintptr_t) *nb = &to->b[node_hash(t, tail) & to->mask];
-    uintptr_t nh = bucket_lock(nb); /* `to` has no MOVED bucket before it is current */
-    keel_store_release(node_next(tail), tidx_first(nh));
-    bucket_unlock(nb, (uintptr_t)tail);
-    if (prev != NULL)
-      keel_store_release(node_next(prev), NULL);
-    else
-      first = NULL;
+  } else {
+    keel_table_node_t *first = tidx_first(head);
+    while (first != NULL) {
+      keel_table_node_t *prev = NULL, *tail = first, *nx;
+      while ((nx = keel_load_relaxed(node_next(tail))) != NULL) {
+        prev = tail;
+        tail = nx;
+      }
+      move_tail(t, to, prev, tail);
+      if (prev == NULL) first = NULL;
+    }
   }
   bucket_unlock(b, TIDX_MOVED);
 }
@@ -187,24 +209,23 @@ static void resize_finish(keel_table_t *t, tidx_array_t *from, tidx_array_t *to)
   _keel_rcu_tsan_handoff_release(&from->rcu);
   urcu_memb_call_rcu(&from->rcu, array_free_cb);
   keel_store_release(&t->ix.resizing, 0);
+  /* Checks dropped while this resize ran (shrinking has no trigger but
+   * counts crossing multiples of 128) are made now. */
+  _keel_tidx_check(t);
 }
 
 /* A write's share of a resize in flight: from->help buckets. Inside a
  * read-side section (it keeps `from` allocated). */
 static void migrate_some(keel_table_t *t) {
-  atomic_fetch_add(&t->ix.migrating, 1);
-  if (atomic_load(&t->ix.walkers) != 0) goto out; /* a walk is on: see index.h */
   tidx_array_t *from = keel_load_acquire(&t->ix.arr);
   tidx_array_t *to = keel_load_acquire(&from->next);
-  if (to == NULL) goto out;
+  if (to == NULL) return;
   size_t size = from->mask + 1;
   size_t lo = keel_fetch_add_relaxed(&from->claim, from->help);
-  if (lo >= size) goto out;
+  if (lo >= size) return;
   size_t hi = lo + from->help < size ? lo + from->help : size;
   for (size_t i = lo; i < hi; i++) migrate_bucket(t, from, to, i);
   if (keel_fetch_add_acq_rel(&from->moved, hi - lo) + (hi - lo) == size) resize_finish(t, from, to);
-out:
-  keel_fetch_sub_acq_rel(&t->ix.migrating, 1);
 }
 
 KEEL_INLINE void write_done(keel_table_t *t) {
@@ -257,26 +278,105 @@ int _keel_tidx_del(keel_table_t *t, keel_table_node_t *n) {
 
 /* --- walks --------------------------------------------------------------------- */
 
+/* A walk goes through the buckets of the array that was current when it
+ * started, index by index. Bucket i's chain is copied under its lock and fn
+ * is called on the copy after the unlock (fn may write to the table; the
+ * nodes stay allocated for the walk's read-side section). If bucket i has
+ * been migrated, its entries are wherever its chain went: the buckets of
+ * the next array that take keys from i (i, i + S, ... when growing from S;
+ * i & newmask when shrinking), and so on down any later arrays. Those
+ * buckets also hold entries from other paths (a shrink merges buckets, and
+ * a grow then a shrink brings two paths back to one bucket), so a path
+ * keeps the (mask, index) of the largest array it has passed through and
+ * takes only the nodes whose hash gives that index: every node has exactly
+ * one path, its hash's. A bucket's state is final once MOVED and read under
+ * its lock, and nodes only move forward, so an entry that stays in the
+ * table throughout is copied exactly once, whatever migration does. */
+typedef struct walk {
+  keel_table_t *t;
+  int (*fn)(keel_table_node_t *, void *);
+  void *arg;
+  keel_table_node_t **v; /* the copy: inl, or malloc'ed when a chain is longer */
+  size_t cap;
+  keel_table_node_t *inl[32];
+} walk_t;
+
+static bool walk_grow(walk_t *w) {
+  size_t cap = w->cap * 2;
+  keel_table_node_t **v = malloc(cap * sizeof *v);
+  if (v == NULL) return false;
+  memcpy(v, w->v, w->cap * sizeof *v);
+  if (w->v != w->inl) free(w->v);
+  w->v = v;
+  w->cap = cap;
+  return true;
+}
+
+/* Visits bucket i of a for the path whose largest array so far has mask
+ * fmask and index fidx. */
+static int walk_bucket(walk_t *w, tidx_array_t *a, size_t i, size_t fmask, size_t fidx) {
+  keel_atomic(uintptr_t) *b = &a->b[i];
+  uintptr_t head = bucket_lock(b);
+  if (head == TIDX_MOVED) {
+    tidx_array_t *to = keel_load_acquire(&a->next);
+    size_t size = a->mask + 1;
+    if (to->mask < a->mask) return walk_bucket(w, to, i & to->mask, fmask, fidx);
+    for (size_t j = i; j <= to->mask; j += size) {
+      /* Only the buckets whose index agrees with the path's on the bits
+       * both masks cover can hold the path's nodes. */
+      if (((j ^ fidx) & to->mask & fmask) != 0) continue;
+      int rc = to->mask > fmask ? walk_bucket(w, to, j, to->mask, j)
+                                : walk_bucket(w, to, j, fmask, fidx);
+      if (rc != 0) return rc;
+    }
+    return 0;
+  }
+  /* In an array as large as the path's largest, the index agrees with the
+   * path's, so every node of the bucket is the path's; in a smaller one,
+   * buckets have merged. */
+  bool filter = a->mask < fmask;
+  size_t n = 0;
+  for (keel_table_node_t *p = tidx_first(head); p != NULL; p = keel_load_relaxed(node_next(p))) {
+    if (filter && (node_hash(w->t, p) & fmask) != fidx) continue;
+    if (n == w->cap && !walk_grow(w)) {
+      bucket_unlock(b, head);
+      return KEEL_ENOMEM;
+    }
+    w->v[n++] = p;
+  }
+  bucket_unlock(b, head);
+  for (size_t k = 0; k < n; k++) {
+    (void)keel_load_acquire(node_ref(w->v[k])); /* see tidx_find */
+    int rc = w->fn(w->v[k], w->arg);
+    if (rc != 0) return rc;
+  }
+  return 0;
+}
+
 int _keel_tidx_walk(keel_table_t *t, int (*fn)(keel_table_node_t *, void *), void *arg) {
-  atomic_fetch_add(&t->ix.walkers, 1);
-  unsigned spins = 0;
-  while (atomic_load(&t->ix.migrating) != 0) backoff(&spins);
-  /* Migration is stopped: every entry is in a live bucket of the current
-   * array or in the next one, and stays there. An array started during the
-   * walk holds no entry (nothing migrates into it). */
+  walk_t w = {.t = t, .fn = fn, .arg = arg, .cap = 32};
+  w.v = w.inl;
+  tidx_array_t *a = keel_load_acquire(&t->ix.arr);
+  int rc = 0;
+  for (size_t i = 0; i <= a->mask && rc == 0; i++) rc = walk_bucket(&w, a, i, a->mask, i);
+  if (w.v != w.inl) free(w.v);
+  return rc;
+}
+
+int _keel_tidx_walk_alone(keel_table_t *t, int (*fn)(keel_table_node_t *, void *), void *arg) {
+  /* Nothing moves: every entry is in a live bucket of the current array or
+   * in the next one (only the current array can have a next). */
   tidx_array_t *a = keel_load_acquire(&t->ix.arr);
   tidx_array_t *next = keel_load_acquire(&a->next);
-  int rc = 0;
-  for (int k = 0; k < 2 && a != NULL && rc == 0; k++, a = next) {
-    for (size_t i = 0; i <= a->mask && rc == 0; i++) {
+  for (int k = 0; k < 2 && a != NULL; k++, a = next) {
+    for (size_t i = 0; i <= a->mask; i++) {
       uintptr_t h = keel_load_acquire(&a->b[i]);
       if (h == TIDX_MOVED) continue;
       for (keel_table_node_t *p = tidx_first(h); p != NULL; p = keel_load_acquire(node_next(p))) {
-        (void)keel_load_acquire(node_ref(p)); /* see tidx_find */
-        if ((rc = fn(p, arg)) != 0) break;
+        int rc = fn(p, arg);
+        if (rc != 0) return rc;
       }
     }
   }
-  keel_fetch_sub_acq_rel(&t->ix.walkers, 1);
-  return rc;
+  return 0;
 }

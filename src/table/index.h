@@ -25,22 +25,23 @@
  * reader ever sees it reused.
  *
  * Resizing. The table grows to keep at most one entry per bucket (its count
- * is checked when an insert walks a chain of 5 or more, and whenever a
- * shard's count crosses a multiple of 128) and halves when under a quarter,
- * down to the size its hint asked for (at least TIDX_MIN_BUCKETS).
- * A resize allocates the next array (the one allocation a write may make;
- * if it fails the table just stays as it is) and publishes it in
- * array->next; from then on every insert and removal migrates a few
- * buckets of the old array (claimed with one fetch-and-add): 1 while
- * growing, so a grow that starts at one entry per bucket has ended by the
- * time the count has doubled (the old array's unmoved buckets meanwhile
- * hold up to two entries each); 8 while shrinking, so a shrink that starts
- * at a quarter ends after an eighth, before the removals that follow can
- * empty the table. Growing moves about one node per insert over a table's
- * life (each doubling moves every entry once), the cost rculfhash pays in
- * its resize thread. No thread of its own: the
- * writer that migrates the last bucket makes the new array current and
- * frees the old one after a grace period.
+ * is checked when an insert walks a chain of 5 or more, whenever a shard's
+ * count crosses a multiple of 128, and when a resize ends) and halves when
+ * under a quarter, down to the size its hint asked for (at least
+ * TIDX_MIN_BUCKETS). A resize allocates the next array (the one allocation
+ * a write may make; if it fails the table just stays as it is) and
+ * publishes it in array->next; from then on every insert and removal
+ * migrates a few buckets of the old array (claimed with one fetch-and-add):
+ * 1 while growing, so a grow that starts at one entry per bucket has ended
+ * by the time the count has doubled (the old array's unmoved buckets hold
+ * about two entries each by then, on average); 16 while shrinking (buckets
+ * a quarter full are cheap to move), so a shrink that starts at a quarter
+ * ends after a sixteenth, well before the removals
+ * that follow can empty the table. Growing moves about one node per insert
+ * over a table's life (each doubling moves every entry once), the cost
+ * rculfhash pays in its resize thread. No thread of its own: the writer
+ * that migrates the last bucket makes the new array current and frees the
+ * old one after a grace period.
  *
  * Migrating a bucket holds its lock throughout and moves its chain's tail
  * first: the tail is linked at the head of its new bucket (its _next now
@@ -57,12 +58,11 @@
  * Lookups therefore walk the current array's bucket and, if the key was not
  * there, the next array's (only while a resize is in flight).
  *
- * Walks (keel_table_for_each, destroy) need every entry exactly once, which
- * migration would break (an entry moved from an unvisited bucket to a
- * visited one). A walker stops migration for its duration: it raises
- * `walkers` and waits for `migrating` to fall to zero; a migrator raises
- * `migrating`, and backs off if it sees a walker (Dekker's pattern, both
- * sequentially consistent). Inserts and removals go on during a walk.
+ * Walks (keel_table_for_each) need every entry exactly once while entries
+ * migrate under them: they visit the walk's first array index by index, and
+ * follow a MOVED bucket into the buckets of later arrays that took its
+ * chain, keeping the nodes whose hash belongs to that index (index.c).
+ * Walks and migration never wait for each other.
  */
 #ifndef KEEL_TABLE_INDEX_H
 #define KEEL_TABLE_INDEX_H
@@ -77,10 +77,11 @@
 #define TIDX_LOCK  ((uintptr_t)1) /* bucket word: locked by a writer */
 #define TIDX_MOVED ((uintptr_t)2) /* bucket word: chain migrated to array->next (final) */
 
-#define TIDX_MIN_BUCKETS 64u /* the smallest array (512 bytes) */
-#define TIDX_HELP_GROW   1u  /* buckets each write migrates while the table grows */
-#define TIDX_HELP_SHRINK 8u  /* ... while it shrinks */
-#define TIDX_CHAIN_CHECK 5u  /* an insert that walks this many nodes checks the load */
+#define TIDX_MIN_BUCKETS      64u               /* the smallest array (512 bytes) */
+#define TIDX_MAX_INIT_BUCKETS ((size_t)1 << 27) /* the largest a hint asks for (1 GiB) */
+#define TIDX_HELP_GROW        1u  /* buckets each write migrates while the table grows */
+#define TIDX_HELP_SHRINK      16u /* ... while it shrinks */
+#define TIDX_CHAIN_CHECK      5u  /* an insert that walks this many nodes checks the load */
 
 typedef struct tidx_array {
   size_t mask;                                  /* buckets - 1 */
@@ -99,8 +100,6 @@ typedef struct tidx {
   keel_atomic(int) resizing;       /* a next array is being made or migrated into */
   keel_atomic(size_t) resizes;     /* resizes finished */
   size_t min_buckets;              /* the size the hint asked for: never shrinks below */
-  keel_atomic(long) walkers KEEL_CACHE_ALIGNED;
-  keel_atomic(long) migrating;
 } tidx_t;
 
 KEEL_INLINE struct keel_table_node *tidx_first(uintptr_t head) {

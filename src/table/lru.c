@@ -119,7 +119,7 @@ void _keel_table_put_last(keel_table_t *t, keel_table_node_t *n, uint32_t v) {
 /* Off the LRU by the removal owner, then burial if the count is zero. */
 void _keel_table_removed(keel_table_t *t, keel_table_node_t *n) {
   table_shard_t *s = node_shard(t, n);
-  shard_count_add(t, s, -1);
+  if (shard_count_add(s, -1)) _keel_tidx_check(t);
   if (t->limited) keel_fetch_sub_relaxed(&t->charge, node_charge(t, n));
   keel_atomic(uint32_t) *ref = node_ref(n);
   uint32_t v = keel_fetch_or_acq_rel(ref, REF_DEAD) | REF_DEAD;
@@ -147,7 +147,7 @@ void _keel_table_removed(keel_table_t *t, keel_table_node_t *n) {
 /* One step at the cold end of a locked shard: drops a referenced entry from
  * the list, rotates a recently used one, or evicts. Returns true if an
  * entry was evicted. */
-static bool shrink_step(keel_table_t *t, table_shard_t *s, keel_table_node_t *n) {
+static bool shrink_step(keel_table_t *t, table_shard_t *s, keel_table_node_t *n, bool *check) {
   keel_atomic(uint32_t) *ref = node_ref(n);
   uint32_t v = keel_load_relaxed(ref);
   for (;;) {
@@ -186,7 +186,7 @@ static bool shrink_step(keel_table_t *t, table_shard_t *s, keel_table_node_t *n)
     lru_rotate(s, n);
     return false;
   }
-  shard_count_add(t, s, -1);
+  if (shard_count_add(s, -1)) *check = true; /* after the shard lock */
   if (t->limited) keel_fetch_sub_relaxed(&t->charge, node_charge(t, n));
   lru_unlink(s, n);
   keel_fetch_and_acq_rel(ref, ~REF_ON_LRU);
@@ -197,14 +197,24 @@ static bool shrink_step(keel_table_t *t, table_shard_t *s, keel_table_node_t *n)
 
 static size_t shrink_shard(keel_table_t *t, table_shard_t *s, size_t want) {
   size_t done = 0;
+  bool check = false;
   pthread_mutex_lock(&s->lock);
   /* Each step removes the head or moves it to the tail, so twice the
    * length visits every entry at least once after its bit was cleared. */
   size_t budget = 2 * keel_load_relaxed(&s->lru_len) + 1;
-  while (done < want && budget-- > 0 && !cds_list_empty(&s->lru)) {
-    if (shrink_step(t, s, lru_node(s->lru.next))) done++;
+  for (unsigned steps = 1; done < want && budget-- > 0 && !cds_list_empty(&s->lru); steps++) {
+    if (shrink_step(t, s, lru_node(s->lru.next), &check)) done++;
+    /* Every 256 steps let the shard's other users in, and start the resize
+     * the evictions asked for (never under the lock: it may allocate). */
+    if (steps % 256 == 0) {
+      pthread_mutex_unlock(&s->lock);
+      if (check) _keel_tidx_check(t);
+      check = false;
+      pthread_mutex_lock(&s->lock);
+    }
   }
   pthread_mutex_unlock(&s->lock);
+  if (check) _keel_tidx_check(t);
   return done;
 }
 

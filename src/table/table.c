@@ -138,9 +138,7 @@ static void destroy_entries(keel_table_t *t) {
     keel_store_relaxed(&t->shards[i].lru_len, 0);
   }
   keel_table_node_t *dead = NULL;
-  _keel_rcu_read_lock();
-  _keel_tidx_walk(t, destroy_collect, &dead);
-  _keel_rcu_read_unlock();
+  _keel_tidx_walk_alone(t, destroy_collect, &dead);
   urcu_memb_synchronize_rcu();
   _keel_rcu_tsan_gp_acquire();
   while (dead != NULL) {
@@ -162,11 +160,7 @@ int keel_table_destroy(keel_table_t *t) {
   /* Referenced entries: in the table with a count, or removed and not yet
    * released (their last put would touch the table). */
   int busy = sum_shards(t, true) != sum_shards(t, false);
-  if (!busy) {
-    _keel_rcu_read_lock();
-    busy = _keel_tidx_walk(t, referenced, NULL);
-    _keel_rcu_read_unlock();
-  }
+  if (!busy) busy = _keel_tidx_walk_alone(t, referenced, NULL);
   if (busy) return KEEL_EBUSY;
   destroy_entries(t);
   _keel_table_gc_drain(t);
@@ -232,7 +226,7 @@ static void node_unclaim(keel_table_node_t *n, uint16_t old_tag) {
 static void node_added(keel_table_t *t, keel_table_node_t *n) {
   table_shard_t *s = node_shard(t, n);
   keel_fetch_add_relaxed(&s->unburied, 1);
-  shard_count_add(t, s, 1);
+  if (shard_count_add(s, 1)) _keel_tidx_check(t);
   if (t->limited) {
     keel_fetch_add_relaxed(&t->charge, node_charge(t, n));
     _keel_table_enforce_limit(t);

@@ -208,18 +208,23 @@ keel_table_node_t *_keel_tidx_add(keel_table_t *t, keel_table_node_t *n, uint64_
  * Inside a read-side section. */
 int _keel_tidx_del(keel_table_t *t, keel_table_node_t *n) KEEL_HIDDEN;
 /* Calls fn on every entry once, in bucket order, inside a read-side
- * section; stops at fn's first non-zero return and returns it. */
+ * section, while other threads read and write; stops at fn's first non-zero
+ * return and returns it (KEEL_ENOMEM if a long chain could not be copied). */
 int _keel_tidx_walk(keel_table_t *t, int (*fn)(keel_table_node_t *, void *), void *arg) KEEL_HIDDEN;
+/* The same for a table no other thread uses (destroy): no locks, no copies. */
+int _keel_tidx_walk_alone(keel_table_t *t, int (*fn)(keel_table_node_t *, void *),
+                          void *arg) KEEL_HIDDEN;
 /* Starts a resize if the count asks for one. */
 void _keel_tidx_check(keel_table_t *t) KEEL_HIDDEN;
 /* Buckets of the current array. */
 size_t _keel_tidx_buckets(const keel_table_t *t) KEEL_HIDDEN;
 
-/* Changes a shard's count of entries in the table; every 128th value checks
- * the load (shrinking has no other trigger). */
-KEEL_INLINE void shard_count_add(keel_table_t *t, table_shard_t *s, long d) {
+/* Changes a shard's count of entries in the table. True every 128th value:
+ * the caller then checks the load with _keel_tidx_check, after releasing any
+ * lock it holds (a check may allocate a bucket array). */
+KEEL_INLINE bool shard_count_add(table_shard_t *s, long d) {
   long v = keel_fetch_add_relaxed(&s->in_table, d) + d;
-  if (keel_unlikely((v & 127) == 0)) _keel_tidx_check(t);
+  return keel_unlikely((v & 127) == 0);
 }
 
 /* --- RCU (rcu.c) ----------------------------------------------------------- */

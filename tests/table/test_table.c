@@ -492,6 +492,69 @@ static void resize_in_flight(void) {
   free(v);
 }
 
+/* A walk whose callback grows the table under it, single-threaded so the
+ * interleaving is the same every run: the inserts migrate buckets between
+ * the walk's visits, to arrays 2, 4, 8... times the size the walk started
+ * on. Every entry there at the start is visited once; the new ones at most
+ * once; and resizing went on during the walk. */
+typedef struct grow_walk {
+  keel_table_t *t;
+  item_t *extra;
+  size_t n_extra, used;
+  uint8_t *seen; /* by key */
+} grow_walk_t;
+
+static int grow_during_walk(keel_table_node_t *n, void *arg) {
+  grow_walk_t *g = arg;
+  g->seen[n->key.u64]++;
+  for (int k = 0; k < 16 && g->used < g->n_extra; k++, g->used++) {
+    KT_EQ(keel_table_insert(g->t, &g->extra[g->used].node), 0);
+    keel_table_put(g->t, &g->extra[g->used].node);
+  }
+  return 0;
+}
+
+static void walk_while_table_grows(void) {
+  keel_table_t *t = u64_table(0);
+  size_t n = 2000, n_extra = 16 * n;
+  item_t *v = items_new(n, 0), *extra = items_new(n_extra, n);
+  for (size_t i = 0; i < n; i++) {
+    KT_EQ(keel_table_insert(t, &v[i].node), 0);
+    keel_table_put(t, &v[i].node);
+  }
+  keel_table_stats_t st0, st;
+  keel_table_stats(t, &st0);
+  grow_walk_t g = {t, extra, n_extra, 0, calloc(n + n_extra, 1)};
+  KT_EQ(keel_table_for_each(t, grow_during_walk, &g), 0);
+  keel_table_stats(t, &st);
+  KT_CHECK(st.resizes >= st0.resizes + 3); /* the walk held nothing up */
+  for (size_t i = 0; i < n; i++) KT_EQ(g.seen[i], 1);
+  for (size_t i = n; i < n + n_extra; i++) KT_CHECK(g.seen[i] <= 1);
+  KT_EQ(keel_table_count(t), n + n_extra);
+  KT_EQ(keel_table_destroy(t), 0);
+  free(g.seen);
+  free(v);
+  free(extra);
+}
+
+/* A size hint beyond any sane table is capped (the table grows past the cap
+ * by itself), not an allocation of terabytes or a shift past 63. */
+static void huge_size_hint(void) {
+  keel_table_config_t c = {.key_type = KEEL_TABLE_KEY_U64, .size_hint = SIZE_MAX};
+  keel_table_t *t = keel_table_create(&c);
+  KT_REQUIRE(t != NULL);
+  keel_table_stats_t st;
+  keel_table_stats(t, &st);
+  KT_EQ(st.buckets, (size_t)1 << 27);
+  item_t it;
+  keel_table_node_init_u64(&it.node, 7);
+  KT_EQ(keel_table_insert(t, &it.node), 0);
+  keel_table_put(t, &it.node);
+  KT_CHECK(keel_table_get_u64(t, 7) == &it.node);
+  keel_table_put(t, &it.node);
+  KT_EQ(keel_table_destroy(t), 0);
+}
+
 /* A thread that never registered with RCU can use a table, and exiting
  * unregisters it (a grace period afterwards does not wait for it). */
 static void *unregistered_thread(void *arg) {
@@ -643,6 +706,7 @@ KT_MAIN(KT_CASE(create_bad_config), KT_CASE(insert_lookup_get_put), KT_CASE(dupl
         KT_CASE(remove_twice_and_foreign), KT_CASE(destroy_busy), KT_CASE(bytes_keys_and_key_limit),
         KT_CASE(put_misuse_aborts), KT_CASE(lru_shrink_order), KT_CASE(new_entries_second_chance),
         KT_CASE(entry_limit), KT_CASE(byte_limit), KT_CASE(for_each_visits_and_removes),
-        KT_CASE(grow_and_shrink), KT_CASE(resize_in_flight), KT_CASE(thread_registration),
-        KT_CASE(destroy_inside_read_section), KT_CASE(get_or_insert_basic),
-        KT_CASE(get_or_insert_bad_input), KT_CASE(get_or_insert_helps_dying_entry))
+        KT_CASE(grow_and_shrink), KT_CASE(resize_in_flight), KT_CASE(walk_while_table_grows),
+        KT_CASE(huge_size_hint), KT_CASE(thread_registration), KT_CASE(destroy_inside_read_section),
+        KT_CASE(get_or_insert_basic), KT_CASE(get_or_insert_bad_input),
+        KT_CASE(get_or_insert_helps_dying_entry))
