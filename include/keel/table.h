@@ -230,7 +230,8 @@ KEEL_API int keel_table_remove_key(keel_table_t *table, const void *key, size_t 
  * entry present for the whole walk is visited exactly once; entries added or
  * removed during it may or may not be. fn may call insert, get, ref, put and
  * remove (the node it was given included) but not destroy or anything that
- * waits for a grace period. A long walk delays every deferred free. Copies
+ * waits for a grace period. A long walk delays every deferred free, bucket
+ * arrays replaced by resizes during it included (8 bytes per bucket). Copies
  * each bucket's chain under its lock before calling fn on it; KEEL_ENOMEM if
  * a chain of more than 32 entries could not be copied. */
 KEEL_API int keel_table_for_each(keel_table_t *table, int (*fn)(keel_table_node_t *node, void *arg),

@@ -209,27 +209,36 @@ static void resize_finish(keel_table_t *t, tidx_array_t *from, tidx_array_t *to)
   _keel_rcu_tsan_handoff_release(&from->rcu);
   urcu_memb_call_rcu(&from->rcu, array_free_cb);
   keel_store_release(&t->ix.resizing, 0);
-  /* Checks dropped while this resize ran (shrinking has no trigger but
-   * counts crossing multiples of 128) are made now. */
-  _keel_tidx_check(t);
 }
 
 /* A write's share of a resize in flight: from->help buckets. Inside a
- * read-side section (it keeps `from` allocated). */
-static void migrate_some(keel_table_t *t) {
+ * read-side section (it keeps `from` allocated). True if it finished the
+ * resize. */
+static bool migrate_some(keel_table_t *t) {
   tidx_array_t *from = keel_load_acquire(&t->ix.arr);
   tidx_array_t *to = keel_load_acquire(&from->next);
-  if (to == NULL) return;
+  if (to == NULL) return false;
   size_t size = from->mask + 1;
   size_t lo = keel_fetch_add_relaxed(&from->claim, from->help);
-  if (lo >= size) return;
+  if (lo >= size) return false;
   size_t hi = lo + from->help < size ? lo + from->help : size;
   for (size_t i = lo; i < hi; i++) migrate_bucket(t, from, to, i);
-  if (keel_fetch_add_acq_rel(&from->moved, hi - lo) + (hi - lo) == size) resize_finish(t, from, to);
+  if (keel_fetch_add_acq_rel(&from->moved, hi - lo) + (hi - lo) != size) return false;
+  resize_finish(t, from, to);
+  return true;
 }
 
-KEEL_INLINE void write_done(keel_table_t *t) {
-  if (keel_unlikely(keel_load_relaxed(&t->ix.resizing))) migrate_some(t);
+/* After a write: its share of a resize in flight. When that finished the
+ * resize, the load is checked again (checks are dropped while a resize
+ * runs, and shrinking has no other trigger than counts crossing multiples
+ * of 128), at once or, for a caller under an LRU shard lock, by the caller
+ * after its unlock (a check may allocate). */
+KEEL_INLINE void write_done(keel_table_t *t, bool *check) {
+  if (keel_likely(!keel_load_relaxed(&t->ix.resizing)) || !migrate_some(t)) return;
+  if (check != NULL)
+    *check = true;
+  else
+    _keel_tidx_check(t);
 }
 
 /* --- insert and remove --------------------------------------------------------- */
@@ -248,11 +257,11 @@ keel_table_node_t *_keel_tidx_add(keel_table_t *t, keel_table_node_t *n, uint64_
   keel_store_relaxed(node_next(n), tidx_first(head));
   bucket_unlock(b, (uintptr_t)n);
   if (keel_unlikely(len >= TIDX_CHAIN_CHECK)) _keel_tidx_check(t);
-  write_done(t);
+  write_done(t, NULL);
   return n;
 }
 
-int _keel_tidx_del(keel_table_t *t, keel_table_node_t *n) {
+int _keel_tidx_del(keel_table_t *t, keel_table_node_t *n, bool *check) {
   uintptr_t head;
   keel_atomic(uintptr_t) *b = bucket_lock_hash(t, node_hash(t, n), &head);
   keel_table_node_t *prev = NULL;
@@ -269,7 +278,7 @@ int _keel_tidx_del(keel_table_t *t, keel_table_node_t *n) {
       keel_store_release(node_next(prev), nx);
       bucket_unlock(b, head);
     }
-    write_done(t);
+    write_done(t, check);
     return 0;
   }
   bucket_unlock(b, head);
@@ -315,18 +324,25 @@ static bool walk_grow(walk_t *w) {
 /* Visits bucket i of a for the path whose largest array so far has mask
  * fmask and index fidx. */
 static int walk_bucket(walk_t *w, tidx_array_t *a, size_t i, size_t fmask, size_t fidx) {
-  keel_atomic(uintptr_t) *b = &a->b[i];
-  uintptr_t head = bucket_lock(b);
-  if (head == TIDX_MOVED) {
+  keel_atomic(uintptr_t) * b;
+  uintptr_t head;
+  /* Recursion only where the path widens (an array larger than any on it
+   * so far: one call per bucket that takes part of it), a loop elsewhere
+   * (one bucket can hold the path's nodes): the depth is at most log2 of
+   * the largest array over the walk's first, however many resizes run
+   * during the walk. */
+  while ((head = bucket_lock(b = &a->b[i])) == TIDX_MOVED) {
     tidx_array_t *to = keel_load_acquire(&a->next);
-    size_t size = a->mask + 1;
-    if (to->mask < a->mask) return walk_bucket(w, to, i & to->mask, fmask, fidx);
-    for (size_t j = i; j <= to->mask; j += size) {
-      /* Only the buckets whose index agrees with the path's on the bits
-       * both masks cover can hold the path's nodes. */
-      if (((j ^ fidx) & to->mask & fmask) != 0) continue;
-      int rc = to->mask > fmask ? walk_bucket(w, to, j, to->mask, j)
-                                : walk_bucket(w, to, j, fmask, fidx);
+    if (to->mask <= fmask) {
+      a = to;
+      i = fidx & to->mask;
+      continue;
+    }
+    /* Buckets of `to` that take keys from i and agree with the path on
+     * the bits of fmask: each starts a wider path. */
+    for (size_t j = i; j <= to->mask; j += a->mask + 1) {
+      if (((j ^ fidx) & fmask) != 0) continue;
+      int rc = walk_bucket(w, to, j, to->mask, j);
       if (rc != 0) return rc;
     }
     return 0;

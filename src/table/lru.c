@@ -181,7 +181,7 @@ static bool shrink_step(keel_table_t *t, table_shard_t *s, keel_table_node_t *n,
     if (keel_cas_weak_acq_rel(ref, &v, v | REF_DEAD)) break;
   }
   /* DEAD from a zero count: no new reference can appear. */
-  if (_keel_tidx_del(t, n) != 0) {
+  if (_keel_tidx_del(t, n, check) != 0) {
     /* keel_table_remove deleted it first and will unlink it after us. */
     lru_rotate(s, n);
     return false;

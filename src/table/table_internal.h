@@ -205,8 +205,10 @@ void _keel_tidx_fini(keel_table_t *t) KEEL_HIDDEN;
  * Inside a read-side section. */
 keel_table_node_t *_keel_tidx_add(keel_table_t *t, keel_table_node_t *n, uint64_t hash) KEEL_HIDDEN;
 /* Unlinks n: 0, or -1 if it is not in the table (removed by another thread).
- * Inside a read-side section. */
-int _keel_tidx_del(keel_table_t *t, keel_table_node_t *n) KEEL_HIDDEN;
+ * Inside a read-side section. With `check` NULL it may check the load and
+ * allocate a bucket array; a caller under a lock passes a flag instead,
+ * set when it must call _keel_tidx_check after its unlock. */
+int _keel_tidx_del(keel_table_t *t, keel_table_node_t *n, bool *check) KEEL_HIDDEN;
 /* Calls fn on every entry once, in bucket order, inside a read-side
  * section, while other threads read and write; stops at fn's first non-zero
  * return and returns it (KEEL_ENOMEM if a long chain could not be copied). */
