@@ -142,14 +142,6 @@ KEEL_INLINE uint64_t node_hash(const keel_table_t *t, const keel_table_node_t *n
   return _keel_hash_bytes(n->key.bytes, n->_key_len, t->seed);
 }
 
-/* Whether two entries of t have the same key. */
-KEEL_INLINE bool node_same_key(const keel_table_t *t, const keel_table_node_t *a,
-                               const keel_table_node_t *b) {
-  if (t->cfg.key_type == KEEL_TABLE_KEY_U64) return a->key.u64 == b->key.u64;
-  return a->_key_len == b->_key_len &&
-         (a->_key_len == 0 || memcmp(a->key.bytes, b->key.bytes, a->_key_len) == 0);
-}
-
 /* A lookup key: a u64, or bytes. */
 typedef struct table_key {
   uint64_t u64;
@@ -161,6 +153,13 @@ typedef struct table_key {
  * inline in tidx_find). */
 KEEL_INLINE bool match_bytes(const keel_table_node_t *n, const table_key_t *k) {
   return n->_key_len == k->len && (k->len == 0 || memcmp(n->key.bytes, k->p, k->len) == 0);
+}
+
+/* Whether two entries of t have the same key (the index's duplicate check). */
+KEEL_INLINE bool node_same_key(const keel_table_t *t, const keel_table_node_t *a,
+                               const keel_table_node_t *b) {
+  if (t->cfg.key_type == KEEL_TABLE_KEY_U64) return a->key.u64 == b->key.u64;
+  return match_bytes(a, &(table_key_t){.p = b->key.bytes, .len = b->_key_len});
 }
 
 /* --- the index (index.h, index.c) ---------------------------------------- */

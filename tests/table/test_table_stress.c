@@ -149,8 +149,9 @@ typedef struct grow_ctx {
   int threads;
 } grow_ctx_t;
 
+/* A worker thread of the grow and resize tests: its test's context. */
 typedef struct worker {
-  grow_ctx_t *c;
+  void *c;
   int id;
   pthread_t th;
 } worker_t;
@@ -275,30 +276,25 @@ typedef struct rs_ctx {
   keel_atomic(long) lookups, walks;
 } rs_ctx_t;
 
-typedef struct rs_worker {
-  rs_ctx_t *c;
-  int id;
-  pthread_t th;
-} rs_worker_t;
-
 static void *rs_reader(void *arg) {
-  rs_worker_t *w = arg;
+  worker_t *w = arg;
+  rs_ctx_t *c = w->c;
   uint64_t s = 0x2545f4914f6cdd1dull + (uint64_t)w->id;
   long n = 0;
-  while (!keel_load_relaxed(&w->c->done)) {
+  while (!keel_load_relaxed(&c->done)) {
     keel_table_read_lock();
     for (int i = 0; i < 64; i++) {
       uint64_t k = rnd(&s) % RS_STABLE;
-      keel_table_node_t *e = keel_table_lookup_u64(w->c->t, k);
+      keel_table_node_t *e = keel_table_lookup_u64(c->t, k);
       if (e == NULL) kt_fail(__FILE__, __LINE__, "stable key %" PRIu64 " not found", k);
       check_found(e, k);
-      if (keel_table_lookup_u64(w->c->t, RS_ABSENT + rnd(&s) % 4096) != NULL)
+      if (keel_table_lookup_u64(c->t, RS_ABSENT + rnd(&s) % 4096) != NULL)
         kt_fail(__FILE__, __LINE__, "a key never inserted was found");
     }
     keel_table_read_unlock();
     n += 128;
   }
-  keel_fetch_add_relaxed(&w->c->lookups, n);
+  keel_fetch_add_relaxed(&c->lookups, n);
   return NULL;
 }
 
@@ -309,23 +305,24 @@ static int rs_visit(keel_table_node_t *n, void *arg) {
 }
 
 static void *rs_walker(void *arg) {
-  rs_worker_t *w = arg;
+  worker_t *w = arg;
+  rs_ctx_t *c = w->c;
   uint8_t seen[RS_STABLE];
   long n = 0;
-  while (!keel_load_relaxed(&w->c->done)) {
+  while (!keel_load_relaxed(&c->done)) {
     memset(seen, 0, sizeof seen);
-    keel_table_for_each(w->c->t, rs_visit, seen);
+    keel_table_for_each(c->t, rs_visit, seen);
     for (unsigned k = 0; k < RS_STABLE; k++)
       if (seen[k] != 1)
         kt_fail(__FILE__, __LINE__, "walk visited stable key %u %u times", k, seen[k]);
     n++;
   }
-  keel_fetch_add_relaxed(&w->c->walks, n);
+  keel_fetch_add_relaxed(&c->walks, n);
   return NULL;
 }
 
 static void *rs_writer(void *arg) {
-  rs_worker_t *w = arg;
+  worker_t *w = arg;
   rs_ctx_t *c = w->c;
   item_t **mine = calloc(c->wave, sizeof *mine);
   uint64_t base = RS_STABLE + (uint64_t)w->id * c->wave;
@@ -375,17 +372,17 @@ static void resizes_under_readers_and_walkers(void) {
   pthread_t wd;
   keel_store_relaxed(&watch_stop, 0);
   pthread_create(&wd, NULL, watchdog, &stall_s);
-  rs_worker_t w[2 + 1 + 16];
+  worker_t w[2 + 1 + 16];
   int nw = 0;
   for (int i = 0; i < 2; i++, nw++) {
-    w[nw] = (rs_worker_t){&c, i, 0};
+    w[nw] = (worker_t){&c, i, 0};
     pthread_create(&w[nw].th, NULL, rs_reader, &w[nw]);
   }
-  w[nw] = (rs_worker_t){&c, 0, 0};
+  w[nw] = (worker_t){&c, 0, 0};
   pthread_create(&w[nw].th, NULL, rs_walker, &w[nw]);
   nw++;
   for (int i = 0; i < writers; i++, nw++) {
-    w[nw] = (rs_worker_t){&c, i, 0};
+    w[nw] = (worker_t){&c, i, 0};
     pthread_create(&w[nw].th, NULL, rs_writer, &w[nw]);
   }
   usleep((useconds_t)(secs * 1e6));
