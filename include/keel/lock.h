@@ -143,7 +143,8 @@ typedef struct keel_lksb {
 
 /* Completion callback: the request on lksb finished; read lksb->status. */
 typedef void (*keel_lock_ast_t)(void *arg);
-/* Blocking callback: a request for `mode` waits for this lock's mode. */
+/* Blocking callback: a request for `mode` waits for this lock's mode. Never
+ * called once keel_unlock of the lock has returned. */
 typedef void (*keel_lock_bast_t)(void *arg, int mode);
 
 /* keel_lockspace_config_t flags. KEEL_LOCKSPACE_SCHED: run this lockspace's
@@ -174,7 +175,9 @@ KEEL_API keel_lockspace_t *keel_lockspace_create(const keel_lockspace_config_t *
  * unless KEEL_LOCKSPACE_FORCE, which cancels every lock and request first,
  * calling each AST with lksb->status = KEEL_ECANCELED and lksb->lock = NULL;
  * blocking calls waiting in it return KEEL_ECANCELED (release waits for them
- * to leave). Other calls must not run concurrently with it. Calls on the
+ * to leave). Callbacks already posted run first; a new request made during
+ * the release (by an AST it causes, say) gets KEEL_ESHUTDOWN. Other calls
+ * must not run concurrently with it. Calls on the
  * released handle return KEEL_ESHUTDOWN (checked for the last 1,024 released
  * lockspaces; their 64-byte headers are kept until exit for this). */
 KEEL_API int keel_lockspace_release(keel_lockspace_t *ls, unsigned flags);
@@ -189,7 +192,8 @@ KEEL_API size_t keel_lockspace_shrink(keel_lockspace_t *ls, size_t n);
  * With ast: returns 0 once the request is granted or queued, and ast(arg) runs
  * when it completes (already granted and delivered inline: before keel_lock returns). Without ast:
  * blocks until it completes and returns lksb->status. Either way, failures
- * known at once are returned with no AST: KEEL_EINVAL (bad argument),
+ * known at once are returned with no AST: KEEL_EINVAL (bad argument;
+ * KEEL_LOCK_QUECVT without KEEL_LOCK_CONVERT),
  * KEEL_EAGAIN (NOQUEUE and not grantable), KEEL_EDEADLK (conversion
  * deadlock), KEEL_ENOMEM, KEEL_ESHUTDOWN (lockspace released).
  * With KEEL_LOCK_CONVERT, ast, bast and arg become the lock's when the
@@ -216,7 +220,11 @@ KEEL_API int keel_lock_convert(keel_lksb_t *lksb, int mode, unsigned flags);
  * table lookup; never blocks on other lock holders. KEEL_ENOENT if lksb holds
  * no lock; KEEL_EBUSY if a request is pending, unless KEEL_LOCK_CANCEL, which
  * cancels it (its AST sees KEEL_ECANCELED; a cancelled new request is gone, a
- * cancelled conversion keeps its granted mode) and returns 0. */
+ * cancelled conversion keeps its granted mode) and returns 0. Once it has
+ * released a lock, no BAST of it runs any more: one due is dropped, one
+ * running on another thread is waited for (unless the caller is that BAST),
+ * so the caller may free arg; a BAST must therefore not wait for a thread
+ * that is unlocking its own lock. */
 KEEL_API int keel_unlock(keel_lksb_t *lksb, unsigned flags);
 
 /* The mode name ("NL" ... "EX"), or "??". */

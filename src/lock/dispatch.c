@@ -23,6 +23,7 @@
 
 #include "base/die.h"
 #include "dispatch.h"
+#include "lock_internal.h"
 #include "mutex.h"
 
 typedef struct cb_batch {
@@ -59,7 +60,7 @@ static void deliver(const keel_delivery_t *v, uint32_t n) {
         e->fn.ast(e->arg);
         break;
       case KEEL_DELIVER_BAST:
-        e->fn.bast(e->arg, e->mode);
+        _keel_lkb_bast(e->fn.bast, e->mode);
         break;
       case KEEL_DELIVER_WAKE:
         /* The word was set to 1 under the resource mutex; its waiter may have
@@ -138,7 +139,7 @@ keel_cbq_t *_keel_cbq_create(void) {
   return q;
 }
 
-void _keel_cbq_destroy(keel_cbq_t *q) {
+void _keel_cbq_quiesce(keel_cbq_t *q) {
   for (;;) {
     pthread_mutex_lock(&q->mu);
     bool busy = q->scheduled;
@@ -146,6 +147,10 @@ void _keel_cbq_destroy(keel_cbq_t *q) {
     if (!busy) break;
     sched_yield();
   }
+}
+
+void _keel_cbq_destroy(keel_cbq_t *q) {
+  _keel_cbq_quiesce(q);
   pthread_mutex_destroy(&q->mu);
   free(q);
 }

@@ -4,9 +4,14 @@
  * may call back into the lock manager, and a user callback of unknown length
  * must not stall every other user of the resource). So a state change appends
  * a delivery to a keel_dispatch_t on the caller's stack, and the caller runs
- * _keel_dispatch() after unlocking. A delivery copies the function and
+ * _keel_dispatch() after unlocking. An AST delivery copies the function and
  * argument, so it stays valid if the lkb is freed in between (e.g. its owner
- * unlocks it from another thread as soon as it sees lksb->status).
+ * unlocks it from another thread as soon as it sees lksb->status). A BAST is
+ * unsolicited, so its owner cannot know when it has been delivered: it keeps
+ * the lkb alive instead (lkb->basts), and is dropped if the lock is unlocked
+ * before it runs; keel_unlock waits for one running on another thread. After
+ * keel_unlock returns no callback of that lock runs but its own ASTs (which
+ * the owner waits for anyway), so the owner may free arg.
  *
  * Where callbacks run. By default inline: _keel_dispatch_run calls them on the
  * calling thread, in the order they were queued (grant order). A lockspace
@@ -30,10 +35,10 @@ typedef struct keel_delivery {
   int8_t mode;  /* BAST: the blocked request's mode */
   union {
     keel_lock_ast_t ast;
-    keel_lock_bast_t bast;
+    keel_lkb_t *bast; /* BAST: the lock; counted in its basts until delivered */
     uint32_t *wake; /* WAKE: futex word of a blocked caller; may be freed by now (see dispatch.c) */
   } fn;
-  void *arg;
+  void *arg; /* AST only */
 } keel_delivery_t;
 
 /* Deliveries fitting in the inline array cost no allocation; a grant pass that
@@ -67,6 +72,10 @@ void _keel_dispatch_run(keel_dispatch_t *d) KEEL_HIDDEN;
 
 /* A callback queue for a lockspace (NULL, errno ENOMEM); allocates. */
 keel_cbq_t *_keel_cbq_create(void) KEEL_HIDDEN;
+
+/* Waits until every batch posted to q has run (and those they post). Must
+ * not run on a callback of q. */
+void _keel_cbq_quiesce(keel_cbq_t *q) KEEL_HIDDEN;
 
 /* Waits until every batch posted to q has run, then frees q. Blocks; must not
  * run on a callback of q (it would wait for itself). */

@@ -15,6 +15,8 @@
 
 #include "base/clock.h"
 #include "base/die.h"
+#include "base/futex.h"
+#include "base/tls.h"
 #include "lockspace.h"
 
 #define LOCK_FLAGS                                                                                 \
@@ -39,6 +41,40 @@ static keel_lkb_t *lksb_lock(keel_lksb_t *lksb, const char *call) {
 void _keel_lkb_free(keel_lkb_t *lkb) {
   lkb->magic = KEEL_LKB_DEAD;
   free(lkb);
+}
+
+/* The lkb whose BAST this thread is running (keel_unlock from inside it must
+ * not wait for itself). */
+static KEEL_TLS keel_lkb_t *bast_self;
+
+void _keel_lkb_bast(keel_lkb_t *lkb, int mode) {
+  keel_res_t *res = lkb->res; /* attached while basts > 0 */
+  __keel_mutex_lock(&res->mu);
+  /* The current callbacks: a conversion may have replaced them since. */
+  keel_lock_bast_t fn = lkb->released ? NULL : lkb->bast;
+  void *arg = lkb->arg;
+  if (fn != NULL) __atomic_store_n(&lkb->bast_run, 1, __ATOMIC_RELAXED);
+  __keel_mutex_unlock(&res->mu);
+  if (fn != NULL) {
+    keel_lkb_t *outer = bast_self;
+    bast_self = lkb;
+    fn(arg, mode);
+    bast_self = outer;
+  }
+  bool wake = false, free_it, last = false;
+  __keel_mutex_lock(&res->mu);
+  if (fn != NULL) wake = __atomic_exchange_n(&lkb->bast_run, 0, __ATOMIC_RELAXED) == 2;
+  free_it = --lkb->basts == 0 && lkb->released;
+  if (free_it) last = __keel_dir_detach(res);
+  __keel_mutex_unlock(&res->mu);
+  /* A waiting keel_unlock holds a count of its own, so wake and free_it never
+   * both hold. It may see 0, free lkb and return before this wake: a
+   * FUTEX_WAKE on freed memory is harmless (dispatch.c says why). */
+  if (wake) keel_futex_wake(&lkb->bast_run, INT32_MAX);
+  if (free_it) {
+    _keel_lkb_free(lkb);
+    if (last) _keel_dir_put(res);
+  }
 }
 
 static void set_deadline(keel_lkb_t *lkb, unsigned flags) {
@@ -118,7 +154,10 @@ int keel_lock(keel_lockspace_t *ls, const void *name, size_t namelen, int mode, 
   }
   int rc = _keel_ls_check(ls);
   if (keel_unlikely(rc != 0)) return rc;
-  if (keel_unlikely(namelen == 0 || namelen > KEEL_LOCK_NAME_MAX || name == NULL))
+  /* QUECVT orders a conversion behind others: a new request has no place
+   * there (the DLM refuses it too). */
+  if (keel_unlikely(namelen == 0 || namelen > KEEL_LOCK_NAME_MAX || name == NULL ||
+                    (flags & KEEL_LOCK_QUECVT)))
     return KEEL_EINVAL;
   keel_lkb_t *lkb = malloc(sizeof(*lkb));
   if (keel_unlikely(lkb == NULL)) return KEEL_ENOMEM;
@@ -235,12 +274,39 @@ int keel_unlock(keel_lksb_t *lksb, unsigned flags) {
     return KEEL_ENOENT; /* granted: no request to cancel */
   }
   __keel_res_unlock(res, lkb, flags, &d);
-  bool last = __keel_dir_detach(res);
   _keel_lksb_set_lock(lksb, NULL);
+  /* BASTs still owed to lkb: the last delivery frees it, and calls nothing
+   * once it sees `released`. One running on another thread has arg in hand:
+   * wait for it to return (holding a count, so lkb outlives the wait). */
+  bool defer = lkb->basts != 0, wait = false, last = false;
+  if (defer) {
+    lkb->released = true;
+    lkb->magic = KEEL_LKB_DEAD; /* a stale copy of lksb now aborts as released */
+    if (__atomic_load_n(&lkb->bast_run, __ATOMIC_RELAXED) != 0 && bast_self != lkb) {
+      __atomic_store_n(&lkb->bast_run, 2, __ATOMIC_RELAXED);
+      lkb->basts++;
+      wait = true;
+    }
+  } else {
+    last = __keel_dir_detach(res);
+  }
   __keel_mutex_unlock(&res->mu);
   keel_dispatch(&d);
-  _keel_lkb_free(lkb);
-  if (last) _keel_dir_put(res);
+  if (!defer) {
+    _keel_lkb_free(lkb);
+    if (last) _keel_dir_put(res);
+  } else if (wait) {
+    while (__atomic_load_n(&lkb->bast_run, __ATOMIC_ACQUIRE) == 2)
+      keel_futex_wait_until(&lkb->bast_run, 2, UINT64_MAX);
+    __keel_mutex_lock(&res->mu);
+    bool free_it = --lkb->basts == 0;
+    if (free_it) last = __keel_dir_detach(res);
+    __keel_mutex_unlock(&res->mu);
+    if (free_it) {
+      _keel_lkb_free(lkb);
+      if (last) _keel_dir_put(res);
+    }
+  }
   return 0;
 }
 

@@ -48,6 +48,9 @@ enum keel_lkb_queue { KEEL_Q_NONE = 0, KEEL_Q_GRANT, KEEL_Q_CONVERT, KEEL_Q_WAIT
 typedef struct keel_res keel_res_t;
 
 /* A lock. Invariants (under res->mu):
+ *   basts counts the BAST deliveries pushed for it that have not finished;
+ *   while basts > 0 it is not freed and stays attached to res (nlkb counts
+ *   it), and once released a delivery calls nothing (lock.c, _keel_lkb_bast)
  *   queue == GRANT    <=> gr >= 0 && rq < 0       (granted, nothing pending)
  *   queue == CONVERT  <=> gr >= 0 && rq >= 0      (granted gr, waiting for rq)
  *   queue == WAIT     <=> gr < 0  && rq >= 0      (new request, holds nothing)
@@ -64,6 +67,9 @@ struct keel_lkb {
   int8_t bast_mode;       /* mode of the last BAST sent since gr changed, -1 none */
   unsigned flags;         /* flags of the request in progress */
   uint32_t wake;          /* blocking request's futex word: 0 pending, 2 asleep, 1 done */
+  uint32_t basts;         /* BAST deliveries queued for this lkb and not yet finished */
+  bool released;          /* unlocked while basts > 0: the last of them frees it */
+  uint32_t bast_run;      /* futex word: 1 while its BAST runs, 2 if keel_unlock waits */
   keel_res_t *res;        /* the resource; the lkb holds a reference on it */
   keel_lksb_t *lksb;      /* the owner's status block */
   keel_lock_ast_t ast;    /* NULL: requests block the caller */
@@ -154,6 +160,11 @@ KEEL_INLINE void _keel_lksb_set_lock(keel_lksb_t *lksb, keel_lkb_t *lkb) {
 KEEL_INLINE void _keel_lksb_set_status(keel_lksb_t *lksb, int status) {
   __atomic_store_n(&lksb->status, status, __ATOMIC_RELAXED);
 }
+
+/* Delivers a BAST pushed for lkb (dispatch.c; no resource locked): calls its
+ * current bast unless it was unlocked since, and frees a released lkb with
+ * its last delivery. */
+void _keel_lkb_bast(keel_lkb_t *lkb, int mode) KEEL_HIDDEN;
 
 /* Debug validator: checks the invariants above (counts, masks, queue states);
  * returns false and prints the first broken one. For tests and KEEL_ASSERT_FULL. */

@@ -316,6 +316,7 @@ typedef struct cancel_ctx {
 static void cancel_queue(struct cds_list_head *q, cancel_ctx_t *c) {
   keel_lkb_t *l, *tmp;
   cds_list_for_each_entry_safe(l, tmp, q, q) {
+    KEEL_ASSERT(l->basts == 0); /* release quiesced the callbacks first */
     bool sleeper = l->ast == NULL && l->queue != KEEL_Q_GRANT;
     cds_list_del(&l->q);
     l->queue = KEEL_Q_NONE;
@@ -358,15 +359,26 @@ int keel_lockspace_release(keel_lockspace_t *ls, unsigned flags) {
   int rc = _keel_ls_check(ls);
   if (rc != 0) return rc;
   if (flags & ~KEEL_LOCKSPACE_FORCE) return KEEL_EINVAL;
+  /* Callbacks already posted run first (they may still lock and unlock);
+   * from here on a new request, from a callback the release itself causes
+   * or one still queued, gets KEEL_ESHUTDOWN: a lock taken now would keep
+   * the table referenced past its destroy. No BAST is owed to any lock once
+   * the queue is quiet (the rest of the application is not calling in). */
+  if (ls->cbq != NULL) _keel_cbq_quiesce(ls->cbq);
+  __atomic_store_n(&ls->magic, KEEL_LS_CLOSING, __ATOMIC_RELAXED);
   if (!(flags & KEEL_LOCKSPACE_FORCE)) {
-    if (keel_table_for_each(ls->table, busy_fn, NULL) != 0) return KEEL_EBUSY;
+    if (keel_table_for_each(ls->table, busy_fn, NULL) != 0) {
+      __atomic_store_n(&ls->magic, KEEL_LS_MAGIC, __ATOMIC_RELAXED);
+      return KEEL_EBUSY;
+    }
   } else {
     cancel_ctx_t c;
     keel_dispatch_init(&c.d, ls->cbq);
     CDS_INIT_LIST_HEAD(&c.gone);
     keel_table_for_each(ls->table, cancel_fn, &c);
     /* Notices run outside the table walk's read-side section: an AST may call
-     * anything but keel_lockspace_release on this lockspace. */
+     * anything but keel_lockspace_release on this lockspace (new requests
+     * get KEEL_ESHUTDOWN). */
     keel_dispatch(&c.d);
     /* Blocked callers may still be inside a wait (a timed one about to take
      * its resource's mutex): the resources stay until all have left. Each

@@ -8,8 +8,9 @@
 
 #include "lock_internal.h"
 
-#define KEEL_LS_MAGIC 0x6c73706bu /* "lspk": live lockspace */
-#define KEEL_LS_DEAD  0x6c736464u /* released (header kept, see lockspace.c) */
+#define KEEL_LS_MAGIC   0x6c73706bu /* "lspk": live lockspace */
+#define KEEL_LS_DEAD    0x6c736464u /* released (header kept, see lockspace.c) */
+#define KEEL_LS_CLOSING 0x6c73636cu /* being released: new requests get KEEL_ESHUTDOWN */
 
 typedef struct keel_timer_ent {
   uint64_t deadline_ns;

@@ -104,8 +104,8 @@ static void bast_queue(struct cds_list_head *q, const keel_lkb_t *req, keel_disp
     if (l == req || l->bast == NULL || l->bast_mode == req->rq) continue;
     if (_keel_lock_compat_mask[req->rq] & (1u << l->gr)) continue;
     l->bast_mode = req->rq;
-    keel_delivery_t e = {
-        .kind = KEEL_DELIVER_BAST, .mode = req->rq, .fn.bast = l->bast, .arg = l->arg};
+    l->basts++; /* dropped by _keel_lkb_bast; l stays allocated until then */
+    keel_delivery_t e = {.kind = KEEL_DELIVER_BAST, .mode = req->rq, .fn.bast = l};
     _keel_dispatch_push(d, &e);
   }
 }

@@ -631,6 +631,10 @@ static void sched_callbacks(void) {
     KT_EQ(keel_lock(ls, NAME("s"), i == 3 ? KEEL_LOCK_EX : KEEL_LOCK_PR, 0, &l[i].lksb, sched_ast,
                     NULL, &l[i]),
           0);
+  /* l[0] is told before it lets go: a BAST still queued when its lock is
+   * unlocked is dropped (keel_unlock). */
+  for (int k = 0; k < 10000 && __atomic_load_n(&srec.basts, __ATOMIC_SEQ_CST) < 1; k++)
+    usleep(1000);
   KT_EQ(keel_unlock(&l[0].lksb, 0), 0); /* grants 1 and 2 */
   sched_wait_n(3);
   KT_EQ(keel_unlock(&l[1].lksb, 0), 0);
@@ -665,6 +669,144 @@ static void sched_callbacks(void) {
   KT_EQ(keel_lockspace_release(ls, KEEL_LOCKSPACE_FORCE), 0);
   KT_EQ(__atomic_load_n(&srec.n, __ATOMIC_SEQ_CST), 13); /* 12 PR holders + l[4] */
   for (int i = 0; i < 12; i++) KT_CHECK(m[i].lksb.lock == NULL);
+}
+
+/* --- callbacks after unlock ----------------------------------------------------- */
+
+/* The owner of w1 is done with it in its grant AST: it unlocks and frees its
+ * argument. A BAST for w1 (w2 waits for its PR) was queued in the same
+ * dispatch, behind that AST: it must not run (it did, on freed memory). */
+typedef struct owner {
+  keel_lksb_t s;
+  int basts;
+} owner_t;
+static void owner_ast(void *arg) {
+  owner_t *o = arg;
+  KT_EQ(keel_unlock(&o->s, 0), 0);
+  memset(o, 0xa5, sizeof *o);
+  free(o); /* unlocked: keel calls nothing with o any more */
+}
+static void owner_bast(void *arg, int mode) {
+  owner_t *o = arg;
+  (void)mode;
+  o->basts++; /* ASan: use after free if it runs after the AST */
+  kt_fail(__FILE__, __LINE__, "BAST of a lock its AST had unlocked");
+}
+static void no_bast_after_unlock(void) {
+  keel_lockspace_t *ls = new_ls();
+  rec_t r = {0};
+  keel_lksb_t u = {0}, w2 = {0};
+  owner_t *o = calloc(1, sizeof *o);
+  KT_REQUIRE(o != NULL);
+  KT_EQ(keel_lock(ls, NAME("b"), KEEL_LOCK_EX, 0, &u, NULL, NULL, NULL), 0);
+  KT_EQ(keel_lock(ls, NAME("b"), KEEL_LOCK_PR, 0, &o->s, owner_ast, owner_bast, o), 0);
+  KT_EQ(keel_lock(ls, NAME("b"), KEEL_LOCK_EX, 0, &w2, rec_ast, NULL, &r), 0);
+  KT_EQ(keel_unlock(&u, 0), 0); /* grants w1 (AST unlocks it), which grants w2 */
+  KT_EQ(r.asts, 1);
+  KT_EQ(w2.lock->gr, KEEL_LOCK_EX);
+  KT_EQ(keel_unlock(&w2, 0), 0);
+  KT_EQ(keel_lockspace_release(ls, 0), 0); /* nothing left referenced */
+}
+
+/* A BAST that unlocks its own lock: keel_unlock must not wait for the BAST
+ * it is called from, and the lock is freed once the BAST returns. */
+static void self_unlock_bast(void *arg, int mode) {
+  keel_lksb_t *s = arg;
+  (void)mode;
+  KT_EQ(keel_unlock(s, 0), 0);
+  KT_CHECK(s->lock == NULL);
+}
+static void bast_unlocks_own_lock(void) {
+  keel_lockspace_t *ls = new_ls();
+  keel_lksb_t h = {0}, w = {0};
+  KT_EQ(keel_lock(ls, NAME("s"), KEEL_LOCK_PR, 0, &h, NULL, self_unlock_bast, &h), 0);
+  KT_EQ(keel_lock(ls, NAME("s"), KEEL_LOCK_EX, 0, &w, NULL, NULL, NULL), 0); /* BAST; granted */
+  KT_CHECK(h.lock == NULL);
+  KT_EQ(w.lock->gr, KEEL_LOCK_EX);
+  KT_EQ(keel_unlock(&w, 0), 0);
+  KT_EQ(keel_lockspace_release(ls, 0), 0);
+}
+
+/* keel_unlock on one thread while the lock's BAST runs on another: it
+ * returns only after the BAST has, so the owner may free arg at once. The
+ * BAST runs in the requester's keel_lock (inline dispatch). */
+typedef struct slow_bast {
+  int running, release, ended, unlock_returned, order_bad; /* atomic */
+  keel_lockspace_t *ls;
+  keel_lksb_t h, w;
+} slow_bast_t;
+static void slow_bast_fn(void *arg, int mode) {
+  slow_bast_t *b = arg;
+  (void)mode;
+  __atomic_store_n(&b->running, 1, __ATOMIC_SEQ_CST);
+  for (int i = 0; i < 5000 && !__atomic_load_n(&b->release, __ATOMIC_SEQ_CST); i++) usleep(1000);
+  if (__atomic_load_n(&b->unlock_returned, __ATOMIC_SEQ_CST))
+    __atomic_store_n(&b->order_bad, 1, __ATOMIC_SEQ_CST);
+  __atomic_store_n(&b->ended, 1, __ATOMIC_SEQ_CST);
+}
+static void *slow_bast_requester(void *arg) {
+  slow_bast_t *b = arg;
+  KT_EQ(keel_lock(b->ls, NAME("w"), KEEL_LOCK_EX, 0, &b->w, NULL, NULL, NULL), 0);
+  return NULL;
+}
+static void *slow_bast_unlocker(void *arg) {
+  slow_bast_t *b = arg;
+  KT_EQ(keel_unlock(&b->h, 0), 0);
+  if (!__atomic_load_n(&b->ended, __ATOMIC_SEQ_CST))
+    __atomic_store_n(&b->order_bad, 1, __ATOMIC_SEQ_CST);
+  __atomic_store_n(&b->unlock_returned, 1, __ATOMIC_SEQ_CST);
+  return NULL;
+}
+static void unlock_waits_for_running_bast(void) {
+  slow_bast_t b = {.ls = new_ls()};
+  KT_EQ(keel_lock(b.ls, NAME("w"), KEEL_LOCK_PR, 0, &b.h, NULL, slow_bast_fn, &b), 0);
+  pthread_t rq, un;
+  pthread_create(&rq, NULL, slow_bast_requester, &b);
+  while (!__atomic_load_n(&b.running, __ATOMIC_SEQ_CST)) usleep(1000);
+  pthread_create(&un, NULL, slow_bast_unlocker, &b);
+  usleep(20000); /* the unlocker reaches its wait (a slow host only makes this test weaker) */
+  KT_EQ(__atomic_load_n(&b.unlock_returned, __ATOMIC_SEQ_CST), 0);
+  __atomic_store_n(&b.release, 1, __ATOMIC_SEQ_CST);
+  pthread_join(un, NULL);
+  pthread_join(rq, NULL);
+  KT_EQ(__atomic_load_n(&b.order_bad, __ATOMIC_SEQ_CST), 0);
+  KT_EQ(b.w.lock->gr, KEEL_LOCK_EX);
+  KT_EQ(keel_unlock(&b.w, 0), 0);
+  KT_EQ(keel_lockspace_release(b.ls, 0), 0);
+}
+
+/* A forced release whose cancel AST asks for a new lock: KEEL_ESHUTDOWN, and
+ * the release completes (the lock it took aborted the release before). */
+typedef struct relock {
+  keel_lockspace_t *ls;
+  keel_lksb_t s, again;
+  int rc;
+} relock_t;
+static void relock_ast(void *arg) {
+  relock_t *r = arg;
+  if (r->s.status == KEEL_ECANCELED)
+    r->rc = keel_lock(r->ls, NAME("again"), KEEL_LOCK_EX, 0, &r->again, NULL, NULL, NULL);
+}
+static void force_release_refuses_new_requests(void) {
+  for (int sched = 0; sched < 2; sched++) {
+    keel_lockspace_config_t cfg = {.flags = sched ? KEEL_LOCKSPACE_SCHED : 0};
+    relock_t r = {.ls = keel_lockspace_create(&cfg), .rc = 1};
+    KT_REQUIRE(r.ls != NULL);
+    KT_EQ(keel_lock(r.ls, NAME("x"), KEEL_LOCK_EX, 0, &r.s, relock_ast, NULL, &r), 0);
+    KT_EQ(keel_lockspace_release(r.ls, KEEL_LOCKSPACE_FORCE), 0);
+    KT_EQ(r.rc, KEEL_ESHUTDOWN);
+    KT_CHECK(r.again.lock == NULL);
+  }
+}
+
+/* QUECVT belongs to conversions: on a new request it is KEEL_EINVAL. */
+static void quecvt_new_request(void) {
+  keel_lockspace_t *ls = new_ls();
+  keel_lksb_t s = {0};
+  KT_EQ(keel_lock(ls, NAME("q"), KEEL_LOCK_PR, KEEL_LOCK_QUECVT, &s, NULL, NULL, NULL),
+        KEEL_EINVAL);
+  KT_CHECK(s.lock == NULL);
+  KT_EQ(keel_lockspace_release(ls, 0), 0);
 }
 
 /* ---- keel_mutex ---- */
@@ -750,4 +892,6 @@ KT_MAIN(KT_CASE(compat_matrix), KT_CASE(fifo_no_barging), KT_CASE(conversion_dea
         KT_CASE(convert_failure_keeps_callbacks), KT_CASE(convert_cancel_callbacks),
         KT_CASE(resource_cache), KT_CASE(cache_option), KT_CASE(callbacks_reenter),
         KT_CASE(sched_callbacks), KT_CASE(mutex_basic), KT_CASE(mutex_stress),
-        KT_CASE(lookup_spare))
+        KT_CASE(lookup_spare), KT_CASE(no_bast_after_unlock), KT_CASE(bast_unlocks_own_lock),
+        KT_CASE(unlock_waits_for_running_bast), KT_CASE(force_release_refuses_new_requests),
+        KT_CASE(quecvt_new_request))
