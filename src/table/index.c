@@ -30,10 +30,13 @@ static tidx_array_t *array_new(size_t buckets, bool dense) {
   size_t huge = _keel_os_huge_page_size();
   tidx_array_t *a;
   if (bytes >= huge) {
-    size_t len = KEEL_ALIGN_UP(bytes, huge);
+    size_t len = KEEL_ALIGN_UP(bytes, _keel_os_page_size());
     a = _keel_os_alloc(len, huge);
     if (a == NULL) return NULL;
-    if (dense) _keel_os_advise_huge(a, len);
+    /* Whole huge pages only: the header puts a power of two of buckets just
+     * past a 2 MiB boundary, and advice over that tail made its last few
+     * buckets fault in a whole huge page (2^18 buckets: 4 MiB resident). */
+    if (dense) _keel_os_advise_huge(a, KEEL_ALIGN_DOWN(bytes, huge));
     a->map_len = len;
   } else {
     void *raw = calloc(1, bytes + KEEL_CACHE_LINE);
@@ -235,14 +238,15 @@ static void resize_finish(keel_table_t *t, tidx_array_t *from, tidx_array_t *to)
   keel_store_release(&t->ix.resizing, 0);
 }
 
-/* This thread's writes during grows of large arrays: every TIDX_BATCH-th
- * claims a line of buckets (migrate_some). */
+/* This thread's writes during the grow of claim_from (migrate_some): the
+ * first and every TIDX_BATCH-th after it claims a line of buckets. */
+static KEEL_TLS const tidx_array_t *claim_from;
 static KEEL_TLS unsigned claim_tick;
 _Static_assert(TIDX_BATCH % TIDX_HELP_GROW == 0, "a line claim is a whole number of writes' share");
 
 /* A write's share of a resize in flight: from->help buckets, or, in a large
- * array that grows, a cache line of TIDX_BATCH buckets every TIDX_BATCH
- * writes of this thread (index.h). The first node of every claimed bucket is
+ * array that grows, a cache line of TIDX_BATCH buckets at the first and
+ * every TIDX_BATCH-th write of this thread (index.h). The first node of every claimed bucket is
  * prefetched before any is moved: each move is a locked exchange, after
  * which the next bucket's miss would start only once the last finished.
  * Inside a read-side section (it keeps `from` allocated). True if it
@@ -253,7 +257,15 @@ static bool migrate_some(keel_table_t *t) {
   if (to == NULL) return false;
   size_t size = from->mask + 1, n = from->help;
   if (n < TIDX_BATCH && size >= TIDX_BATCH_MIN) {
-    if (++claim_tick % (TIDX_BATCH / n) != 0) return false;
+    /* Pay ahead, never behind: a thread that writes once during a grow
+     * still claims a line, so threads that each write a few times (or exit)
+     * cannot leave the grow unfinished. A new array restarts the count (an
+     * array reallocated at the same address only shifts it). */
+    if (claim_from != from) {
+      claim_from = from;
+      claim_tick = 0;
+    }
+    if (claim_tick++ % (TIDX_BATCH / n) != 0) return false;
     n = TIDX_BATCH;
   }
   size_t lo = keel_fetch_add_relaxed(&from->claim, n);

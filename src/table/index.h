@@ -38,17 +38,18 @@
  * shrinking (buckets a quarter full are cheap to move), so a shrink that
  * starts at a quarter ends after a sixteenth, well before the removals that
  * follow can empty the table. An array of TIDX_BATCH_MIN buckets or more
- * grows at the same rate in whole cache lines: every TIDX_BATCH-th write of
- * a thread (a thread-local count) claims TIDX_BATCH buckets, one line of the
- * cache-aligned array, and prefetches their first nodes before moving any.
- * One-bucket claims put two threads' migrations into the same lines of both
- * arrays: with them, 4M inserts from 64 buckets on 2 threads took 1.6x the
- * CPU (median of 6 interleaved runs on the 2-core host; no change at 1
- * thread), and the claim counter was written 8 times as often. A thread owes
- * at most TIDX_BATCH - 1 buckets, so 256 threads lag a grow of 2^14 buckets
- * by 11% of it at worst. Growing moves about one node per insert
- * over a table's life (each doubling moves every entry once), the cost
- * rculfhash pays in its resize thread. No thread of its own: the writer
+ * grows at the same rate in whole cache lines: a thread's first write
+ * during the grow and every TIDX_BATCH-th after it (a thread-local count)
+ * claims TIDX_BATCH buckets, one line of the cache-aligned array, and
+ * prefetches their first nodes before moving any. One-bucket claims put
+ * two threads' migrations into the same lines of both arrays: with them,
+ * 4M inserts from 64 buckets on 2 threads took 1.6x the CPU (median of 6
+ * interleaved runs on the 2-core host; no change at 1 thread), and the
+ * claim counter was written 8 times as often. A thread
+ * pays ahead (at most TIDX_BATCH - 1 buckets), never behind, so a grow ends
+ * no later than with one-bucket claims. Growing moves about one node per
+ * insert over a table's life (each doubling moves every entry once), the
+ * cost rculfhash pays in its resize thread. No thread of its own: the writer
  * that migrates the last bucket makes the new array current and frees the
  * old one after a grace period.
  *

@@ -416,6 +416,42 @@ static void grow_and_shrink(void) {
   free(v);
 }
 
+/* A grow of a large array driven only by threads that each insert 7 entries
+ * and exit: every one of them must help (line claims pay ahead), or the
+ * grow never ends and chains grow without bound. */
+typedef struct few_writes {
+  keel_table_t *t;
+  item_t *v;
+} few_writes_t;
+static void *insert_seven(void *arg) {
+  few_writes_t *w = arg;
+  for (int i = 0; i < 7; i++) {
+    KT_EQ(keel_table_insert(w->t, &w->v[i].node), 0);
+    keel_table_put(w->t, &w->v[i].node);
+  }
+  return NULL;
+}
+static void grow_by_short_lived_threads(void) {
+  keel_table_config_t c = {
+      .key_type = KEEL_TABLE_KEY_U64, .size_hint = TIDX_BATCH_MIN, .free_fn = item_free};
+  keel_table_t *t = keel_table_create(&c);
+  KT_REQUIRE(t != NULL);
+  size_t threads = 5 * TIDX_BATCH_MIN / 7; /* 5/2 entries per bucket of the first array */
+  item_t *v = items_new(threads * 7, 0);
+  for (size_t i = 0; i < threads; i++) {
+    few_writes_t w = {t, v + i * 7};
+    pthread_t th;
+    KT_REQUIRE(pthread_create(&th, NULL, insert_seven, &w) == 0);
+    pthread_join(th, NULL);
+  }
+  keel_table_stats_t st;
+  keel_table_stats(t, &st);
+  KT_CHECK(st.resizes >= 1);
+  KT_CHECK(st.buckets * 2 >= keel_table_count(t));
+  KT_EQ(keel_table_destroy(t), 0);
+  free(v);
+}
+
 /* The state between two arrays, held still: inserting stops as soon as a
  * grow has started, so most buckets are still in the old array and a few
  * are MOVED. Every key is found, no absent one is, a walk visits each
@@ -780,4 +816,5 @@ KT_MAIN(KT_CASE(create_bad_config), KT_CASE(insert_lookup_get_put), KT_CASE(dupl
         KT_CASE(grow_and_shrink), KT_CASE(resize_in_flight), KT_CASE(walk_while_table_grows),
         KT_CASE(walk_through_many_resizes), KT_CASE(huge_size_hint), KT_CASE(thread_registration),
         KT_CASE(destroy_inside_read_section), KT_CASE(get_or_insert_basic),
-        KT_CASE(get_or_insert_bad_input), KT_CASE(get_or_insert_helps_dying_entry))
+        KT_CASE(get_or_insert_bad_input), KT_CASE(get_or_insert_helps_dying_entry),
+        KT_CASE(grow_by_short_lived_threads))
