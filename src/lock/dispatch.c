@@ -139,7 +139,7 @@ keel_cbq_t *_keel_cbq_create(void) {
   return q;
 }
 
-void _keel_cbq_quiesce(keel_cbq_t *q) {
+void _keel_cbq_destroy(keel_cbq_t *q) {
   for (;;) {
     pthread_mutex_lock(&q->mu);
     bool busy = q->scheduled;
@@ -147,10 +147,6 @@ void _keel_cbq_quiesce(keel_cbq_t *q) {
     if (!busy) break;
     sched_yield();
   }
-}
-
-void _keel_cbq_destroy(keel_cbq_t *q) {
-  _keel_cbq_quiesce(q);
   pthread_mutex_destroy(&q->mu);
   free(q);
 }

@@ -43,9 +43,28 @@ void _keel_lkb_free(keel_lkb_t *lkb) {
   free(lkb);
 }
 
-/* The lkb whose BAST this thread is running (keel_unlock from inside it must
- * not wait for itself). */
-static KEEL_TLS keel_lkb_t *bast_self;
+/* The BASTs this thread is running, innermost first (a BAST may call into
+ * the lock manager and so run others inline): keel_unlock waits for the
+ * BASTs of its lock that run elsewhere, never for its own frames. */
+typedef struct bast_frame {
+  const keel_lkb_t *lkb;
+  struct bast_frame *next;
+} bast_frame_t;
+static KEEL_TLS bast_frame_t *bast_frames;
+
+static unsigned own_bast_frames(const keel_lkb_t *lkb) {
+  unsigned n = 0;
+  for (const bast_frame_t *f = bast_frames; f != NULL; f = f->next) n += f->lkb == lkb;
+  return n;
+}
+
+/* Drops one of lkb's counts (res->mu held): true if lkb is now to be freed,
+ * with *last telling whether that detaches res's last lock. */
+static bool __lkb_unowe(keel_res_t *res, keel_lkb_t *lkb, bool *last) {
+  if (--lkb->basts != 0 || !lkb->released) return false;
+  *last = __keel_dir_detach(res);
+  return true;
+}
 
 void _keel_lkb_bast(keel_lkb_t *lkb, int mode) {
   keel_res_t *res = lkb->res; /* attached while basts > 0 */
@@ -53,24 +72,29 @@ void _keel_lkb_bast(keel_lkb_t *lkb, int mode) {
   /* The current callbacks: a conversion may have replaced them since. */
   keel_lock_bast_t fn = lkb->released ? NULL : lkb->bast;
   void *arg = lkb->arg;
-  if (fn != NULL) __atomic_store_n(&lkb->bast_run, 1, __ATOMIC_RELAXED);
+  if (fn != NULL) lkb->bast_running++;
   __keel_mutex_unlock(&res->mu);
   if (fn != NULL) {
-    keel_lkb_t *outer = bast_self;
-    bast_self = lkb;
+    bast_frame_t f = {lkb, bast_frames};
+    bast_frames = &f;
     fn(arg, mode);
-    bast_self = outer;
+    bast_frames = f.next;
   }
-  bool wake = false, free_it, last = false;
+  bool wake = false, last = false;
   __keel_mutex_lock(&res->mu);
-  if (fn != NULL) wake = __atomic_exchange_n(&lkb->bast_run, 0, __ATOMIC_RELAXED) == 2;
-  free_it = --lkb->basts == 0 && lkb->released;
-  if (free_it) last = __keel_dir_detach(res);
+  if (fn != NULL) {
+    lkb->bast_running--;
+    if (lkb->bast_waiters != 0) {
+      __atomic_store_n(&lkb->bast_seq, lkb->bast_seq + 1, __ATOMIC_RELAXED);
+      wake = true;
+    }
+  }
+  bool free_it = __lkb_unowe(res, lkb, &last);
   __keel_mutex_unlock(&res->mu);
-  /* A waiting keel_unlock holds a count of its own, so wake and free_it never
-   * both hold. It may see 0, free lkb and return before this wake: a
+  /* A waiter holds a count of its own, so wake and free_it never both hold.
+   * It may see the change, free lkb and return before this wake: a
    * FUTEX_WAKE on freed memory is harmless (dispatch.c says why). */
-  if (wake) keel_futex_wake(&lkb->bast_run, INT32_MAX);
+  if (wake) keel_futex_wake(&lkb->bast_seq, INT32_MAX);
   if (free_it) {
     _keel_lkb_free(lkb);
     if (last) _keel_dir_put(res);
@@ -135,7 +159,9 @@ static KEEL_NOINLINE int wait_blocking(keel_lockspace_t *ls, keel_lkb_t *lkb) {
    * cancel's -1); status may still be overwritten by a forced release. */
   keel_lksb_t *lksb = lkb->lksb;
   int status = __atomic_load_n(&lksb->status, __ATOMIC_RELAXED);
-  bool failed = lkb->gr < 0;
+  /* A conversion a forced release cancelled while BASTs were still owed to
+   * it is `released`: its last BAST frees it. */
+  bool failed = lkb->gr < 0 && !lkb->released;
   __atomic_fetch_sub(&ls->sleepers, 1, __ATOMIC_RELEASE); /* lkb and res untouched from here */
   if (failed) { /* timed out or cancelled (by keel_unlock or a forced release): ours to free */
     _keel_lksb_set_lock(lksb, NULL);
@@ -276,15 +302,18 @@ int keel_unlock(keel_lksb_t *lksb, unsigned flags) {
   __keel_res_unlock(res, lkb, flags, &d);
   _keel_lksb_set_lock(lksb, NULL);
   /* BASTs still owed to lkb: the last delivery frees it, and calls nothing
-   * once it sees `released`. One running on another thread has arg in hand:
-   * wait for it to return (holding a count, so lkb outlives the wait). */
+   * once it sees `released`. Those running on other threads have arg in
+   * hand: wait for them to return (holding a count, so lkb outlives the
+   * wait), but not for this thread's own frames. */
   bool defer = lkb->basts != 0, wait = false, last = false;
+  unsigned own = 0;
   if (defer) {
     lkb->released = true;
     lkb->magic = KEEL_LKB_DEAD; /* a stale copy of lksb now aborts as released */
-    if (__atomic_load_n(&lkb->bast_run, __ATOMIC_RELAXED) != 0 && bast_self != lkb) {
-      __atomic_store_n(&lkb->bast_run, 2, __ATOMIC_RELAXED);
+    own = own_bast_frames(lkb);
+    if (lkb->bast_running > own) {
       lkb->basts++;
+      lkb->bast_waiters++;
       wait = true;
     }
   } else {
@@ -296,11 +325,15 @@ int keel_unlock(keel_lksb_t *lksb, unsigned flags) {
     _keel_lkb_free(lkb);
     if (last) _keel_dir_put(res);
   } else if (wait) {
-    while (__atomic_load_n(&lkb->bast_run, __ATOMIC_ACQUIRE) == 2)
-      keel_futex_wait_until(&lkb->bast_run, 2, UINT64_MAX);
     __keel_mutex_lock(&res->mu);
-    bool free_it = --lkb->basts == 0;
-    if (free_it) last = __keel_dir_detach(res);
+    while (lkb->bast_running > own) {
+      uint32_t seq = lkb->bast_seq;
+      __keel_mutex_unlock(&res->mu);
+      keel_futex_wait_until(&lkb->bast_seq, seq, UINT64_MAX);
+      __keel_mutex_lock(&res->mu);
+    }
+    lkb->bast_waiters--;
+    bool free_it = __lkb_unowe(res, lkb, &last);
     __keel_mutex_unlock(&res->mu);
     if (free_it) {
       _keel_lkb_free(lkb);

@@ -67,9 +67,11 @@ struct keel_lkb {
   int8_t bast_mode;       /* mode of the last BAST sent since gr changed, -1 none */
   unsigned flags;         /* flags of the request in progress */
   uint32_t wake;          /* blocking request's futex word: 0 pending, 2 asleep, 1 done */
-  uint32_t basts;         /* BAST deliveries queued for this lkb and not yet finished */
+  uint32_t basts;         /* BAST deliveries owed (and unlockers waiting): keep it alive */
   bool released;          /* unlocked while basts > 0: the last of them frees it */
-  uint32_t bast_run;      /* futex word: 1 while its BAST runs, 2 if keel_unlock waits */
+  uint8_t bast_waiters;   /* keel_unlock calls waiting for running BASTs to return */
+  uint16_t bast_running;  /* its BASTs running now, on any threads */
+  uint32_t bast_seq;      /* futex word: bumped when a BAST returns while someone waits */
   keel_res_t *res;        /* the resource; the lkb holds a reference on it */
   keel_lksb_t *lksb;      /* the owner's status block */
   keel_lock_ast_t ast;    /* NULL: requests block the caller */

@@ -307,21 +307,28 @@ static int busy_fn(keel_table_node_t *node, void *arg) {
 typedef struct cancel_ctx {
   keel_dispatch_t d;
   struct cds_list_head gone;
+  uint32_t owed; /* this resource's locks left to their last BAST */
 } cancel_ctx_t;
 
 /* Cancels every lock on q. A blocking call waiting on one (no AST, request
  * pending) is woken with KEEL_ECANCELED and frees the lkb itself (gr = -1
  * tells wait_blocking it holds nothing); every other lkb is freed by release
- * after the notices. */
+ * after the notices. A lock still owed BASTs (sent by a timed waiter's
+ * cancel, or queued for the callback drainer) is left to the last of them,
+ * as keel_unlock leaves it, and stays attached to its resource till then. */
 static void cancel_queue(struct cds_list_head *q, cancel_ctx_t *c) {
   keel_lkb_t *l, *tmp;
   cds_list_for_each_entry_safe(l, tmp, q, q) {
-    KEEL_ASSERT(l->basts == 0); /* release quiesced the callbacks first */
     bool sleeper = l->ast == NULL && l->queue != KEEL_Q_GRANT;
     cds_list_del(&l->q);
     l->queue = KEEL_Q_NONE;
     _keel_lksb_set_status(l->lksb, KEEL_ECANCELED);
     _keel_lksb_set_lock(l->lksb, NULL);
+    bool owed = l->basts != 0;
+    if (owed) {
+      l->released = true;
+      c->owed++;
+    }
     if (sleeper) {
       l->gr = -1;
       /* seq_cst: pairs with sleeper_enter's increment of ls->sleepers before
@@ -336,22 +343,27 @@ static void cancel_queue(struct cds_list_head *q, cancel_ctx_t *c) {
       keel_delivery_t e = {.kind = KEEL_DELIVER_AST, .fn.ast = l->ast, .arg = l->arg};
       _keel_dispatch_push(&c->d, &e);
     }
-    cds_list_add_tail(&l->q, &c->gone);
+    if (owed)
+      l->magic = KEEL_LKB_DEAD; /* its owner's lksb no longer leads to it */
+    else
+      cds_list_add_tail(&l->q, &c->gone);
   }
 }
 
 static int cancel_fn(keel_table_node_t *node, void *arg) {
   keel_res_t *res = keel_table_entry(node, keel_res_t, node);
+  cancel_ctx_t *c = arg;
   __keel_mutex_lock(&res->mu);
   bool held = res->nlkb > 0;
-  cancel_queue(&res->grantq, arg);
-  cancel_queue(&res->convertq, arg);
-  cancel_queue(&res->waitq, arg);
+  c->owed = 0;
+  cancel_queue(&res->grantq, c);
+  cancel_queue(&res->convertq, c);
+  cancel_queue(&res->waitq, c);
   memset(res->granted, 0, sizeof(res->granted));
   res->gmask = 0;
-  res->nlkb = 0;
+  res->nlkb = c->owed; /* the owed locks detach as they are freed */
   __keel_mutex_unlock(&res->mu);
-  if (held) _keel_dir_put(res); /* the reference the lkbs shared */
+  if (held && c->owed == 0) _keel_dir_put(res); /* the reference the lkbs shared */
   return 0;
 }
 
@@ -359,26 +371,26 @@ int keel_lockspace_release(keel_lockspace_t *ls, unsigned flags) {
   int rc = _keel_ls_check(ls);
   if (rc != 0) return rc;
   if (flags & ~KEEL_LOCKSPACE_FORCE) return KEEL_EINVAL;
-  /* Callbacks already posted run first (they may still lock and unlock);
-   * from here on a new request, from a callback the release itself causes
-   * or one still queued, gets KEEL_ESHUTDOWN: a lock taken now would keep
-   * the table referenced past its destroy. No BAST is owed to any lock once
-   * the queue is quiet (the rest of the application is not calling in). */
-  if (ls->cbq != NULL) _keel_cbq_quiesce(ls->cbq);
-  __atomic_store_n(&ls->magic, KEEL_LS_CLOSING, __ATOMIC_RELAXED);
+  /* From here on a new request gets KEEL_ESHUTDOWN (from a callback the
+   * release causes, one still queued, or the timer's): a lock taken now
+   * would keep the table referenced past its destroy. Set before the busy
+   * check, so none slips in after it; a release that then finds the
+   * lockspace busy makes it live again. */
+  __atomic_store_n(&ls->magic, KEEL_LS_CLOSING, __ATOMIC_SEQ_CST);
   if (!(flags & KEEL_LOCKSPACE_FORCE)) {
     if (keel_table_for_each(ls->table, busy_fn, NULL) != 0) {
       __atomic_store_n(&ls->magic, KEEL_LS_MAGIC, __ATOMIC_RELAXED);
       return KEEL_EBUSY;
     }
   } else {
+    timer_stop(ls); /* its expiries would grant, cancel and send BASTs under the walk */
     cancel_ctx_t c;
     keel_dispatch_init(&c.d, ls->cbq);
     CDS_INIT_LIST_HEAD(&c.gone);
     keel_table_for_each(ls->table, cancel_fn, &c);
     /* Notices run outside the table walk's read-side section: an AST may call
      * anything but keel_lockspace_release on this lockspace (new requests
-     * get KEEL_ESHUTDOWN). */
+     * get KEEL_ESHUTDOWN, the cancelled locks are gone from their lksbs). */
     keel_dispatch(&c.d);
     /* Blocked callers may still be inside a wait (a timed one about to take
      * its resource's mutex): the resources stay until all have left. Each
@@ -392,7 +404,10 @@ int keel_lockspace_release(keel_lockspace_t *ls, unsigned flags) {
     cds_list_for_each_entry_safe(l, tmp, &c.gone, q) _keel_lkb_free(l);
   }
   timer_stop(ls);
-  if (ls->cbq != NULL) { /* callbacks already posted (the notices above too) run first */
+  /* Callbacks already posted run first: the notices above, and the BASTs
+   * the locks left to them are owed (sleepers have left, so every other
+   * one has run). Then nothing references the table. */
+  if (ls->cbq != NULL) {
     _keel_cbq_destroy(ls->cbq);
     ls->cbq = NULL;
   }

@@ -3,6 +3,7 @@
  * blocking waits, BASTs, the resource cache, and the mutex. */
 #define _GNU_SOURCE
 #include <pthread.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -799,6 +800,152 @@ static void force_release_refuses_new_requests(void) {
   }
 }
 
+/* Two BASTs of one lock run at once on two requesters' threads (PR, then
+ * CW, both blocked by its EX): keel_unlock returns only after both have. */
+typedef struct two_basts {
+  keel_lockspace_t *ls;
+  keel_lksb_t h, r[2];
+  int running[2], go[2], ended[2], unlock_returned, order_bad; /* atomic */
+} two_basts_t;
+static two_basts_t tb;
+static __thread int tb_slot = -1;
+static void tb_bast(void *arg, int mode) {
+  (void)arg;
+  (void)mode;
+  int i = tb_slot;
+  __atomic_store_n(&tb.running[i], 1, __ATOMIC_SEQ_CST);
+  for (int k = 0; k < 5000 && !__atomic_load_n(&tb.go[i], __ATOMIC_SEQ_CST); k++) usleep(1000);
+  if (__atomic_load_n(&tb.unlock_returned, __ATOMIC_SEQ_CST))
+    __atomic_store_n(&tb.order_bad, 1, __ATOMIC_SEQ_CST);
+  __atomic_store_n(&tb.ended[i], 1, __ATOMIC_SEQ_CST);
+}
+static void *tb_requester(void *arg) {
+  tb_slot = (int)(intptr_t)arg;
+  int mode = tb_slot == 0 ? KEEL_LOCK_PR : KEEL_LOCK_CW;
+  KT_EQ(keel_lock(tb.ls, NAME("t"), mode, 0, &tb.r[tb_slot], NULL, NULL, NULL), 0);
+  return NULL;
+}
+static void *tb_unlocker(void *arg) {
+  (void)arg;
+  KT_EQ(keel_unlock(&tb.h, 0), 0);
+  __atomic_store_n(&tb.unlock_returned, 1, __ATOMIC_SEQ_CST);
+  return NULL;
+}
+static void unlock_waits_for_every_running_bast(void) {
+  memset(&tb, 0, sizeof tb);
+  tb.ls = new_ls();
+  KT_EQ(keel_lock(tb.ls, NAME("t"), KEEL_LOCK_EX, 0, &tb.h, NULL, tb_bast, NULL), 0);
+  pthread_t rq[2], un;
+  for (intptr_t i = 0; i < 2; i++) {
+    pthread_create(&rq[i], NULL, tb_requester, (void *)i);
+    while (!__atomic_load_n(&tb.running[i], __ATOMIC_SEQ_CST)) usleep(1000);
+  }
+  pthread_create(&un, NULL, tb_unlocker, NULL);
+  __atomic_store_n(&tb.go[0], 1, __ATOMIC_SEQ_CST); /* one returns, the other still runs */
+  while (!__atomic_load_n(&tb.ended[0], __ATOMIC_SEQ_CST)) usleep(1000);
+  usleep(20000);
+  KT_EQ(__atomic_load_n(&tb.unlock_returned, __ATOMIC_SEQ_CST), 0);
+  __atomic_store_n(&tb.go[1], 1, __ATOMIC_SEQ_CST);
+  pthread_join(un, NULL);
+  KT_EQ(__atomic_load_n(&tb.order_bad, __ATOMIC_SEQ_CST), 0);
+  pthread_join(rq[0], NULL); /* granted PR; CW waits for it */
+  KT_EQ(keel_unlock(&tb.r[0], 0), 0);
+  pthread_join(rq[1], NULL);
+  KT_EQ(keel_unlock(&tb.r[1], 0), 0);
+  KT_EQ(keel_lockspace_release(tb.ls, 0), 0);
+}
+
+/* BAST(L1) takes a lock that sends BAST(L2) inline on the same thread, and
+ * BAST(L2) unlocks L1: keel_unlock must not wait for the outer frame (its
+ * own thread's), which hung. */
+typedef struct nested {
+  keel_lockspace_t *ls;
+  keel_lksb_t l1, l2, q1, q2;
+  int inner_done;
+} nested_t;
+static nested_t nb;
+static void nb_ast(void *arg) {
+  (void)arg;
+}
+static void nb_inner(void *arg, int mode) {
+  (void)arg;
+  (void)mode;
+  KT_EQ(keel_unlock(&nb.l1, 0), 0);
+  nb.inner_done = 1;
+}
+static void nb_outer(void *arg, int mode) {
+  (void)arg;
+  (void)mode;
+  KT_EQ(keel_lock(nb.ls, NAME("r2"), KEEL_LOCK_EX, 0, &nb.q2, nb_ast, NULL, NULL), 0);
+}
+static void nested_bast_unlocks_outer_lock(void) {
+  memset(&nb, 0, sizeof nb);
+  nb.ls = new_ls();
+  KT_EQ(keel_lock(nb.ls, NAME("r1"), KEEL_LOCK_EX, 0, &nb.l1, NULL, nb_outer, NULL), 0);
+  KT_EQ(keel_lock(nb.ls, NAME("r2"), KEEL_LOCK_EX, 0, &nb.l2, NULL, nb_inner, NULL), 0);
+  KT_EQ(keel_lock(nb.ls, NAME("r1"), KEEL_LOCK_EX, 0, &nb.q1, nb_ast, NULL, NULL), 0);
+  KT_EQ(nb.inner_done, 1);
+  KT_CHECK(nb.l1.lock == NULL);
+  KT_EQ(nb.q1.lock->gr, KEEL_LOCK_EX); /* granted by the unlock of l1 */
+  KT_EQ(keel_lockspace_release(nb.ls, KEEL_LOCKSPACE_FORCE), 0);
+}
+
+/* A forced release while the timer thread delivers a BAST (a timed-out
+ * request's cancel unblocked another that the holder blocks): the release
+ * neither frees the holder's lock under that BAST nor trips over it. */
+static int tr_basts; /* atomic */
+static void tr_bast(void *arg, int mode) {
+  (void)arg;
+  (void)mode;
+  if (__atomic_add_fetch(&tr_basts, 1, __ATOMIC_SEQ_CST) == 4) usleep(100000); /* the timer's */
+}
+static void nop_ast(void *arg) {
+  (void)arg;
+}
+static void force_release_during_timer_bast(void) {
+  keel_lockspace_t *ls = new_ls();
+  keel_lksb_t h = {0}, w = {.timeout_ms = 20}, x = {0}, z = {0};
+  __atomic_store_n(&tr_basts, 0, __ATOMIC_SEQ_CST);
+  KT_EQ(keel_lock(ls, NAME("t"), KEEL_LOCK_PR, 0, &h, NULL, tr_bast, NULL), 0);
+  KT_EQ(keel_lock(ls, NAME("t"), KEEL_LOCK_EX, KEEL_LOCK_TIMEOUT, &w, nop_ast, NULL, NULL), 0);
+  KT_EQ(keel_lock(ls, NAME("t"), KEEL_LOCK_PW, 0, &x, nop_ast, NULL, NULL), 0);
+  KT_EQ(keel_lock(ls, NAME("t"), KEEL_LOCK_EX, 0, &z, nop_ast, NULL, NULL), 0);
+  for (int k = 0; k < 5000 && __atomic_load_n(&tr_basts, __ATOMIC_SEQ_CST) < 4; k++) usleep(1000);
+  KT_EQ(keel_lockspace_release(ls, KEEL_LOCKSPACE_FORCE), 0);
+  KT_CHECK(h.lock == NULL && x.lock == NULL && z.lock == NULL);
+}
+
+/* Callbacks that keep making callbacks (SCHED: a BAST converts down to NL,
+ * the AST converts back up to EX, two locks ping-pong): a forced release
+ * still ends, because cancelling takes the locks out of their lksbs. */
+typedef struct pingpong {
+  keel_lksb_t s;
+  long *n;
+} pingpong_t;
+static void pp_ast(void *arg) {
+  pingpong_t *p = arg;
+  __atomic_add_fetch(p->n, 1, __ATOMIC_RELAXED);
+  if (p->s.status != 0) return;
+  (void)keel_lock_convert(&p->s, KEEL_LOCK_EX, 0); /* KEEL_ENOENT once cancelled */
+}
+static void pp_bast(void *arg, int mode) {
+  pingpong_t *p = arg;
+  (void)mode;
+  (void)keel_lock_convert(&p->s, KEEL_LOCK_NL, 0);
+}
+static void force_release_during_callback_storm(void) {
+  keel_lockspace_config_t cfg = {.flags = KEEL_LOCKSPACE_SCHED};
+  keel_lockspace_t *ls = keel_lockspace_create(&cfg);
+  KT_REQUIRE(ls != NULL);
+  long n = 0;
+  pingpong_t a = {.n = &n}, b = {.n = &n};
+  KT_EQ(keel_lock(ls, NAME("p"), KEEL_LOCK_EX, 0, &a.s, pp_ast, pp_bast, &a), 0);
+  KT_EQ(keel_lock(ls, NAME("p"), KEEL_LOCK_EX, 0, &b.s, pp_ast, pp_bast, &b), 0);
+  for (int k = 0; k < 5000 && __atomic_load_n(&n, __ATOMIC_RELAXED) < 100; k++) usleep(1000);
+  KT_CHECK(__atomic_load_n(&n, __ATOMIC_RELAXED) >= 100);
+  KT_EQ(keel_lockspace_release(ls, KEEL_LOCKSPACE_FORCE), 0);
+}
+
 /* QUECVT belongs to conversions: on a new request it is KEEL_EINVAL. */
 static void quecvt_new_request(void) {
   keel_lockspace_t *ls = new_ls();
@@ -894,4 +1041,6 @@ KT_MAIN(KT_CASE(compat_matrix), KT_CASE(fifo_no_barging), KT_CASE(conversion_dea
         KT_CASE(sched_callbacks), KT_CASE(mutex_basic), KT_CASE(mutex_stress),
         KT_CASE(lookup_spare), KT_CASE(no_bast_after_unlock), KT_CASE(bast_unlocks_own_lock),
         KT_CASE(unlock_waits_for_running_bast), KT_CASE(force_release_refuses_new_requests),
-        KT_CASE(quecvt_new_request))
+        KT_CASE(quecvt_new_request), KT_CASE(unlock_waits_for_every_running_bast),
+        KT_CASE(nested_bast_unlocks_outer_lock), KT_CASE(force_release_during_timer_bast),
+        KT_CASE(force_release_during_callback_storm))
