@@ -7,6 +7,16 @@
  * header, marks it dead, and parks it in a ring of the last
  * KEEL_LS_GRAVEYARD released headers (freed when pushed out, or at exit). A
  * handle older than that is a plain use after free, as for any C object.
+ *
+ * Timeouts of asynchronous requests. One thread per lockspace and at most one
+ * heap entry per resource, armed for the earliest deadline among its timed
+ * asynchronous requests (keel_ls_timer in lockspace.h states the invariants).
+ * An entry holds a table reference and a count in res->nlkb; the detach of a
+ * resource's last lock takes the entry out of the heap at once, and the pass
+ * at a deadline re-arms for the next one or drops the entry. So the heap
+ * never holds more entries than there are resources with locks, and an
+ * unused resource is never pinned (each queued request used to push an entry
+ * and a reference that stayed until its deadline, granted or not).
  */
 #include <sched.h>
 #include <stdlib.h>
@@ -144,69 +154,208 @@ size_t keel_lockspace_shrink(keel_lockspace_t *ls, size_t n) {
 
 /* ---- the timer ------------------------------------------------------------ */
 
-static void heap_swap(keel_timer_ent_t *h, size_t a, size_t b) {
-  keel_timer_ent_t t = h[a];
-  h[a] = h[b];
-  h[b] = t;
+/* The index: heap positions by resource address (see keel_ls_timer). */
+
+static size_t index_home(const keel_ls_timer_t *t, const keel_res_t *res) {
+  uint64_t h = (uint64_t)(uintptr_t)res * 0x9e3779b97f4a7c15ull; /* Fibonacci hashing */
+  return (size_t)(h ^ (h >> 32)) & (t->index_cap - 1);
 }
 
-static void heap_push(keel_ls_timer_t *t, keel_timer_ent_t e) {
-  size_t i = t->n++;
+/* The slot that records res, or SIZE_MAX. At most half full: a probe ends. */
+static size_t index_find(const keel_ls_timer_t *t, const keel_res_t *res) {
+  if (t->index_cap == 0) return SIZE_MAX;
+  size_t mask = t->index_cap - 1;
+  for (size_t s = index_home(t, res);; s = (s + 1) & mask) {
+    size_t p = t->index[s];
+    if (p == 0) return SIZE_MAX;
+    if (t->heap[p - 1].res == res) return s;
+  }
+}
+
+/* Records heap[pos] (not yet in the index) in a free slot. */
+static void index_add(keel_ls_timer_t *t, size_t pos) {
+  size_t mask = t->index_cap - 1, s = index_home(t, t->heap[pos].res);
+  while (t->index[s] != 0) s = (s + 1) & mask;
+  t->index[s] = pos + 1;
+  t->heap[pos].slot = s;
+}
+
+/* Frees slot s, shifting back the entries of its probe run that may take it
+ * (no tombstones, so probes stay short however many entries come and go). */
+static void index_del(keel_ls_timer_t *t, size_t s) {
+  size_t mask = t->index_cap - 1;
+  for (size_t j = (s + 1) & mask; t->index[j] != 0; j = (j + 1) & mask) {
+    size_t home = index_home(t, t->heap[t->index[j] - 1].res);
+    if (((j - home) & mask) < ((j - s) & mask)) continue; /* s is outside [home, j) */
+    t->index[s] = t->index[j];
+    t->heap[t->index[s] - 1].slot = s;
+    s = j;
+  }
+  t->index[s] = 0;
+}
+
+static void index_grow(keel_ls_timer_t *t) {
+  size_t cap = t->index_cap ? 2 * t->index_cap : 64;
+  size_t *ix = calloc(cap, sizeof(*ix));
+  if (ix == NULL) keel_die("keel_lock", "out of memory queueing a lock timeout");
+  free(t->index);
+  t->index = ix;
+  t->index_cap = cap;
+  for (size_t i = 0; i < t->n; i++) index_add(t, i);
+}
+
+/* The heap. Every store of an entry updates its index slot. */
+
+static void heap_place(keel_ls_timer_t *t, size_t i, keel_timer_ent_t e) {
   t->heap[i] = e;
-  while (i > 0 && t->heap[(i - 1) / 2].deadline_ns > t->heap[i].deadline_ns) {
-    heap_swap(t->heap, i, (i - 1) / 2);
+  t->index[e.slot] = i + 1;
+}
+
+static void heap_up(keel_ls_timer_t *t, size_t i) {
+  keel_timer_ent_t e = t->heap[i];
+  while (i > 0 && t->heap[(i - 1) / 2].deadline_ns > e.deadline_ns) {
+    heap_place(t, i, t->heap[(i - 1) / 2]);
     i = (i - 1) / 2;
   }
+  heap_place(t, i, e);
 }
 
-static keel_timer_ent_t heap_pop(keel_ls_timer_t *t) {
-  keel_timer_ent_t top = t->heap[0];
-  t->heap[0] = t->heap[--t->n];
-  for (size_t i = 0;;) {
-    size_t l = 2 * i + 1, r = l + 1, m = i;
-    if (l < t->n && t->heap[l].deadline_ns < t->heap[m].deadline_ns) m = l;
-    if (r < t->n && t->heap[r].deadline_ns < t->heap[m].deadline_ns) m = r;
-    if (m == i) break;
-    heap_swap(t->heap, i, m);
-    i = m;
+static void heap_down(keel_ls_timer_t *t, size_t i) {
+  keel_timer_ent_t e = t->heap[i];
+  for (;;) {
+    size_t c = 2 * i + 1;
+    if (c >= t->n) break;
+    if (c + 1 < t->n && t->heap[c + 1].deadline_ns < t->heap[c].deadline_ns) c++;
+    if (t->heap[c].deadline_ns >= e.deadline_ns) break;
+    heap_place(t, i, t->heap[c]);
+    i = c;
   }
-  return top;
+  heap_place(t, i, e);
 }
 
-/* The first asynchronous request past its deadline on res, or NULL. */
+static void heap_push(keel_ls_timer_t *t, keel_res_t *res, uint64_t deadline_ns) {
+  if (t->n == t->cap) {
+    size_t cap = t->cap ? 2 * t->cap : 64;
+    keel_timer_ent_t *h = realloc(t->heap, cap * sizeof(*h));
+    if (h == NULL) keel_die("keel_lock", "out of memory queueing a lock timeout");
+    t->heap = h;
+    t->cap = cap;
+  }
+  if (2 * (t->n + 1) > t->index_cap) index_grow(t);
+  size_t i = t->n++;
+  t->heap[i] = (keel_timer_ent_t){.deadline_ns = deadline_ns, .res = res};
+  index_add(t, i);
+  heap_up(t, i);
+}
+
+/* Takes heap[i] out of the heap and the index and returns it. */
+static keel_timer_ent_t heap_remove(keel_ls_timer_t *t, size_t i) {
+  keel_timer_ent_t e = t->heap[i];
+  index_del(t, e.slot); /* may move other slots: read the last entry after it */
+  if (i != --t->n) {
+    heap_place(t, i, t->heap[t->n]);
+    if (i > 0 && t->heap[(i - 1) / 2].deadline_ns > t->heap[i].deadline_ns)
+      heap_up(t, i);
+    else
+      heap_down(t, i);
+  }
+  return e;
+}
+
+/* Arms res for deadline_ns (res->mu and t->mu held). True if that made a new
+ * entry, which takes over the count and reference the caller supplies; false
+ * if res was armed already (now for the earlier of the two deadlines). */
+static bool __timer_arm(keel_ls_timer_t *t, keel_res_t *res, uint64_t deadline_ns) {
+  uint64_t first = t->n ? t->heap[0].deadline_ns : UINT64_MAX;
+  size_t s = index_find(t, res);
+  bool fresh = s == SIZE_MAX;
+  if (fresh) {
+    heap_push(t, res, deadline_ns);
+  } else if (deadline_ns < t->heap[t->index[s] - 1].deadline_ns) {
+    size_t i = t->index[s] - 1;
+    t->heap[i].deadline_ns = deadline_ns;
+    heap_up(t, i);
+  }
+  if (t->heap[0].deadline_ns < first) pthread_cond_signal(&t->cv); /* a new earliest deadline */
+  return fresh;
+}
+
+static bool timed_async(const keel_lkb_t *l) {
+  return l->ast != NULL && (l->flags & KEEL_LOCK_TIMEOUT);
+}
+
+/* The first timed asynchronous request past its deadline on res, or NULL. */
 static keel_lkb_t *first_expired(keel_res_t *res, uint64_t now) {
   struct cds_list_head *qs[2] = {&res->convertq, &res->waitq};
   for (int i = 0; i < 2; i++) {
     keel_lkb_t *l;
     cds_list_for_each_entry(l, qs[i], q) {
-      if (l->ast != NULL && (l->flags & KEEL_LOCK_TIMEOUT) && l->deadline_ns <= now) return l;
+      if (timed_async(l) && l->deadline_ns <= now) return l;
     }
   }
   return NULL;
 }
 
-/* Cancels res's expired asynchronous requests with KEEL_ETIMEDOUT. */
-static void expire(keel_res_t *res) {
-  keel_dispatch_t d;
-  keel_dispatch_init(&d, res->ls->cbq);
-  CDS_LIST_HEAD(gone);
-  bool last = false;
-  uint64_t now = keel_clock_ns();
-  __keel_mutex_lock(&res->mu);
+/* The earliest deadline of res's pending timed asynchronous requests, or
+ * UINT64_MAX if none is pending. */
+static uint64_t next_deadline(const keel_res_t *res) {
+  const struct cds_list_head *qs[2] = {&res->convertq, &res->waitq};
+  uint64_t next = UINT64_MAX;
+  for (int i = 0; i < 2; i++) {
+    const keel_lkb_t *l;
+    cds_list_for_each_entry(l, qs[i], q) {
+      if (timed_async(l) && l->deadline_ns < next) next = l->deadline_ns;
+    }
+  }
+  return next;
+}
+
+/* Cancels res's requests past now with KEEL_ETIMEDOUT (res->mu held); the
+ * new requests among them are detached and put on gone for the caller to
+ * free. The caller holds a count in nlkb, so no detach here is the last. */
+static void __expire(keel_res_t *res, uint64_t now, keel_dispatch_t *d,
+                     struct cds_list_head *gone) {
   keel_lkb_t *l;
   /* A cancel may grant others and reorder the queues: rescan each time. */
   while ((l = first_expired(res, now)) != NULL) {
-    __keel_res_cancel(res, l, KEEL_ETIMEDOUT, &d);
+    __keel_res_cancel(res, l, KEEL_ETIMEDOUT, d);
     if (l->queue == KEEL_Q_NONE) {
       _keel_lksb_set_lock(l->lksb, NULL);
-      cds_list_add(&l->q, &gone);
-      last = __keel_dir_detach(res);
+      cds_list_add(&l->q, gone);
+      bool last = __keel_dir_detach(res);
+      KEEL_ASSERT(!last);
+      (void)last;
     }
+  }
+}
+
+/* The pass for an entry that came due, on the timer thread, which owns the
+ * entry's count and reference: expires what is due, then hands both on to a
+ * new entry for the next deadline, or drops them. */
+static void timer_fire(keel_ls_timer_t *t, keel_res_t *res) {
+  keel_dispatch_t d;
+  keel_dispatch_init(&d, res->ls->cbq);
+  CDS_LIST_HEAD(gone);
+  bool kept = false, last = false;
+  uint64_t now = keel_clock_ns();
+  __keel_mutex_lock(&res->mu);
+  /* nlkb == 0: a forced release cancelled every lock and zeroed the counts,
+   * ours included; our table reference kept res alive until here. */
+  if (res->nlkb != 0) {
+    __expire(res, now, &d, &gone);
+    uint64_t next = next_deadline(res);
+    if (next != UINT64_MAX) {
+      pthread_mutex_lock(&t->mu);
+      kept = __timer_arm(t, res, next);
+      pthread_mutex_unlock(&t->mu);
+    }
+    if (!kept) last = __keel_dir_detach(res);
   }
   __keel_mutex_unlock(&res->mu);
   keel_dispatch(&d);
-  keel_lkb_t *tmp;
+  keel_lkb_t *l, *tmp;
   cds_list_for_each_entry_safe(l, tmp, &gone, q) _keel_lkb_free(l);
+  if (!kept) _keel_dir_put(res);
   if (last) _keel_dir_put(res);
 }
 
@@ -225,10 +374,9 @@ static void *timer_main(void *arg) {
       pthread_cond_timedwait(&t->cv, &t->mu, &ts);
       continue;
     }
-    keel_timer_ent_t e = heap_pop(t);
+    keel_timer_ent_t e = heap_remove(t, 0); /* in flight: a disarm no longer finds it */
     pthread_mutex_unlock(&t->mu);
-    expire(e.res);
-    _keel_dir_put(e.res);
+    timer_fire(t, e.res);
     pthread_mutex_lock(&t->mu);
   }
   pthread_mutex_unlock(&t->mu);
@@ -260,21 +408,37 @@ static keel_ls_timer_t *timer_start(keel_lockspace_t *ls) {
 void _keel_ls_timer_add(keel_lockspace_t *ls, keel_lkb_t *lkb) {
   keel_ls_timer_t *t = __atomic_load_n(&ls->timer, __ATOMIC_ACQUIRE);
   if (t == NULL) t = timer_start(ls);
-  bool ok = keel_table_ref(&lkb->res->node); /* we hold one through lkb: cannot fail */
-  KEEL_ASSERT(ok);
-  (void)ok;
+  keel_res_t *res = lkb->res;
   pthread_mutex_lock(&t->mu);
-  if (t->n == t->cap) {
-    size_t cap = t->cap ? 2 * t->cap : 64;
-    keel_timer_ent_t *h = realloc(t->heap, cap * sizeof(*h));
-    if (h == NULL) keel_die("keel_lock", "out of memory queueing a lock timeout");
-    t->heap = h;
-    t->cap = cap;
+  if (__timer_arm(t, res, lkb->deadline_ns)) {
+    /* The new entry's count and reference. lkb is attached, so nlkb > 0
+     * already holds a reference: the ref cannot fail, and one per resource
+     * cannot overflow the table's count. */
+    res->nlkb++;
+    bool ok = keel_table_ref(&res->node);
+    KEEL_ASSERT(ok);
+    (void)ok;
   }
-  heap_push(t, (keel_timer_ent_t){lkb->deadline_ns, lkb->res});
-  if (t->heap[0].res == lkb->res && t->heap[0].deadline_ns == lkb->deadline_ns)
-    pthread_cond_signal(&t->cv); /* a new earliest deadline */
   pthread_mutex_unlock(&t->mu);
+}
+
+bool __keel_ls_timer_disarm(keel_res_t *res) {
+  /* Acquire pairs with timer_start's release; any arm of res happened
+   * before, under the res->mu we hold, so a timer that armed res is seen. */
+  keel_ls_timer_t *t = __atomic_load_n(&res->ls->timer, __ATOMIC_ACQUIRE);
+  if (t == NULL) return false;
+  pthread_mutex_lock(&t->mu);
+  size_t s = index_find(t, res);
+  if (s != SIZE_MAX) heap_remove(t, t->index[s] - 1);
+  pthread_mutex_unlock(&t->mu);
+  if (s == SIZE_MAX) return false; /* in flight: timer_fire drops the count */
+  res->nlkb = 0;
+  /* The entry's reference, under res->mu. Not the last: the one nlkb held
+   * stays until the caller's _keel_dir_put after the unlock, so this put is
+   * one CAS (or, if that loses a race, a fetch_sub inside a read-side
+   * section): it frees nothing and takes no table lock. */
+  keel_table_put(res->ls->table, &res->node);
+  return true;
 }
 
 static void timer_stop(keel_lockspace_t *ls) {
@@ -285,8 +449,11 @@ static void timer_stop(keel_lockspace_t *ls) {
   pthread_cond_signal(&t->cv);
   pthread_mutex_unlock(&t->mu);
   pthread_join(t->thread, NULL);
+  /* Entries left belong to resources a forced release emptied (it zeroed
+   * their counts): only the references remain to drop. */
   for (size_t i = 0; i < t->n; i++) _keel_dir_put(t->heap[i].res);
   free(t->heap);
+  free(t->index);
   pthread_cond_destroy(&t->cv);
   pthread_mutex_destroy(&t->mu);
   free(t);

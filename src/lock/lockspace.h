@@ -12,21 +12,51 @@
 #define KEEL_LS_DEAD    0x6c736464u /* released (header kept, see lockspace.c) */
 #define KEEL_LS_CLOSING 0x6c73636cu /* being released: new requests get KEEL_ESHUTDOWN */
 
+/* One armed resource in the timer's heap. */
 typedef struct keel_timer_ent {
-  uint64_t deadline_ns;
-  keel_res_t *res; /* referenced while queued */
+  uint64_t deadline_ns; /* the earliest deadline of res's timed asynchronous requests */
+  keel_res_t *res;      /* holds a table reference and one count in res->nlkb */
+  size_t slot;          /* where the index records this entry's heap position */
 } keel_timer_ent_t;
 
-/* Timeouts of asynchronous requests (blocking ones time their own waits). A
- * binary min-heap of (deadline, resource) under tmu; the thread is started on
- * first use. An entry holds a reference on its resource, never a pointer to
- * the lkb, which may be granted and freed meanwhile: on expiry the thread
- * scans that resource's queues for requests past their deadline. */
+/* Timeouts of asynchronous requests (blocking ones time their own waits).
+ *
+ * At most one entry per resource: a resource is armed while it may have a
+ * timed asynchronous request pending, for the earliest deadline among them.
+ * Entries sit in a binary min-heap by deadline, and an index (open addressing
+ * by resource address, linear probing, at most half full) maps a resource to
+ * its heap position, so that an entry can be taken out before it is due. Both
+ * are under mu; lock order: res->mu, then mu.
+ *
+ * Invariants:
+ *  - an armed resource holds a table reference of its own and counts one in
+ *    res->nlkb (as if it were an lkb), from the moment it is pushed until the
+ *    pass that takes it out or a disarm; an entry popped by the thread
+ *    ("in flight") keeps both until that thread's pass ends;
+ *  - nlkb counts only lkbs and timer entries, and every attached lkb is on a
+ *    queue whenever res->mu is free, so "nlkb == 1 with every queue empty"
+ *    means that the one count left is a timer entry's: the last lkb detached
+ *    and nothing waits (see __keel_dir_detach). Then the entry is taken out
+ *    of the heap at once and its reference dropped, so an unused resource is
+ *    never pinned by a timeout that can no longer fire;
+ *  - while the resource has locks the entry may outlive the request that armed
+ *    it (granted or cancelled: nothing tells the timer); the pass at its
+ *    deadline finds nothing to expire and re-arms for the next timed request
+ *    pending, if any. That costs one entry per resource with locks held, never
+ *    one per request, so the heap is bounded by the live resources;
+ *  - a forced release zeroes nlkb, the entries' counts with it, but not their
+ *    references: a pass that finds nlkb == 0 and timer_stop drop only those.
+ * A pass (timer_fire) cancels the resource's requests past their deadline
+ * with KEEL_ETIMEDOUT under res->mu, hence within the clock's and the
+ * thread's wake-up resolution. The lkbs are never pointed to: they may be
+ * granted and freed at any time. */
 typedef struct keel_ls_timer {
   pthread_mutex_t mu;
-  pthread_cond_t cv; /* CLOCK_MONOTONIC */
-  keel_timer_ent_t *heap;
+  pthread_cond_t cv;      /* CLOCK_MONOTONIC */
+  keel_timer_ent_t *heap; /* n entries used of cap */
   size_t n, cap;
+  size_t *index;    /* heap position + 1 by resource address, 0: free slot */
+  size_t index_cap; /* power of two >= 2 n, or 0 */
   bool started, stop;
   pthread_t thread;
 } keel_ls_timer_t;
@@ -51,33 +81,46 @@ KEEL_INLINE int _keel_ls_check(const keel_lockspace_t *ls) {
 /* Resource references. The resources' table counts references with an atomic
  * per entry; bumping it for every lock would make two extra atomic operations
  * on a shared line per lock and unlock by name. Instead a resource counts its
- * lkbs in res->nlkb under res->mu (which those paths take anyway) and holds a
- * single table reference while nlkb > 0: taken on 0 -> 1, dropped (outside
- * the mutex) after 1 -> 0. A lookup that finds nlkb == 0 takes the reference
- * with keel_table_ref, which fails only if the table dropped the resource
- * meanwhile; the lookup then retries and creates a new one. The lookup, the
- * mutex acquisition and that check run in one RCU read-side section, so the
- * memory stays valid throughout (no grace period is ever awaited under
- * res->mu, so blocking on it there cannot stall a grace period's waiter). */
+ * lkbs (and its armed timer entry, see keel_ls_timer) in res->nlkb under
+ * res->mu (which those paths take anyway) and holds a single table reference
+ * while nlkb > 0: taken on 0 -> 1, dropped (outside the mutex) after 1 -> 0.
+ * A lookup that finds nlkb == 0 takes the reference with keel_table_ref,
+ * which fails only if the table dropped the resource meanwhile; the lookup
+ * then retries and creates a new one. The lookup, the mutex acquisition and
+ * that check run in one RCU read-side section, so the memory stays valid
+ * throughout (no grace period is ever awaited under res->mu, so blocking on
+ * it there cannot stall a grace period's waiter). */
 
 /* Finds or creates the resource named name and attaches one lkb to it:
  * returns it with res->mu held and nlkb counting the caller. NULL if out of
  * memory. Lock-free lookup; allocates on first use. */
 keel_res_t *_keel_dir_attach(keel_lockspace_t *ls, const void *name, size_t namelen) KEEL_HIDDEN;
 
+/* Takes res's timer entry out of the heap if it is there (not in flight on
+ * the timer thread), dropping its reference and its count, the last one in
+ * nlkb: true if it did. res->mu held, nlkb == 1 and every queue empty. */
+bool __keel_ls_timer_disarm(keel_res_t *res) KEEL_HIDDEN;
+
 /* Detaches one lkb (res->mu held). True if it was the last: the caller calls
- * _keel_dir_put(res) once it has unlocked res->mu. */
+ * _keel_dir_put(res) once it has unlocked res->mu. One count left with every
+ * queue empty is an armed timer entry's (see keel_ls_timer): it goes too, so
+ * that the resource is released now rather than at the deadline. Without
+ * timers that test is one compare that fails or a queue head that is set. */
 KEEL_INLINE bool __keel_dir_detach(keel_res_t *res) {
   KEEL_ASSERT(res->nlkb > 0);
-  return --res->nlkb == 0;
+  uint32_t n = --res->nlkb;
+  if (n == 1 && keel_unlikely(__keel_res_unused(res))) return __keel_ls_timer_disarm(res);
+  return n == 0;
 }
 
-/* Drops a table reference: the one the last detach leaves, or one taken with
- * keel_table_ref (the timer's). */
+/* Drops a table reference: the one the last detach leaves, or a timer
+ * entry's (taken with keel_table_ref). */
 void _keel_dir_put(keel_res_t *res) KEEL_HIDDEN;
 
-/* Queues an expiry check of lkb's deadline (res->mu held; lkb has an AST).
- * Aborts if out of memory: a timeout that silently never fires is worse. */
+/* Arms lkb's resource for lkb's deadline, unless it is armed for an earlier
+ * one (res->mu held; lkb waits, has an AST and KEEL_LOCK_TIMEOUT). Starts the
+ * timer thread on first use. Aborts if out of memory: a timeout that silently
+ * never fires is worse. */
 void _keel_ls_timer_add(keel_lockspace_t *ls, keel_lkb_t *lkb) KEEL_HIDDEN;
 
 /* Frees an lkb that is on no queue and was detached from its resource. */

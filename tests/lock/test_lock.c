@@ -353,6 +353,184 @@ static void timeouts_async(void) {
   KT_EQ(keel_lockspace_release(ls, 0), 0);
 }
 
+/* Armed timer entries, read under the timer's mutex (0 before it starts). */
+static size_t timer_entries(keel_lockspace_t *ls) {
+  keel_ls_timer_t *t = __atomic_load_n(&ls->timer, __ATOMIC_ACQUIRE);
+  if (t == NULL) return 0;
+  pthread_mutex_lock(&t->mu);
+  size_t n = t->n;
+  pthread_mutex_unlock(&t->mu);
+  return n;
+}
+
+/* Bug: a timed asynchronous request that queued left a timer entry holding a
+ * reference on its resource until its deadline, even once granted and
+ * unlocked: 10,000 rounds of "hold EX, queue EX with a 1-hour timeout, unlock
+ * both" left 10,000 entries and a resource that shrink could not drop (and
+ * 16M of them overflowed the table's reference count). Now a resource has at
+ * most one entry, and it goes with the resource's last lock. */
+static void timer_entry_goes_with_last_lock(void) {
+  keel_lockspace_t *ls = new_ls();
+  keel_lksb_t h = {0}, w = {.timeout_ms = 3600 * 1000}, n = {0};
+  flag_t f = {0};
+  size_t most = 0;
+  for (int i = 0; i < 10000; i++) {
+    KT_EQ(keel_lock(ls, NAME("tg"), KEEL_LOCK_EX, 0, &h, NULL, NULL, NULL), 0);
+    KT_EQ(keel_lock(ls, NAME("tg"), KEEL_LOCK_EX, KEEL_LOCK_TIMEOUT, &w, flag_ast, NULL, &f), 0);
+    KT_EQ(w.lock->queue, KEEL_Q_WAIT);
+    size_t e = timer_entries(ls);
+    if (e > most) most = e;
+    KT_EQ(keel_unlock(&h, 0), 0); /* grants w; its AST runs here */
+    KT_EQ(w.status, 0);
+    KT_EQ(keel_unlock(&w, 0), 0);
+  }
+  KT_EQ(most, 1);
+  KT_EQ(timer_entries(ls), 0);
+  KT_EQ(keel_table_count(ls->table), 1);
+  KT_EQ(keel_lockspace_shrink(ls, 10), 1); /* unused, unpinned */
+  KT_EQ(keel_table_count(ls->table), 0);
+
+  /* With a lock held all along, the same rounds (new requests, conversions,
+   * cancels) share one entry; it goes with the last lock. */
+  KT_EQ(keel_lock(ls, NAME("tg"), KEEL_LOCK_NL, 0, &n, NULL, NULL, NULL), 0);
+  keel_lksb_t c = {.timeout_ms = 3600 * 1000};
+  KT_EQ(keel_lock(ls, NAME("tg"), KEEL_LOCK_NL, 0, &c, flag_ast, NULL, &f), 0);
+  for (int i = 0; i < 3000; i++) {
+    KT_EQ(keel_lock(ls, NAME("tg"), KEEL_LOCK_EX, 0, &h, NULL, NULL, NULL), 0);
+    switch (i % 3) {
+      case 0: /* a new request, granted */
+        KT_EQ(keel_lock(ls, NAME("tg"), KEEL_LOCK_PR, KEEL_LOCK_TIMEOUT, &w, flag_ast, NULL, &f),
+              0);
+        KT_EQ(keel_unlock(&h, 0), 0);
+        KT_EQ(keel_unlock(&w, 0), 0);
+        break;
+      case 1: /* a new request, cancelled */
+        KT_EQ(keel_lock(ls, NAME("tg"), KEEL_LOCK_PR, KEEL_LOCK_TIMEOUT, &w, flag_ast, NULL, &f),
+              0);
+        KT_EQ(keel_unlock(&w, KEEL_LOCK_CANCEL), 0);
+        KT_EQ(w.status, KEEL_ECANCELED);
+        KT_EQ(keel_unlock(&h, 0), 0);
+        break;
+      default: /* a conversion, granted, and converted back */
+        KT_EQ(keel_lock_convert(&c, KEEL_LOCK_PR, KEEL_LOCK_TIMEOUT), 0);
+        KT_EQ(c.lock->queue, KEEL_Q_CONVERT);
+        KT_EQ(keel_unlock(&h, 0), 0);
+        KT_EQ(c.lock->gr, KEEL_LOCK_PR);
+        KT_EQ(keel_lock_convert(&c, KEEL_LOCK_NL, 0), 0);
+    }
+    KT_CHECK(timer_entries(ls) <= 1);
+  }
+  KT_EQ(timer_entries(ls), 1); /* nothing waits, but locks are held: it stays until due */
+  KT_EQ(keel_unlock(&c, 0), 0);
+  KT_EQ(keel_unlock(&n, 0), 0);
+  KT_EQ(timer_entries(ls), 0);
+  KT_EQ(keel_lockspace_shrink(ls, 10), 1);
+  keel_table_stats_t st;
+  keel_table_stats(ls->table, &st);
+  KT_EQ(st.removed_referenced, 0);
+  KT_EQ(keel_lockspace_release(ls, 0), 0);
+}
+
+/* One entry per resource still times out every request: a later, shorter
+ * timeout brings the entry forward, and each pass re-arms for the next
+ * deadline pending. */
+static void timer_rearms_for_next_deadline(void) {
+  keel_lockspace_t *ls = new_ls();
+  keel_lksb_t h = {0}, w[3] = {{.timeout_ms = 3600 * 1000}, {.timeout_ms = 40}, {.timeout_ms = 80}};
+  flag_t f[3] = {{0}};
+  KT_EQ(keel_lock(ls, NAME("tr"), KEEL_LOCK_EX, 0, &h, NULL, NULL, NULL), 0);
+  uint64_t t0 = now_ms();
+  for (int i = 0; i < 3; i++)
+    KT_EQ(keel_lock(ls, NAME("tr"), KEEL_LOCK_PR, KEEL_LOCK_TIMEOUT, &w[i], flag_ast, NULL, &f[i]),
+          0);
+  KT_EQ(timer_entries(ls), 1);
+  wait_flag(&f[1]);
+  KT_CHECK(now_ms() - t0 >= 39);
+  KT_EQ(w[1].status, KEEL_ETIMEDOUT);
+  KT_CHECK(w[1].lock == NULL);
+  wait_flag(&f[2]);
+  KT_CHECK(now_ms() - t0 >= 79);
+  KT_EQ(w[2].status, KEEL_ETIMEDOUT);
+  KT_EQ(__atomic_load_n(&f[0].done, __ATOMIC_ACQUIRE), 0); /* the 1-hour one still waits */
+  KT_EQ(w[0].lock->queue, KEEL_Q_WAIT);
+  KT_EQ(timer_entries(ls), 1);
+  KT_EQ(keel_unlock(&w[0], KEEL_LOCK_CANCEL), 0);
+  KT_EQ(keel_unlock(&h, 0), 0);
+  KT_EQ(timer_entries(ls), 0);
+  KT_EQ(keel_lockspace_shrink(ls, 10), 1);
+  /* A forced release with armed resources: their requests are cancelled and
+   * the entries' references dropped (ASan reports a leak otherwise). */
+  KT_EQ(keel_lock(ls, NAME("tr"), KEEL_LOCK_EX, 0, &h, NULL, NULL, NULL), 0);
+  KT_EQ(keel_lock(ls, NAME("tr2"), KEEL_LOCK_EX, 0, &w[1], NULL, NULL, NULL), 0);
+  f[0].done = f[2].done = 0;
+  w[2].timeout_ms = 3600 * 1000;
+  KT_EQ(keel_lock(ls, NAME("tr"), KEEL_LOCK_PR, KEEL_LOCK_TIMEOUT, &w[0], flag_ast, NULL, &f[0]),
+        0);
+  KT_EQ(keel_lock(ls, NAME("tr2"), KEEL_LOCK_PR, KEEL_LOCK_TIMEOUT, &w[2], flag_ast, NULL, &f[2]),
+        0);
+  KT_EQ(timer_entries(ls), 2);
+  KT_EQ(keel_lockspace_release(ls, KEEL_LOCKSPACE_FORCE), 0);
+  KT_EQ(w[0].status, KEEL_ECANCELED);
+  KT_EQ(w[2].status, KEEL_ECANCELED);
+}
+
+/* Checks the timer's heap order and its index both ways, under its mutex. */
+static bool timer_consistent(keel_lockspace_t *ls) {
+  keel_ls_timer_t *t = ls->timer;
+  bool ok = true;
+  pthread_mutex_lock(&t->mu);
+  for (size_t i = 0; i < t->n; i++) {
+    if (i > 0 && t->heap[(i - 1) / 2].deadline_ns > t->heap[i].deadline_ns) ok = false;
+    if (t->heap[i].slot >= t->index_cap || t->index[t->heap[i].slot] != i + 1) ok = false;
+    for (size_t j = 0; j < i; j++) ok &= t->heap[j].res != t->heap[i].res;
+  }
+  size_t used = 0;
+  for (size_t s = 0; s < t->index_cap; s++) used += t->index[s] != 0;
+  ok &= used == t->n && 2 * t->n <= t->index_cap;
+  pthread_mutex_unlock(&t->mu);
+  return ok;
+}
+
+/* Many armed resources taken out in a scrambled order, some by their
+ * deadlines: the heap and its index stay consistent throughout. */
+static void timer_many_resources(void) {
+  enum { N = 600 };
+  keel_lockspace_t *ls = new_ls();
+  static keel_lksb_t h[N], w[N];
+  static flag_t f[N];
+  char name[32];
+  memset(h, 0, sizeof(h));
+  memset(w, 0, sizeof(w));
+  memset(f, 0, sizeof(f));
+  for (int i = 0; i < N; i++) {
+    int n = snprintf(name, sizeof(name), "tm-%d", i);
+    /* Every 7th expires within 20-80 ms, the rest in an hour or more. */
+    w[i].timeout_ms = i % 7 == 0 ? 20 + (uint32_t)(i * 37 % 60) : 3600 * 1000 + (uint32_t)i;
+    KT_EQ(keel_lock(ls, name, (size_t)n, KEEL_LOCK_EX, 0, &h[i], NULL, NULL, NULL), 0);
+    KT_EQ(keel_lock(ls, name, (size_t)n, KEEL_LOCK_EX, KEEL_LOCK_TIMEOUT, &w[i], flag_ast, NULL,
+                    &f[i]),
+          0);
+  }
+  KT_EQ(timer_entries(ls), N);
+  KT_CHECK(timer_consistent(ls));
+  for (int i = 0; i < N; i += 7) wait_flag(&f[i]);
+  KT_EQ(timer_entries(ls), N - (N + 6) / 7);
+  KT_CHECK(timer_consistent(ls));
+  for (int k = 0; k < N; k++) {
+    int i = (int)((size_t)k * 379 % N); /* 379 is prime to N: each once */
+    if (i % 7 == 0) {
+      KT_EQ(w[i].status, KEEL_ETIMEDOUT);
+    } else {
+      KT_EQ(keel_unlock(&w[i], KEEL_LOCK_CANCEL), 0);
+    }
+    KT_EQ(keel_unlock(&h[i], 0), 0);
+    if (k % 50 == 0) KT_CHECK(timer_consistent(ls));
+  }
+  KT_EQ(timer_entries(ls), 0);
+  KT_EQ(keel_lockspace_shrink(ls, 2 * N), N);
+  KT_EQ(keel_lockspace_release(ls, 0), 0);
+}
+
 static void *blocker(void *arg) {
   waiter_t *w = arg;
   w->rc = keel_lock(w->ls, NAME("b"), KEEL_LOCK_EX, 0, &w->lksb, NULL, NULL, NULL);
@@ -1035,7 +1213,9 @@ static void lookup_spare(void) {
 KT_MAIN(KT_CASE(compat_matrix), KT_CASE(fifo_no_barging), KT_CASE(conversion_deadlock),
         KT_CASE(quecvt), KT_CASE(quecvt_down), KT_CASE(cancel_blocked_from_thread),
         KT_CASE(force_release_after_grant), KT_CASE(value_blocks), KT_CASE(timeouts_blocking),
-        KT_CASE(timeouts_async), KT_CASE(blocking_wait), KT_CASE(cancel), KT_CASE(convert_flag),
+        KT_CASE(timeouts_async), KT_CASE(timer_entry_goes_with_last_lock),
+        KT_CASE(timer_rearms_for_next_deadline), KT_CASE(timer_many_resources),
+        KT_CASE(blocking_wait), KT_CASE(cancel), KT_CASE(convert_flag),
         KT_CASE(convert_failure_keeps_callbacks), KT_CASE(convert_cancel_callbacks),
         KT_CASE(resource_cache), KT_CASE(cache_option), KT_CASE(callbacks_reenter),
         KT_CASE(sched_callbacks), KT_CASE(mutex_basic), KT_CASE(mutex_stress),

@@ -19,6 +19,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "harness.h"
 #include "lock/lockspace.h"
@@ -296,4 +297,64 @@ static void churn_resources(void) {
   KT_EQ(keel_lockspace_release(ls, 0), 0);
 }
 
-KT_MAIN(KT_CASE(hot_resources), KT_CASE(hot_resources_sched), KT_CASE(churn_resources))
+/* Timer churn: threads queue timed asynchronous requests (0-3 ms) on a few
+ * names, so that timer passes, re-arms and disarms by the last unlock race
+ * with one another. Once all is unlocked no entry is left and every resource
+ * can be dropped: an entry or a reference lost or leaked in a race shows as
+ * a count off here (or an abort in the table's reference checks). */
+#define NTIMER 8
+
+static void *timer_worker(void *arg) {
+  uint64_t seed = 0x2545f4914f6cdd1dull * ((uintptr_t)arg + 1);
+  for (long k = 0; k < iters; k++) {
+    char name[16];
+    int n = snprintf(name, sizeof(name), "tw-%u", rnd(&seed, NTIMER)), done = 0;
+    keel_lksb_t s = {.timeout_ms = rnd(&seed, 4)};
+    /* A quarter are cancelled instead (untimed: lock.h's note on cancels). */
+    bool cancel = rnd(&seed, 4) == 0;
+    int rc = keel_lock(ls, name, (size_t)n, KEEL_LOCK_EX, cancel ? 0 : KEEL_LOCK_TIMEOUT, &s,
+                       async_ast, NULL, &done);
+    if (rc != 0) kt_fail(__FILE__, __LINE__, "keel_lock: %d", rc);
+    if (cancel && keel_unlock(&s, KEEL_LOCK_CANCEL) == 0) count(4);
+    while (!__atomic_load_n(&done, __ATOMIC_ACQUIRE)) sched_yield();
+    if (s.status == KEEL_ETIMEDOUT) count(2);
+    if (s.status != 0) continue;
+    count(0);
+    if (rnd(&seed, 2)) sched_yield(); /* hold it a while: others queue */
+    keel_unlock(&s, 0);
+  }
+  return NULL;
+}
+
+static void timer_churn(void) {
+  int nt = (int)kt_env_int("KEEL_TEST_THREADS", 64) / 4 + 1;
+  iters = kt_env_int("KEEL_TEST_ITERS", kt_scale(8000));
+  ls = keel_lockspace_create(NULL);
+  KT_REQUIRE(ls != NULL && nt <= 1024);
+  memset(stats, 0, sizeof(stats));
+  pthread_t t[1024];
+  for (long i = 0; i < nt; i++) pthread_create(&t[i], NULL, timer_worker, (void *)i);
+  for (int i = 0; i < nt; i++) pthread_join(t[i], NULL);
+  printf("  %d threads x %ld on %d names: %ld grants, %ld timeouts, %ld cancels\n", nt, iters,
+         NTIMER, stats[0], stats[2], stats[4]);
+  KT_CHECK(stats[2] > 0);
+  /* A pass in flight when the last lock went drops its entry when it ends. */
+  for (int k = 0; k < 1000 && ls->timer != NULL; k++) {
+    pthread_mutex_lock(&ls->timer->mu);
+    size_t n = ls->timer->n;
+    pthread_mutex_unlock(&ls->timer->mu);
+    if (n == 0) break;
+    usleep(1000);
+  }
+  if (ls->timer != NULL) KT_EQ(ls->timer->n, 0);
+  size_t cached = keel_table_count(ls->table);
+  for (int k = 0; k < 1000 && keel_lockspace_shrink(ls, NTIMER) < cached; k++) usleep(1000);
+  KT_EQ(keel_table_count(ls->table), 0);
+  keel_table_stats_t st;
+  keel_table_stats(ls->table, &st);
+  KT_EQ(st.removed_referenced, 0);
+  KT_EQ(keel_lockspace_release(ls, 0), 0);
+}
+
+KT_MAIN(KT_CASE(hot_resources), KT_CASE(hot_resources_sched), KT_CASE(churn_resources),
+        KT_CASE(timer_churn))
