@@ -339,8 +339,8 @@ static void timer_fire(keel_ls_timer_t *t, keel_res_t *res) {
   bool kept = false, last = false;
   uint64_t now = keel_clock_ns();
   __keel_mutex_lock(&res->mu);
-  /* nlkb == 0: a forced release cancelled every lock and zeroed the counts,
-   * ours included; our table reference kept res alive until here. */
+  /* nlkb == 0 (every count gone, ours included) cannot happen now that a
+   * forced release stops the timer before it cancels; kept as a guard. */
   if (res->nlkb != 0) {
     __expire(res, now, &d, &gone);
     uint64_t next = next_deadline(res);
@@ -449,9 +449,18 @@ static void timer_stop(keel_lockspace_t *ls) {
   pthread_cond_signal(&t->cv);
   pthread_mutex_unlock(&t->mu);
   pthread_join(t->thread, NULL);
-  /* Entries left belong to resources a forced release emptied (it zeroed
-   * their counts): only the references remain to drop. */
-  for (size_t i = 0; i < t->n; i++) _keel_dir_put(t->heap[i].res);
+  /* Entries left hold a count in their resource's nlkb and a reference:
+   * both go, as in a disarm (a forced release stops the timer before it
+   * cancels, so the counts are still there). Not through __keel_dir_detach,
+   * whose disarm would look for them in this heap. */
+  for (size_t i = 0; i < t->n; i++) {
+    keel_res_t *res = t->heap[i].res;
+    __keel_mutex_lock(&res->mu);
+    bool last = res->nlkb != 0 && --res->nlkb == 0;
+    __keel_mutex_unlock(&res->mu);
+    _keel_dir_put(res); /* the entry's own */
+    if (last) _keel_dir_put(res);
+  }
   free(t->heap);
   free(t->index);
   pthread_cond_destroy(&t->cv);

@@ -34,9 +34,11 @@ typedef struct keel_timer_ent {
  *    pass that takes it out or a disarm; an entry popped by the thread
  *    ("in flight") keeps both until that thread's pass ends;
  *  - nlkb counts only lkbs and timer entries, and every attached lkb is on a
- *    queue whenever res->mu is free, so "nlkb == 1 with every queue empty"
- *    means that the one count left is a timer entry's: the last lkb detached
- *    and nothing waits (see __keel_dir_detach). Then the entry is taken out
+ *    queue whenever res->mu is free, or released and waiting for the BASTs
+ *    it is owed (lock.c), so "nlkb == 1 with every queue empty" means that
+ *    the one count left is a timer entry's or such an lkb's: the disarm
+ *    finds the entry in the heap, or leaves the count alone
+ *    (see __keel_dir_detach). Then the entry is taken out
  *    of the heap at once and its reference dropped, so an unused resource is
  *    never pinned by a timeout that can no longer fire;
  *  - while the resource has locks the entry may outlive the request that armed
@@ -44,8 +46,8 @@ typedef struct keel_timer_ent {
  *    deadline finds nothing to expire and re-arms for the next timed request
  *    pending, if any. That costs one entry per resource with locks held, never
  *    one per request, so the heap is bounded by the live resources;
- *  - a forced release zeroes nlkb, the entries' counts with it, but not their
- *    references: a pass that finds nlkb == 0 and timer_stop drop only those.
+ *  - a forced release stops the timer first: timer_stop drops each entry
+ *    left, its count and its reference, before the locks are cancelled.
  * A pass (timer_fire) cancels the resource's requests past their deadline
  * with KEEL_ETIMEDOUT under res->mu, hence within the clock's and the
  * thread's wake-up resolution. The lkbs are never pointed to: they may be
