@@ -158,7 +158,10 @@ typedef struct keel_lockspace_config {
   /* Unused resources (no locks) stay cached for fast re-locking; at most this
    * many (0: the lock_cache_max option, default 1M); the oldest are dropped
    * beyond it, and under pressure by
-   * keel_lockspace_shrink. A dropped resource loses its value block. */
+   * keel_lockspace_shrink. A dropped resource loses its value block.
+   * Resources with locks do not count, except that one locked again after
+   * it was cached counts until the next drop passes it (a lazy LRU: see
+   * max_unused in keel/table.h), so a drop may come while fewer are unused. */
   size_t cache_max;
   size_t size_hint; /* expected number of live resources (0: small) */
   unsigned flags;   /* KEEL_LOCKSPACE_SCHED or 0 */

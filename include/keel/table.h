@@ -106,6 +106,8 @@ typedef struct keel_table_config {
   size_t max_entries; /* soft limit on entries (0: none); see below */
   size_t max_bytes;   /* soft limit on bytes (0: none), each entry charged
                          entry_size + its key length */
+  size_t max_unused;  /* soft limit on the LRU, i.e. on unreferenced entries
+                         (0: none); see below */
   size_t entry_size;  /* bytes charged per entry for max_bytes (the caller's struct) */
   /* Called once per removed entry, after a grace period and after its last
    * reference was put, on liburcu's call_rcu thread (for entries still in
@@ -121,7 +123,21 @@ typedef struct keel_table_config {
  * max_bytes, that call removes unreferenced entries, least recently used
  * first, until it is back under the limit or none is left. Referenced
  * entries are never removed by the limit, so the table can stay above it
- * while they are held; no insert fails because of the limit. */
+ * while they are held; no insert fails because of the limit.
+ *
+ * max_unused bounds the cache of unreferenced entries alone, however many are
+ * referenced (a lock manager's "keep at most N unused resources"): when a put
+ * that drops an entry's last reference puts it on the LRU and the LRU then
+ * holds more than max_unused entries, that put trims it back to max_unused,
+ * as keel_table_shrink would (least recently used first, second chance). The
+ * LRU is lazy (see keel_table_shrink): an entry referenced again stays on it,
+ * and counts, until a shrink or a trim passes it and takes it off, which
+ * counts towards the trim. So after a trim at most max_unused entries are
+ * unreferenced (plus those released meanwhile by puts that have not trimmed
+ * yet, one per concurrent put), and a trim may drop an unreferenced entry
+ * while referenced ones still count. Costs one shared counter update per
+ * entry that joins or leaves the LRU (not per put: a cached entry looked up
+ * and released again stays on it) and nothing on lookups. */
 
 /* Prepares a node for a KEEL_TABLE_KEY_U64 table. Does not allocate. */
 static inline void keel_table_node_init_u64(keel_table_node_t *node, uint64_t key) {

@@ -119,7 +119,12 @@ keel_lockspace_t *keel_lockspace_create(const keel_lockspace_config_t *config) {
       .key_type = KEEL_TABLE_KEY_BYTES,
       .key_max = KEEL_LOCK_NAME_MAX,
       .size_hint = c.size_hint,
-      .max_entries = c.cache_max ? c.cache_max : (size_t)_keel_option(KEEL_OPT_lock_cache_max),
+      /* On unused resources only: locked ones neither count nor push a
+       * just-released one out (max_entries counted them, so with cache_max
+       * resources held an unlock's put dropped its resource, value block
+       * and all, at once). Checked by the put that releases a resource's
+       * last lock and lists it on the table's LRU, nowhere else. */
+      .max_unused = c.cache_max ? c.cache_max : (size_t)_keel_option(KEEL_OPT_lock_cache_max),
       .entry_size = sizeof(keel_res_t),
       .free_fn = res_free,
       .name = "keel lockspace",

@@ -15,6 +15,14 @@
  * Shrinking holds one shard lock at a time for a bounded scan (at most twice
  * the shard's length per call).
  *
+ * Trimming (max_unused): the put that adds an entry to the LRU checks the
+ * table-wide LRU length, kept only for such tables, and shrinks until it is
+ * back at the limit; entries that the scan takes off because they are
+ * referenced count towards that as well as evictions, since the limit is on
+ * the list. The total is one shared counter updated under the shard locks
+ * when an entry joins or leaves a list, so a put that finds its entry still
+ * listed (a cached entry used again) neither writes nor reads it.
+ *
  * Deferred free: see table_internal.h.
  */
 #include <stdlib.h>
@@ -81,9 +89,16 @@ void _keel_table_gc_drain(keel_table_t *t) {
 
 /* --- LRU ------------------------------------------------------------------ */
 
-static void lru_unlink(table_shard_t *s, keel_table_node_t *n) {
+/* Counts d nodes onto (or off) a locked shard's list, and into the table's
+ * total when a max_unused limit reads it. */
+static void lru_count(keel_table_t *t, table_shard_t *s, size_t d) {
+  keel_store_relaxed(&s->lru_len, keel_load_relaxed(&s->lru_len) + d);
+  if (t->cfg.max_unused != 0) keel_fetch_add_relaxed(&t->lru_total, d);
+}
+
+static void lru_unlink(keel_table_t *t, table_shard_t *s, keel_table_node_t *n) {
   cds_list_del(node_lru(n));
-  keel_store_relaxed(&s->lru_len, keel_load_relaxed(&s->lru_len) - 1);
+  lru_count(t, s, (size_t)-1);
 }
 
 static void lru_rotate(table_shard_t *s, keel_table_node_t *n) {
@@ -102,7 +117,7 @@ static void lru_add(keel_table_t *t, keel_table_node_t *n) {
     if (v & (REF_COUNT | REF_DEAD | REF_ON_LRU)) goto out;
   } while (!keel_cas_weak_acq_rel(ref, &v, v | REF_ON_LRU));
   cds_list_add_tail(node_lru(n), &s->lru);
-  keel_store_relaxed(&s->lru_len, keel_load_relaxed(&s->lru_len) + 1);
+  lru_count(t, s, 1);
 out:
   pthread_mutex_unlock(&s->lock);
 }
@@ -112,7 +127,10 @@ void _keel_table_put_last(keel_table_t *t, keel_table_node_t *n, uint32_t v) {
     if (!(v & REF_ON_LRU)) _keel_table_bury(t, n); /* else the removal owner will */
     return;
   }
-  if (!(v & REF_ON_LRU)) lru_add(t, n);
+  if (!(v & REF_ON_LRU)) {
+    lru_add(t, n);
+    if (t->cfg.max_unused != 0) _keel_table_trim(t, n);
+  }
   if (t->limited) _keel_table_enforce_limit(t);
 }
 
@@ -135,7 +153,7 @@ void _keel_table_removed(keel_table_t *t, keel_table_node_t *n) {
 #endif
     /* Once DEAD, only this thread clears ON_LRU and nobody sets it. */
     pthread_mutex_lock(&s->lock);
-    lru_unlink(s, n);
+    lru_unlink(t, s, n);
     v = keel_fetch_and_acq_rel(ref, ~REF_ON_LRU) & ~REF_ON_LRU;
     pthread_mutex_unlock(&s->lock);
   }
@@ -163,11 +181,11 @@ static bool shrink_step(keel_table_t *t, table_shard_t *s, keel_table_node_t *n,
        * reference went meanwhile (its put saw ON_LRU and left the entry to
        * us) or a remover marked it DEAD (it will unlink it after us), the
        * node goes back on the list. */
-      lru_unlink(s, n);
+      lru_unlink(t, s, n);
       do {
         if (!(v & REF_COUNT) || (v & REF_DEAD)) {
           cds_list_add_tail(node_lru(n), &s->lru);
-          keel_store_relaxed(&s->lru_len, keel_load_relaxed(&s->lru_len) + 1);
+          lru_count(t, s, 1);
           return false;
         }
       } while (!keel_cas_weak_acq_rel(ref, &v, v & ~REF_ON_LRU));
@@ -188,21 +206,29 @@ static bool shrink_step(keel_table_t *t, table_shard_t *s, keel_table_node_t *n,
   }
   if (shard_count_add(s, -1)) *check = true; /* after the shard lock */
   if (t->limited) keel_fetch_sub_relaxed(&t->charge, node_charge(t, n));
-  lru_unlink(s, n);
+  lru_unlink(t, s, n);
   keel_fetch_and_acq_rel(ref, ~REF_ON_LRU);
   keel_fetch_add_relaxed(&t->evicted, 1);
   _keel_table_bury(t, n);
   return true;
 }
 
-static size_t shrink_shard(keel_table_t *t, table_shard_t *s, size_t want) {
+/* True once a trim to `keep` LRU entries is done (SIZE_MAX: not a trim). */
+static bool trimmed(keel_table_t *t, size_t keep) {
+  return keep != SIZE_MAX && keel_load_relaxed(&t->lru_total) <= keep;
+}
+
+/* Shrinks one shard. `once`: visit each entry at most once, so that one used
+ * since the last pass keeps its second chance through this call. */
+static size_t shrink_shard(keel_table_t *t, table_shard_t *s, size_t want, size_t keep, bool once) {
   size_t done = 0;
   bool check = false;
   pthread_mutex_lock(&s->lock);
   /* Each step removes the head or moves it to the tail, so twice the
    * length visits every entry at least once after its bit was cleared. */
-  size_t budget = 2 * keel_load_relaxed(&s->lru_len) + 1;
-  for (unsigned steps = 1; done < want && budget-- > 0 && !cds_list_empty(&s->lru); steps++) {
+  size_t len = keel_load_relaxed(&s->lru_len), budget = once ? len : 2 * len + 1;
+  for (unsigned steps = 1;
+       done < want && budget-- > 0 && !cds_list_empty(&s->lru) && !trimmed(t, keep); steps++) {
     if (shrink_step(t, s, lru_node(s->lru.next), &check)) done++;
     /* Every 256 steps let the shard's other users in, and start the resize
      * the evictions asked for (never under the lock: it may allocate). */
@@ -218,23 +244,42 @@ static size_t shrink_shard(keel_table_t *t, table_shard_t *s, size_t want) {
   return done;
 }
 
-size_t keel_table_shrink(keel_table_t *t, size_t n) {
-  if (t == NULL || n == 0) return 0;
+/* Evicts up to n entries, visiting the shards from `start` on, and stopping
+ * early once the LRU holds at most `keep` (SIZE_MAX: no such stop). */
+static size_t shrink_to(keel_table_t *t, size_t n, size_t keep, unsigned start) {
   size_t done = 0;
-  unsigned start = keel_fetch_add_relaxed(&t->cursor, 1);
   /* Spread the work: each shard gives its share, then any shard gives what
-   * is still missing. */
+   * is still missing. A trim's first pass visits each entry once, so that
+   * recently used ones keep their second chance through it. */
   size_t share = n / TABLE_SHARDS + 1;
   _keel_rcu_read_lock(); /* _keel_tidx_del needs a read-side section */
-  for (int pass = 0; pass < 2 && done < n; pass++) {
-    for (unsigned i = 0; i < TABLE_SHARDS && done < n; i++) {
+  for (int pass = 0; pass < 2 && done < n && !trimmed(t, keep); pass++) {
+    for (unsigned i = 0; i < TABLE_SHARDS && done < n && !trimmed(t, keep); i++) {
       size_t want = n - done;
       if (pass == 0 && want > share) want = share;
-      done += shrink_shard(t, &t->shards[(start + i) % TABLE_SHARDS], want);
+      bool once = pass == 0 && keep != SIZE_MAX;
+      done += shrink_shard(t, &t->shards[(start + i) % TABLE_SHARDS], want, keep, once);
     }
   }
   _keel_rcu_read_unlock();
   return done;
+}
+
+size_t keel_table_shrink(keel_table_t *t, size_t n) {
+  if (t == NULL || n == 0) return 0;
+  return shrink_to(t, n, SIZE_MAX, keel_fetch_add_relaxed(&t->cursor, 1));
+}
+
+void _keel_table_trim(keel_table_t *t, keel_table_node_t *n) {
+  size_t total = keel_load_relaxed(&t->lru_total), keep = t->cfg.max_unused;
+  if (keel_likely(total <= keep)) return;
+  /* At most the excess is evicted: referenced entries taken off the list
+   * make up the rest. The lists are in release order only each on its own:
+   * starting from the shard after n's and ending with n's keeps the entry
+   * just released, the newest, unless every other list is empty (n is at
+   * its own list's tail, so that one is reached last anyway). */
+  unsigned own = (unsigned)(node_shard(t, n) - t->shards);
+  shrink_to(t, total - keep, keep, own + 1);
 }
 
 void _keel_table_enforce_limit(keel_table_t *t) {

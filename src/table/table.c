@@ -137,6 +137,7 @@ static void destroy_entries(keel_table_t *t) {
     CDS_INIT_LIST_HEAD(&t->shards[i].lru);
     keel_store_relaxed(&t->shards[i].lru_len, 0);
   }
+  keel_store_relaxed(&t->lru_total, 0);
   keel_table_node_t *dead = NULL;
   _keel_tidx_walk_alone(t, destroy_collect, &dead);
   urcu_memb_synchronize_rcu();

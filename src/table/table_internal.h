@@ -76,14 +76,15 @@ typedef struct table_shard {
 struct keel_table {
   tidx_t ix; /* the index (index.h) */
   keel_table_config_t cfg;
-  uint64_t seed;                /* per-table hash seed */
-  uint16_t tag;                 /* stamped into every node this table inserts */
-  bool limited;                 /* max_entries or max_bytes set */
-  keel_atomic(size_t) charge;   /* limited tables: entries, or bytes with max_bytes */
-  keel_atomic(size_t) evicted;  /* removed by shrink and the limit */
-  keel_atomic(unsigned) cursor; /* next shard the shrinker starts from */
-  keel_atomic(uintptr_t) grave; /* buried nodes | GRAVE_INFLIGHT */
-  keel_table_node_t *gc_batch;  /* the batch waiting for its grace period */
+  uint64_t seed;                 /* per-table hash seed */
+  uint16_t tag;                  /* stamped into every node this table inserts */
+  bool limited;                  /* max_entries or max_bytes set */
+  keel_atomic(size_t) charge;    /* limited tables: entries, or bytes with max_bytes */
+  keel_atomic(size_t) lru_total; /* with max_unused: the sum of the shards' lru_len */
+  keel_atomic(size_t) evicted;   /* removed by shrink and the limit */
+  keel_atomic(unsigned) cursor;  /* next shard the shrinker starts from */
+  keel_atomic(uintptr_t) grave;  /* buried nodes | GRAVE_INFLIGHT */
+  keel_table_node_t *gc_batch;   /* the batch waiting for its grace period */
   struct rcu_head gc_head;
   table_shard_t shards[TABLE_SHARDS];
 };
@@ -267,6 +268,10 @@ void _keel_table_bury(keel_table_t *t, keel_table_node_t *n) KEEL_HIDDEN;
 
 /* Applies the soft limit if the table is over it. */
 void _keel_table_enforce_limit(keel_table_t *t) KEEL_HIDDEN;
+
+/* Shrinks the LRU back to max_unused entries if it is longer (max_unused
+ * set), sparing n, the entry whose release made it longer, if it can. */
+void _keel_table_trim(keel_table_t *t, keel_table_node_t *n) KEEL_HIDDEN;
 
 /* Waits until no deferred-free batch of t is pending (destroy). */
 void _keel_table_gc_drain(keel_table_t *t) KEEL_HIDDEN;

@@ -711,6 +711,59 @@ static void cache_option(void) {
   KT_EQ(keel_lockspace_release(ls, 0), 0);
 }
 
+/* Bug: cache_max was the table's max_entries, which counts resources with
+ * locks held too. With cache_max = 2 and r1, r2 held, the unlock of r3 put
+ * its resource over the limit and dropped it at once: relocking read an
+ * empty value block. The limit is on unused resources only. */
+static void cache_max_counts_unused_only(void) {
+  keel_lockspace_config_t cfg = {.cache_max = 2};
+  keel_lockspace_t *ls = keel_lockspace_create(&cfg);
+  KT_REQUIRE(ls != NULL);
+  keel_lksb_t r1 = {0}, r2 = {0}, r3 = {0};
+  KT_EQ(keel_lock(ls, NAME("r1"), KEEL_LOCK_EX, 0, &r1, NULL, NULL, NULL), 0);
+  KT_EQ(keel_lock(ls, NAME("r2"), KEEL_LOCK_EX, 0, &r2, NULL, NULL, NULL), 0);
+  KT_EQ(keel_lock(ls, NAME("r3"), KEEL_LOCK_EX, KEEL_LOCK_VALBLK, &r3, NULL, NULL, NULL), 0);
+  memcpy(r3.valblk, "hello", 6);
+  KT_EQ(keel_unlock(&r3, KEEL_LOCK_VALBLK), 0);
+  KT_EQ(keel_table_count(ls->table), 3);
+  memset(r3.valblk, 0, sizeof(r3.valblk));
+  KT_EQ(keel_lock(ls, NAME("r3"), KEEL_LOCK_PR, KEEL_LOCK_VALBLK, &r3, NULL, NULL, NULL), 0);
+  KT_STREQ((char *)r3.valblk, "hello");
+  KT_EQ(keel_unlock(&r3, 0), 0);
+
+  /* With cache_max = 50 and 100 resources held throughout, 1,000 others
+   * locked and unlocked: at most 50 of those stay, and the newest is one. */
+  KT_EQ(keel_unlock(&r1, 0), 0);
+  KT_EQ(keel_unlock(&r2, 0), 0);
+  KT_EQ(keel_lockspace_release(ls, 0), 0);
+  cfg.cache_max = 50;
+  ls = keel_lockspace_create(&cfg);
+  KT_REQUIRE(ls != NULL);
+  static keel_lksb_t held[100];
+  char name[32];
+  memset(held, 0, sizeof(held));
+  for (int i = 0; i < 100; i++) {
+    int n = snprintf(name, sizeof(name), "held-%d", i);
+    KT_EQ(keel_lock(ls, name, (size_t)n, KEEL_LOCK_NL, 0, &held[i], NULL, NULL, NULL), 0);
+  }
+  keel_lksb_t s = {0};
+  for (int i = 0; i < 1000; i++) {
+    int n = snprintf(name, sizeof(name), "free-%d", i);
+    KT_EQ(keel_lock(ls, name, (size_t)n, KEEL_LOCK_EX, KEEL_LOCK_VALBLK, &s, NULL, NULL, NULL), 0);
+    memcpy(s.valblk, name, (size_t)n + 1);
+    KT_EQ(keel_unlock(&s, KEEL_LOCK_VALBLK), 0);
+    KT_CHECK(keel_table_count(ls->table) <= 100 + 50);
+  }
+  KT_EQ(keel_table_count(ls->table), 100 + 50);
+  KT_EQ(keel_lock(ls, NAME("free-999"), KEEL_LOCK_PR, KEEL_LOCK_VALBLK, &s, NULL, NULL, NULL), 0);
+  KT_STREQ((char *)s.valblk, "free-999");
+  KT_EQ(keel_unlock(&s, 0), 0);
+  /* The held ones become unused in turn: the cache stays at 50. */
+  for (int i = 0; i < 100; i++) KT_EQ(keel_unlock(&held[i], 0), 0);
+  KT_EQ(keel_table_count(ls->table), 50);
+  KT_EQ(keel_lockspace_release(ls, 0), 0);
+}
+
 /* Callbacks run with no resource lock held: an AST may unlock its own lock
  * and request another on the same resource without deadlocking. */
 typedef struct reenter {
@@ -1217,10 +1270,10 @@ KT_MAIN(KT_CASE(compat_matrix), KT_CASE(fifo_no_barging), KT_CASE(conversion_dea
         KT_CASE(timer_rearms_for_next_deadline), KT_CASE(timer_many_resources),
         KT_CASE(blocking_wait), KT_CASE(cancel), KT_CASE(convert_flag),
         KT_CASE(convert_failure_keeps_callbacks), KT_CASE(convert_cancel_callbacks),
-        KT_CASE(resource_cache), KT_CASE(cache_option), KT_CASE(callbacks_reenter),
-        KT_CASE(sched_callbacks), KT_CASE(mutex_basic), KT_CASE(mutex_stress),
-        KT_CASE(lookup_spare), KT_CASE(no_bast_after_unlock), KT_CASE(bast_unlocks_own_lock),
-        KT_CASE(unlock_waits_for_running_bast), KT_CASE(force_release_refuses_new_requests),
-        KT_CASE(quecvt_new_request), KT_CASE(unlock_waits_for_every_running_bast),
-        KT_CASE(nested_bast_unlocks_outer_lock), KT_CASE(force_release_during_timer_bast),
-        KT_CASE(force_release_during_callback_storm))
+        KT_CASE(resource_cache), KT_CASE(cache_option), KT_CASE(cache_max_counts_unused_only),
+        KT_CASE(callbacks_reenter), KT_CASE(sched_callbacks), KT_CASE(mutex_basic),
+        KT_CASE(mutex_stress), KT_CASE(lookup_spare), KT_CASE(no_bast_after_unlock),
+        KT_CASE(bast_unlocks_own_lock), KT_CASE(unlock_waits_for_running_bast),
+        KT_CASE(force_release_refuses_new_requests), KT_CASE(quecvt_new_request),
+        KT_CASE(unlock_waits_for_every_running_bast), KT_CASE(nested_bast_unlocks_outer_lock),
+        KT_CASE(force_release_during_timer_bast), KT_CASE(force_release_during_callback_storm))

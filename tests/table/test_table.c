@@ -317,6 +317,70 @@ static void entry_limit(void) {
   free(w);
 }
 
+/* max_unused bounds the unreferenced entries only: referenced ones neither
+ * count nor push a just-released entry out (the lock manager's cache_max was
+ * max_entries, and with that many locked resources an unlock dropped its
+ * resource at once). */
+static item_t *item_of(keel_table_node_t *n) {
+  return keel_table_entry(n, item_t, node);
+}
+
+static void unused_limit(void) {
+  keel_table_config_t c = {
+      .key_type = KEEL_TABLE_KEY_U64, .max_unused = 10, .free_fn = item_free, .name = "test"};
+  keel_table_t *t = keel_table_create(&c);
+  KT_REQUIRE(t != NULL);
+  enum { HELD = 100, N = 1000 };
+  item_t *h = items_new(HELD, 0), *v = items_new(N, 1000000);
+  for (int i = 0; i < HELD; i++) KT_EQ(keel_table_insert(t, &h[i].node), 0);
+  /* Far above 10 entries, but one unreferenced: it stays. */
+  KT_EQ(keel_table_insert(t, &v[0].node), 0);
+  keel_table_put(t, &v[0].node);
+  KT_EQ(keel_table_count(t), HELD + 1);
+  keel_table_stats_t st;
+  for (int i = 1; i < N; i++) {
+    KT_EQ(keel_table_insert(t, &v[i].node), 0);
+    keel_table_put(t, &v[i].node);
+    keel_table_stats(t, &st);
+    KT_CHECK(st.lru_entries <= 10);
+    KT_EQ(keel_load_relaxed(&t->lru_total), st.lru_entries);
+    KT_REQUIRE(st.entries <= HELD + 10);
+    keel_table_node_t *got = keel_table_get_u64(t, 1000000 + (uint64_t)i);
+    KT_REQUIRE(got != NULL); /* the entry just released is the newest: kept */
+    keel_table_put(t, got);
+  }
+  KT_EQ(st.entries, HELD + 10);
+  KT_EQ(st.evicted, N - 10);
+  for (int i = 0; i < HELD; i++) KT_EQ(keel_load_relaxed(&h[i].freed), 0);
+  /* Cached entries referenced again stay listed, and count, until a trim
+   * passes them: taking them off counts towards the trim, and they survive. */
+  keel_table_node_t *ref[10];
+  int nref = 0;
+  for (int i = 0; i < N; i++) {
+    keel_table_node_t *got = keel_table_get_u64(t, 1000000 + (uint64_t)i);
+    if (got != NULL) ref[nref++] = got;
+    KT_REQUIRE(nref <= 10);
+  }
+  KT_EQ(nref, 10);
+  for (int i = 0; i < HELD; i++) keel_table_put(t, &h[i].node);
+  keel_table_stats(t, &st);
+  KT_CHECK(st.lru_entries <= 10);
+  KT_CHECK(st.entries >= 10 && st.entries <= 10 + 10); /* + at most 10 unreferenced */
+  for (int i = 0; i < 10; i++) KT_EQ(keel_load_relaxed(&item_of(ref[i])->freed), 0);
+  for (int i = 0; i < 10; i++) keel_table_put(t, ref[i]);
+  keel_table_stats(t, &st);
+  KT_CHECK(st.lru_entries <= 10);
+  KT_EQ(st.entries, st.lru_entries); /* all unreferenced, all listed */
+  KT_EQ(keel_table_shrink(t, 1000), st.entries);
+  keel_table_stats(t, &st);
+  KT_EQ(st.lru_entries, 0);
+  KT_EQ(keel_load_relaxed(&t->lru_total), 0);
+  KT_EQ(keel_table_destroy(t), 0);
+  wait_frees();
+  free(h);
+  free(v);
+}
+
 static void byte_limit(void) {
   keel_table_config_t c = {.key_type = KEEL_TABLE_KEY_BYTES,
                            .max_bytes = 10000,
@@ -812,9 +876,9 @@ static void get_or_insert_helps_dying_entry(void) {
 KT_MAIN(KT_CASE(create_bad_config), KT_CASE(insert_lookup_get_put), KT_CASE(duplicate_key_eexist),
         KT_CASE(remove_twice_and_foreign), KT_CASE(destroy_busy), KT_CASE(bytes_keys_and_key_limit),
         KT_CASE(put_misuse_aborts), KT_CASE(lru_shrink_order), KT_CASE(new_entries_second_chance),
-        KT_CASE(entry_limit), KT_CASE(byte_limit), KT_CASE(for_each_visits_and_removes),
-        KT_CASE(grow_and_shrink), KT_CASE(resize_in_flight), KT_CASE(walk_while_table_grows),
-        KT_CASE(walk_through_many_resizes), KT_CASE(huge_size_hint), KT_CASE(thread_registration),
-        KT_CASE(destroy_inside_read_section), KT_CASE(get_or_insert_basic),
-        KT_CASE(get_or_insert_bad_input), KT_CASE(get_or_insert_helps_dying_entry),
-        KT_CASE(grow_by_short_lived_threads))
+        KT_CASE(entry_limit), KT_CASE(unused_limit), KT_CASE(byte_limit),
+        KT_CASE(for_each_visits_and_removes), KT_CASE(grow_and_shrink), KT_CASE(resize_in_flight),
+        KT_CASE(walk_while_table_grows), KT_CASE(walk_through_many_resizes),
+        KT_CASE(huge_size_hint), KT_CASE(thread_registration), KT_CASE(destroy_inside_read_section),
+        KT_CASE(get_or_insert_basic), KT_CASE(get_or_insert_bad_input),
+        KT_CASE(get_or_insert_helps_dying_entry), KT_CASE(grow_by_short_lived_threads))
