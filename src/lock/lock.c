@@ -28,10 +28,12 @@
 static keel_lkb_t *lksb_lock(keel_lksb_t *lksb, const char *call) {
   keel_lkb_t *lkb = __atomic_load_n(&lksb->lock, __ATOMIC_ACQUIRE);
   if (lkb == NULL) return NULL;
-  if (keel_unlikely(lkb->magic != KEEL_LKB_MAGIC))
+  /* Relaxed atomic: a stale lksb may be read while its lock is released. */
+  uint32_t magic = __atomic_load_n(&lkb->magic, __ATOMIC_RELAXED);
+  if (keel_unlikely(magic != KEEL_LKB_MAGIC))
     keel_die(call, "lksb %p holds %p, which is not a live lock (%s)", (void *)lksb, (void *)lkb,
-             lkb->magic == KEEL_LKB_DEAD ? "already released: a stale copy of an lksb?"
-                                         : "corrupted lksb?");
+             magic == KEEL_LKB_DEAD ? "already released: a stale copy of an lksb?"
+                                    : "corrupted lksb?");
   if (keel_unlikely(lkb->lksb != lksb))
     keel_die(call, "lock %p belongs to lksb %p, not %p (an lksb moved or copied?)", (void *)lkb,
              (void *)lkb->lksb, (void *)lksb);
@@ -39,7 +41,7 @@ static keel_lkb_t *lksb_lock(keel_lksb_t *lksb, const char *call) {
 }
 
 void _keel_lkb_free(keel_lkb_t *lkb) {
-  lkb->magic = KEEL_LKB_DEAD;
+  __atomic_store_n(&lkb->magic, KEEL_LKB_DEAD, __ATOMIC_RELAXED);
   free(lkb);
 }
 
@@ -309,7 +311,8 @@ int keel_unlock(keel_lksb_t *lksb, unsigned flags) {
   unsigned own = 0;
   if (defer) {
     lkb->released = true;
-    lkb->magic = KEEL_LKB_DEAD; /* a stale copy of lksb now aborts as released */
+    /* A stale copy of lksb now aborts as released. */
+    __atomic_store_n(&lkb->magic, KEEL_LKB_DEAD, __ATOMIC_RELAXED);
     own = own_bast_frames(lkb);
     if (lkb->bast_running > own) {
       lkb->basts++;

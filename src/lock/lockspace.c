@@ -524,10 +524,7 @@ static void cancel_queue(struct cds_list_head *q, cancel_ctx_t *c) {
       keel_delivery_t e = {.kind = KEEL_DELIVER_AST, .fn.ast = l->ast, .arg = l->arg};
       _keel_dispatch_push(&c->d, &e);
     }
-    if (owed)
-      l->magic = KEEL_LKB_DEAD; /* its owner's lksb no longer leads to it */
-    else
-      cds_list_add_tail(&l->q, &c->gone);
+    if (!owed) cds_list_add_tail(&l->q, &c->gone);
   }
 }
 
@@ -558,6 +555,8 @@ int keel_lockspace_release(keel_lockspace_t *ls, unsigned flags) {
    * check, so none slips in after it; a release that then finds the
    * lockspace busy makes it live again. */
   __atomic_store_n(&ls->magic, KEEL_LS_CLOSING, __ATOMIC_SEQ_CST);
+  cancel_ctx_t c;
+  CDS_INIT_LIST_HEAD(&c.gone);
   if (!(flags & KEEL_LOCKSPACE_FORCE)) {
     if (keel_table_for_each(ls->table, busy_fn, NULL) != 0) {
       __atomic_store_n(&ls->magic, KEEL_LS_MAGIC, __ATOMIC_RELAXED);
@@ -565,9 +564,7 @@ int keel_lockspace_release(keel_lockspace_t *ls, unsigned flags) {
     }
   } else {
     timer_stop(ls); /* its expiries would grant, cancel and send BASTs under the walk */
-    cancel_ctx_t c;
     keel_dispatch_init(&c.d, ls->cbq);
-    CDS_INIT_LIST_HEAD(&c.gone);
     keel_table_for_each(ls->table, cancel_fn, &c);
     /* Notices run outside the table walk's read-side section: an AST may call
      * anything but keel_lockspace_release on this lockspace (new requests
@@ -581,17 +578,21 @@ int keel_lockspace_release(keel_lockspace_t *ls, unsigned flags) {
      * stay too: one may belong to a caller that a grant has just woken and
      * that still reads its lkb on the way out. */
     while (__atomic_load_n(&ls->sleepers, __ATOMIC_SEQ_CST) != 0) sched_yield();
-    keel_lkb_t *l, *tmp;
-    cds_list_for_each_entry_safe(l, tmp, &c.gone, q) _keel_lkb_free(l);
   }
   timer_stop(ls);
   /* Callbacks already posted run first: the notices above, and the BASTs
    * the locks left to them are owed (sleepers have left, so every other
-   * one has run). Then nothing references the table. */
+   * one has run). A callback running on the drainer meanwhile may still
+   * hold a lock it read from its lksb before the cancel cleared it, so the
+   * cancelled locks are freed only after the drain; no new work can start
+   * (no lksb leads to a lock, new requests get KEEL_ESHUTDOWN). Then nothing
+   * references the table. */
   if (ls->cbq != NULL) {
     _keel_cbq_destroy(ls->cbq);
     ls->cbq = NULL;
   }
+  keel_lkb_t *l, *tmp;
+  cds_list_for_each_entry_safe(l, tmp, &c.gone, q) _keel_lkb_free(l);
   rc = keel_table_destroy(ls->table);
   if (rc != 0) keel_die("keel_lockspace_release", "resource table still referenced (%d)", rc);
   ls->table = NULL;

@@ -1156,7 +1156,8 @@ typedef struct pingpong {
 static void pp_ast(void *arg) {
   pingpong_t *p = arg;
   __atomic_add_fetch(p->n, 1, __ATOMIC_RELAXED);
-  if (p->s.status != 0) return;
+  /* Atomic: the forced release writes it while the drainer runs this. */
+  if (__atomic_load_n(&p->s.status, __ATOMIC_RELAXED) != 0) return;
   (void)keel_lock_convert(&p->s, KEEL_LOCK_EX, 0); /* KEEL_ENOENT once cancelled */
 }
 static void pp_bast(void *arg, int mode) {
