@@ -181,11 +181,16 @@ bool _keel_sched_park(sched_worker_t *w) {
    * stack (its wake_all takes idle_lock after storing STOPPING) or is seen
    * here; without this re-check w could sleep through it forever. */
   bool changed = !stopping && atomic_load(&s->state) != SCHED_RUNNING;
-  if (changed || (!cancelling && _keel_sched_work_visible()) || deadline <= keel_clock_ns()) {
+  if (changed || (!cancelling && _keel_sched_work_visible())) {
     park_pop(w);
     return true;
   }
-  keel_futex_wait_until(&w->word, 0, deadline);
+  /* A deadline already past is a timeout like any other: a worker woken for
+   * work that another took comes back here at or after busy_ns + idle_ms
+   * without having run a job, and must retire now; returning without the
+   * retire check made it loop take/spin/park with no sleep until another
+   * worker retired in its place. */
+  if (deadline > keel_clock_ns()) keel_futex_wait_until(&w->word, 0, deadline);
   if (!park_pop(w)) return true; /* woken for work */
   uint64_t now = keel_clock_ns();
   if (!stopping && now >= deadline && try_retire(w, now)) return false;

@@ -1,0 +1,167 @@
+/* sched tests that need a thread held at one exact point: each pins a bug
+ * found by review, with no sleep deciding the outcome.
+ *
+ * This executable interposes syscall(2), which keel's futex calls go
+ * through (base/futex.h), so a test can hold a worker right after a futex
+ * wait or wake returns until the main thread has set up the race, then let
+ * it go. A held thread waits for a flag, never for a length of time; a cap
+ * of seconds only keeps a broken build from hanging. Everything not armed
+ * passes straight through.
+ */
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <errno.h>
+#include <linux/futex.h>
+#include <stdarg.h>
+#include <stdatomic.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <keel/sched.h>
+
+#include "harness.h"
+#include "sched/sched_int.h"
+
+#define container_of(p, T, m) ((T *)(void *)((char *)(p)-offsetof(T, m)))
+
+static void sleep_ms(double ms) {
+  struct timespec ts = {(time_t)(ms / 1000), (long)((ms - (time_t)(ms / 1000) * 1000) * 1e6)};
+  nanosleep(&ts, NULL);
+}
+
+/* Polls until cond(arg) or `sec` seconds; returns cond(arg). */
+static bool wait_for(bool (*cond)(void *), void *arg, double sec) {
+  double end = kt_now() + sec;
+  while (!cond(arg)) {
+    if (kt_now() > end) return false;
+    sleep_ms(0.2);
+  }
+  return true;
+}
+
+static bool flag_set(void *a) {
+  return atomic_load((atomic_int *)a) != 0;
+}
+
+/* ---- syscall interposition ------------------------------------------- */
+
+static atomic_int main_tid; /* the test's thread: never held */
+__attribute__((constructor)) static void note_main_tid(void) {
+  atomic_store(&main_tid, gettid());
+}
+/* Armed: the next worker futex wait that times out holds its thread. */
+static atomic_int hold_timeout, timeout_held, timeout_release;
+
+static long real_syscall(long n, long a[6]) {
+  static long (*real)(long, ...);
+  if (real == NULL) real = (long (*)(long, ...))dlsym(RTLD_NEXT, "syscall");
+  return real(n, a[0], a[1], a[2], a[3], a[4], a[5]);
+}
+
+static void hold_until(atomic_int *release) {
+  double end = kt_now() + 10;
+  while (!atomic_load(release) && kt_now() < end) sleep_ms(0.5);
+}
+
+long syscall(long n, ...) {
+  va_list ap;
+  va_start(ap, n);
+  long a[6];
+  for (int i = 0; i < 6; i++) a[i] = va_arg(ap, long);
+  va_end(ap);
+  long rc = real_syscall(n, a);
+  int err = errno;
+  if (n != SYS_futex || gettid() == atomic_load(&main_tid)) return rc;
+  int cmd = (int)(a[1] & FUTEX_CMD_MASK);
+  bool worker_word = (void *)a[0] != (void *)&_keel_sched.mon_mode;
+  if (cmd == FUTEX_WAIT_BITSET && rc == -1 && err == ETIMEDOUT && worker_word &&
+      atomic_exchange(&hold_timeout, 0)) {
+    atomic_store(&timeout_held, 1);
+    hold_until(&timeout_release);
+  }
+  errno = err;
+  return rc;
+}
+
+static void start(unsigned min, unsigned max, unsigned idle_ms, unsigned block_ms) {
+  keel_sched_shutdown(KEEL_SCHED_DRAIN);
+  keel_sched_config_t cfg = {min, max, idle_ms, block_ms};
+  KT_EQ(keel_sched_init(&cfg), 0);
+}
+
+typedef struct tjob {
+  keel_job_t job;
+  atomic_int runs, cancels;
+} tjob_t;
+
+static void tjob_fn(keel_job_t *j) {
+  atomic_fetch_add(&container_of(j, tjob_t, job)->runs, 1);
+}
+
+static void tjob_cancel(keel_job_t *j) {
+  atomic_fetch_add(&container_of(j, tjob_t, job)->cancels, 1);
+}
+
+static void tjob_init(tjob_t *t, unsigned flags) {
+  memset(t, 0, sizeof(*t));
+  keel_job_init(&t->job, tjob_fn, flags);
+  t->job.on_cancel = tjob_cancel;
+}
+
+/* A KEEL_JOB_BLOCKING job that holds its worker until released (blocking:
+ * the monitor may grow the pool past it even on one CPU). */
+static atomic_int gate_open, gate_entered;
+static void gate_fn(keel_job_t *j) {
+  (void)j;
+  atomic_store(&gate_entered, 1);
+  while (!atomic_load(&gate_open)) sleep_ms(0.2);
+}
+static keel_job_t gate_job;
+static void gate_close(void) {
+  atomic_store(&gate_open, 0);
+  atomic_store(&gate_entered, 0);
+  keel_job_init(&gate_job, gate_fn, KEEL_JOB_BLOCKING);
+  KT_EQ(keel_sched_submit(&gate_job), 0);
+  KT_REQUIRE(wait_for(flag_set, &gate_entered, 10));
+}
+
+static bool retired_one(void *a) {
+  (void)a;
+  keel_sched_stats_t st;
+  keel_sched_stats(&st);
+  return st.retired >= 1;
+}
+
+/* Review bug 1: a worker above min that a waker popped from the idle stack
+ * after its retire deadline, and whose work another took, came back to park
+ * with that deadline already past; park returned at once without the retire
+ * check, so it looped take/spin/park on a CPU and never retired (another
+ * worker retired in its place, once idle long enough). Here the other
+ * worker is held in a job, so only the looping one could retire. */
+static void past_deadline_retires(void) {
+  start(1, 2, 50, 600000);
+  gate_close(); /* W1 */
+  atomic_store(&timeout_held, 0);
+  atomic_store(&timeout_release, 0);
+  atomic_store(&hold_timeout, 1); /* before W2 exists: it cannot time out first */
+  tjob_t j0;
+  tjob_init(&j0, 0);
+  KT_EQ(keel_sched_submit(&j0.job), 0);              /* no worker idle: the monitor adds W2 */
+  KT_REQUIRE(wait_for(flag_set, &timeout_held, 10)); /* W2 timed out at its retire time */
+  /* W2 is still on the idle stack: this submit's kick pops it for J, which
+   * nobody can take (W1 held, W2 held) and which is then cancelled. */
+  tjob_t j;
+  tjob_init(&j, 0);
+  KT_EQ(keel_sched_submit(&j.job), 0);
+  KT_CHECK(atomic_load(&_keel_sched.nidle) == 0);
+  KT_EQ(keel_sched_cancel(&j.job), 0);
+  atomic_store(&timeout_release, 1);
+  KT_CHECK(wait_for(retired_one, NULL, 10));
+  atomic_store(&gate_open, 1);
+  KT_EQ(keel_sched_shutdown(KEEL_SCHED_DRAIN), 0);
+  KT_EQ(atomic_load(&j0.runs), 1);
+  KT_EQ(atomic_load(&j.cancels), 1);
+}
+
+KT_MAIN(KT_CASE(past_deadline_retires))
