@@ -105,8 +105,9 @@ KEEL_API void keel_sched_config_default(keel_sched_config_t *cfg);
 
 /* Starts the pool (cfg NULL: defaults): 0, KEEL_EINVAL (max 0, min 0 or
  * min > max), KEEL_EBUSY (already running), KEEL_ENOMEM/EAGAIN (no thread),
- * KEEL_EDEADLK (from inside a job or a shutdown's on_cancel).
- * Allowed again after keel_sched_shutdown. Allocates; creates threads. */
+ * KEEL_EDEADLK (from inside a job or a shutdown's on_cancel). A failed
+ * init leaves the pool as it was (a lazy one is tried again by the next
+ * call). Allowed again after keel_sched_shutdown. Allocates; creates threads. */
 KEEL_API int keel_sched_init(const keel_sched_config_t *cfg);
 
 /* Queues a job: 0; KEEL_EINVAL (job or job->fn NULL); KEEL_EBUSY (already

@@ -2,7 +2,8 @@
  *
  * States: UNINIT -> RUNNING (init, explicit or lazy) -> STOPPING (shutdown
  * started: submits fail) -> SHUTDOWN (every worker joined) -> RUNNING (a new
- * init). init and shutdown are serialised by life_lock. Counters are never
+ * init); an init that cannot create its threads goes back to the state it
+ * started from. init and shutdown are serialised by life_lock. Counters are never
  * reset (a producer can be between its count and its gate check at any
  * time), so statistics count since the process started.
  */
@@ -77,6 +78,10 @@ static void reset(const keel_sched_config_t *cfg) {
 
 static void stop(int how);
 
+/* Starts the pool; caller holds life_lock. A failure leaves the state as
+ * it found it (UNINIT or SHUTDOWN) once stop() has undone the start: a
+ * thread that could not be created is no shutdown, and from UNINIT the next
+ * submit, after or stats tries the lazy init again. */
 static int init_locked(const keel_sched_config_t *user) {
   sched_t *s = &_keel_sched;
   int st = atomic_load(&s->state);
@@ -95,7 +100,10 @@ static int init_locked(const keel_sched_config_t *user) {
   int rc = 0;
   for (unsigned i = 0; i < cfg.min_threads && rc == 0; i++) rc = _keel_sched_spawn();
   if (rc == 0) rc = _keel_sched_monitor_start();
-  if (rc != 0) stop(KEEL_SCHED_CANCEL);
+  if (rc != 0) {
+    stop(KEEL_SCHED_CANCEL);
+    atomic_store(&s->state, st);
+  }
   return rc;
 }
 

@@ -172,7 +172,7 @@ static void *monitor_main(void *arg) {
 int _keel_sched_monitor_start(void) {
   sched_t *s = &_keel_sched;
   atomic_store(&s->mon_mode, MON_TICK);
-  int rc = pthread_create(&s->monitor, NULL, monitor_main, NULL);
+  int rc = _keel_sched_thread_create(&s->monitor, monitor_main, NULL);
   s->monitor_started = rc == 0;
   return -rc;
 }

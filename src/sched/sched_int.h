@@ -308,6 +308,12 @@ bool _keel_sched_park(sched_worker_t *w) KEEL_HIDDEN;
 
 /* Workers (worker.c). */
 int _keel_sched_spawn(void) KEEL_HIDDEN;
+/* Creates one of sched's threads (a worker or the monitor): 0 or
+ * pthread_create's error. Tests set _keel_sched_create_hook to make a
+ * creation fail: when set, it runs first and its nonzero return is taken
+ * as that error (NULL outside tests: one load per thread created). */
+int _keel_sched_thread_create(pthread_t *t, void *(*fn)(void *), void *arg) KEEL_HIDDEN;
+extern int (*_keel_sched_create_hook)(void) KEEL_HIDDEN;
 void _keel_sched_join_zombies(void) KEEL_HIDDEN;
 void _keel_sched_join_workers(void) KEEL_HIDDEN;
 

@@ -218,6 +218,17 @@ static void __orphan_timers(sched_worker_t *w, struct cds_list_head *out) {
   _keel_sched_timers_cancel_all(w, out);
 }
 
+int (*_keel_sched_create_hook)(void);
+
+int _keel_sched_thread_create(pthread_t *t, void *(*fn)(void *), void *arg) {
+  int (*hook)(void) = __atomic_load_n(&_keel_sched_create_hook, __ATOMIC_ACQUIRE);
+  if (keel_unlikely(hook != NULL)) {
+    int rc = hook();
+    if (rc != 0) return rc;
+  }
+  return pthread_create(t, NULL, fn, arg);
+}
+
 /* Adds one worker unless the pool is at max, cancelling or drained. Called by
  * init and the monitor only (never by producers: thread creation is a slow
  * syscall). */
@@ -235,7 +246,7 @@ int _keel_sched_spawn(void) {
   w->shard = (unsigned)(s->spawned++ % SCHED_SHARDS);
   cds_list_add_tail(&w->link, &s->workers);
   pthread_mutex_unlock(&s->lock);
-  int rc = pthread_create(&w->thread, NULL, worker_main, w);
+  int rc = _keel_sched_thread_create(&w->thread, worker_main, w);
   CDS_LIST_HEAD(orphans);
   pthread_mutex_lock(&s->lock);
   if (rc == 0) {

@@ -164,4 +164,67 @@ static void past_deadline_retires(void) {
   KT_EQ(atomic_load(&j.cancels), 1);
 }
 
-KT_MAIN(KT_CASE(past_deadline_retires))
+/* ---- thread creation failures (_keel_sched_create_hook) ------------- */
+
+static atomic_int creates, fail_at; /* fail_at: the n-th creation fails */
+
+static int fail_nth(void) {
+  return atomic_fetch_add(&creates, 1) + 1 == atomic_load(&fail_at) ? EAGAIN : 0;
+}
+
+static void fail_creation(int nth) {
+  atomic_store(&creates, 0);
+  atomic_store(&fail_at, nth);
+  __atomic_store_n(&_keel_sched_create_hook, fail_nth, __ATOMIC_RELEASE);
+}
+
+static void creations_ok(void) {
+  __atomic_store_n(&_keel_sched_create_hook, NULL, __ATOMIC_RELEASE);
+}
+
+/* Back to a pool never initialised, for the lazy-init cases: after a full
+ * shutdown nothing is left that UNINIT would not also describe. */
+static void uninit(void) {
+  KT_EQ(keel_sched_shutdown(KEEL_SCHED_DRAIN), 0);
+  atomic_store(&_keel_sched.state, SCHED_UNINIT);
+}
+
+static bool ran_once(void *a) {
+  return atomic_load(&((tjob_t *)a)->runs) == 1;
+}
+
+/* Review bug 2: one transient pthread_create failure during the lazy init
+ * made the first submit fail (right) and every later one fail with
+ * KEEL_ESHUTDOWN although nobody had shut the pool down: the failed init
+ * left SHUTDOWN behind, and the lazy init runs only from UNINIT. */
+static void lazy_init_retried(void) {
+  uninit();
+  tjob_t t;
+  tjob_init(&t, 0);
+  fail_creation(1);
+  KT_EQ(keel_sched_submit(&t.job), KEEL_EAGAIN);
+  creations_ok();
+  KT_EQ(atomic_load(&_keel_sched.state), SCHED_UNINIT);
+  KT_EQ(keel_sched_submit(&t.job), 0); /* inits again */
+  KT_CHECK(wait_for(ran_once, &t, 10));
+  /* The same for an explicit init, whose failure leaves UNINIT (or a
+   * shutdown pool) as it was; and a later thread failing as the first. */
+  uninit();
+  fail_creation(2);
+  keel_sched_config_t cfg = {2, 2, 1000, 20};
+  KT_EQ(keel_sched_init(&cfg), KEEL_EAGAIN);
+  creations_ok();
+  KT_EQ(atomic_load(&_keel_sched.state), SCHED_UNINIT);
+  tjob_init(&t, 0);
+  KT_EQ(keel_sched_submit(&t.job), 0);
+  KT_CHECK(wait_for(ran_once, &t, 10));
+  KT_EQ(keel_sched_shutdown(KEEL_SCHED_DRAIN), 0);
+  fail_creation(1);
+  KT_EQ(keel_sched_init(&cfg), KEEL_EAGAIN);
+  creations_ok();
+  KT_EQ(keel_sched_submit(&t.job), KEEL_ESHUTDOWN); /* shut down before, still */
+  KT_EQ(keel_sched_init(&cfg), 0);
+  KT_EQ(keel_sched_shutdown(KEEL_SCHED_DRAIN), 0);
+}
+
+KT_MAIN(KT_CASE(past_deadline_retires), KT_CASE(lazy_init_retried))
