@@ -78,6 +78,12 @@ static void reset(const keel_sched_config_t *cfg) {
 
 static void stop(int how);
 
+/* Set while this thread holds life_lock (init, lazy or not, and shutdown):
+ * an on_cancel callback that either runs (a shutdown's, or a failed init's
+ * stop() cancelling timers armed meanwhile) and that calls init or
+ * shutdown would otherwise wait on life_lock, which its own thread holds. */
+static __thread bool in_life;
+
 /* Starts the pool; caller holds life_lock. A failure leaves the state as
  * it found it (UNINIT or SHUTDOWN) once stop() has undone the start: a
  * thread that could not be created is no shutdown, and from UNINIT the next
@@ -107,24 +113,26 @@ static int init_locked(const keel_sched_config_t *user) {
   return rc;
 }
 
-/* Set while this thread runs init or shutdown: an on_cancel callback that
- * shutdown runs and that calls init or shutdown would wait on life_lock,
- * which its own thread holds. */
-static __thread bool in_life;
-
 int keel_sched_init(const keel_sched_config_t *cfg) {
   if (in_life || _keel_sched_self != NULL) return KEEL_EDEADLK;
   pthread_mutex_lock(&_keel_sched.life_lock);
+  in_life = true;
   int rc = init_locked(cfg);
+  in_life = false;
   pthread_mutex_unlock(&_keel_sched.life_lock);
   return rc;
 }
 
+/* The submitting thread may run other threads' on_cancel callbacks here
+ * (timers armed on the pool while it started), hence in_life as in init. */
 int _keel_sched_lazy_init(void) {
   sched_t *s = &_keel_sched;
+  if (in_life) return KEEL_EDEADLK;
   pthread_mutex_lock(&s->life_lock);
+  in_life = true;
   int st = atomic_load(&s->state);
   int rc = st == SCHED_UNINIT ? init_locked(NULL) : (st == SCHED_RUNNING ? 0 : KEEL_ESHUTDOWN);
+  in_life = false;
   pthread_mutex_unlock(&s->life_lock);
   return rc;
 }

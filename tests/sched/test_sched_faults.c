@@ -227,4 +227,46 @@ static void lazy_init_retried(void) {
   KT_EQ(keel_sched_shutdown(KEEL_SCHED_DRAIN), 0);
 }
 
-KT_MAIN(KT_CASE(past_deadline_retires), KT_CASE(lazy_init_retried))
+/* Review bug 3: init publishes RUNNING before it creates its threads, so a
+ * timer can be armed meanwhile; when a creation then fails, init's stop()
+ * cancels that timer and runs its on_cancel in the init thread, which holds
+ * life_lock. An on_cancel calling keel_sched_shutdown or keel_sched_init
+ * deadlocked there instead of getting KEEL_EDEADLK (in_life was set by
+ * shutdown only). Here the hook arms the timer just before the failure. */
+static keel_job_t life_timer;
+static atomic_int life_rc, life_calls_init;
+
+static void life_cancel(keel_job_t *j) {
+  (void)j;
+  atomic_store(&life_rc, atomic_load(&life_calls_init) ? keel_sched_init(NULL)
+                                                       : keel_sched_shutdown(KEEL_SCHED_CANCEL));
+}
+
+static int arm_then_fail_second(void) {
+  if (atomic_fetch_add(&creates, 1) + 1 != 2) return 0;
+  keel_job_init(&life_timer, tjob_fn, 0);
+  life_timer.on_cancel = life_cancel;
+  KT_EQ(keel_sched_after(&life_timer, 600000), 0);
+  return EAGAIN;
+}
+
+static void on_cancel_of_failed_init(void) {
+  keel_sched_config_t cfg = {2, 2, 1000, 20};
+  for (int lazy = 0; lazy < 2; lazy++) {
+    uninit();
+    atomic_store(&life_rc, 1);
+    atomic_store(&life_calls_init, lazy);
+    atomic_store(&creates, 0);
+    __atomic_store_n(&_keel_sched_create_hook, arm_then_fail_second, __ATOMIC_RELEASE);
+    tjob_t t;
+    tjob_init(&t, 0);
+    KT_EQ(lazy ? keel_sched_submit(&t.job) : keel_sched_init(&cfg), KEEL_EAGAIN);
+    creations_ok();
+    KT_EQ(atomic_load(&life_rc), KEEL_EDEADLK);
+  }
+  KT_EQ(keel_sched_init(&cfg), 0); /* nothing left held */
+  KT_EQ(keel_sched_shutdown(KEEL_SCHED_DRAIN), 0);
+}
+
+KT_MAIN(KT_CASE(past_deadline_retires), KT_CASE(lazy_init_retried),
+        KT_CASE(on_cancel_of_failed_init))
