@@ -87,6 +87,9 @@ static void place(keel_job_t *job) {
   sched_t *s = &_keel_sched;
   unsigned p = _keel_job_prio(job);
   struct keel_sched_client *c = job->client ? job->client : DEFAULT_CLIENT;
+  /* A fired timer moves from c's ntimers to n[] under this lock, so
+   * client_destroy sees it counted in exactly one of them. */
+  if (job->_l[1] == SCHED_FIRED && job->client != NULL) keel_fetch_sub_relaxed(&c->ntimers, 1);
   cds_list_add_tail(_keel_job_link(job), &c->q[p]);
   c->n[p]++;
   s->levels[p].n++;

@@ -308,10 +308,10 @@ int keel_sched_client_destroy(keel_sched_client_t *c) {
   int busy = 0;
   pthread_mutex_lock(&s->lock);
   if (atomic_load(&s->state) != SCHED_UNINIT) {
-    /* Its timers, read before the flatten: one that fired and is no longer
-     * counted here was enqueued first (acquire), so the flatten sorts it
-     * onto c's lists and n[] counts it. */
-    busy = keel_load_acquire(&c->ntimers) != 0;
+    /* Its timers. One that fired stays counted here until a flatten or a
+     * dispatch sorts it onto c's lists (place(), under this lock), so it
+     * is counted in ntimers or in n[] below, never in neither. */
+    busy = keel_load_relaxed(&c->ntimers) != 0;
     while (__keel_sched_flatten()) { /* its jobs may sit in staging */
       pthread_mutex_unlock(&s->lock);
       sched_yield();

@@ -56,10 +56,12 @@ struct keel_sched_client {
   uint32_t n[PRIO_COUNT];
   uint32_t used[PRIO_COUNT]; /* dispatches in the current turn */
   bool in_ring[PRIO_COUNT];
-  /* Its jobs in a timer heap, or just fired and not yet enqueued: no list
-   * of the client holds them, so destroy counts them here. Incremented when
-   * armed, decremented when cancelled or (release) once fired and enqueued,
-   * where a flatten can find it. */
+  /* Its jobs armed by keel_sched_after and not yet on q[]: in a timer heap,
+   * or fired and on their way through the incoming queue (no list of the
+   * client holds them), so destroy counts them here. Incremented when armed,
+   * decremented when cancelled or when place() puts the fired job on q[]
+   * and counts it in n[]: each such job is in exactly one of the two counts,
+   * and every change is made under sched.lock, where destroy reads both. */
   keel_atomic(uint32_t) ntimers;
 };
 
@@ -213,6 +215,13 @@ KEEL_INLINE unsigned _keel_job_state(keel_job_t *job) {
 KEEL_INLINE void _keel_job_set_state(keel_job_t *job, unsigned s) {
   __atomic_store_n(&job->_state, s, __ATOMIC_RELEASE);
 }
+/* job->_l[1] of a client's timer job from its firing until place() counts
+ * it off the client's ntimers (timers_fire sets it before the release store
+ * of QUEUED; place() reads it under sched.lock before _l becomes the list
+ * link). No heap slot (an index) or list link can equal it. */
+extern const char _keel_sched_fired_mark KEEL_HIDDEN;
+#define SCHED_FIRED ((void *)&_keel_sched_fired_mark)
+
 KEEL_INLINE struct cds_wfcq_node *_keel_job_node(keel_job_t *job) {
   return (struct cds_wfcq_node *)(void *)&job->_q;
 }

@@ -99,20 +99,21 @@ static void client_untimed(struct keel_sched_client *c) {
   if (c != NULL) keel_fetch_sub_relaxed(&c->ntimers, 1);
 }
 
-/* Submits every job of w's heap whose deadline has passed, earliest first. */
+const char _keel_sched_fired_mark;
+
+/* Submits every job of w's heap whose deadline has passed, earliest first.
+ * A client's job stays counted in its ntimers until place() sorts it onto
+ * the client's list: counted off here, after the enqueue (whose kick wakes
+ * a worker), the job could already run, and its fn find its client busy. */
 void _keel_sched_timers_fire(sched_worker_t *w, uint64_t now) {
   pthread_mutex_lock(&w->tlock);
   while (w->nheap > 0 && w->heap[0]->_t <= now) {
     keel_job_t *job = w->heap[0];
     heap_remove(w, 0);
     bool fast = _keel_sched_fast_lane(job);
-    struct keel_sched_client *c = job->client; /* once enqueued, job may run and be freed */
-    _keel_job_set_state(job, JOB_QUEUED);      /* counted as submitted when armed */
-    _keel_sched_enqueue(job, fast, w->shard);  /* not the caller's: see sched_worker_t */
-    /* Only now (without sched.lock): before the enqueue no flatten could
-     * find the job, so client_destroy would free c under place(). Release:
-     * whoever reads the count without this timer sees the job enqueued. */
-    if (c != NULL) atomic_fetch_sub_explicit(&c->ntimers, 1, memory_order_release);
+    if (job->client != NULL) job->_l[1] = SCHED_FIRED;
+    _keel_job_set_state(job, JOB_QUEUED);     /* counted as submitted when armed */
+    _keel_sched_enqueue(job, fast, w->shard); /* not the caller's: see sched_worker_t */
   }
   publish_min(w);
   pthread_mutex_unlock(&w->tlock);

@@ -52,6 +52,9 @@ __attribute__((constructor)) static void note_main_tid(void) {
 }
 /* Armed: the next worker futex wait that times out holds its thread. */
 static atomic_int hold_timeout, timeout_held, timeout_release;
+/* Armed: the next futex wake of a worker's word by a thread of keel's
+ * holds that thread once the wake is done. */
+static atomic_int hold_wake, wake_held, wake_release;
 
 static long real_syscall(long n, long a[6]) {
   static long (*real)(long, ...);
@@ -79,6 +82,10 @@ long syscall(long n, ...) {
       atomic_exchange(&hold_timeout, 0)) {
     atomic_store(&timeout_held, 1);
     hold_until(&timeout_release);
+  }
+  if (cmd == FUTEX_WAKE && worker_word && atomic_exchange(&hold_wake, 0)) {
+    atomic_store(&wake_held, 1);
+    hold_until(&wake_release);
   }
   errno = err;
   return rc;
@@ -268,5 +275,43 @@ static void on_cancel_of_failed_init(void) {
   KT_EQ(keel_sched_shutdown(KEEL_SCHED_DRAIN), 0);
 }
 
+/* ---- timers ---------------------------------------------------------- */
+
+/* Review bug 4: a fired timer was counted off its client's ntimers only
+ * after _keel_sched_enqueue, whose kick wakes a parked worker; that worker
+ * could run the job first, and the job's fn calling
+ * keel_sched_client_destroy for its only job got KEEL_EBUSY (sched.h: busy
+ * only while a job of it is queued or timed). Here the thread that fired
+ * the timer is held right after that wake until the job's fn has run. */
+static keel_sched_client_t *fired_client;
+static atomic_int destroy_rc = 1, fired_ran;
+static void destroy_own_client(keel_job_t *j) {
+  (void)j;
+  atomic_store(&destroy_rc, keel_sched_client_destroy(fired_client));
+  atomic_store(&fired_ran, 1);
+}
+
+static void destroy_from_fired_job(void) {
+  start(2, 2, 60000, 600000); /* the owner fires and wakes the other */
+  fired_client = keel_sched_client_create();
+  KT_REQUIRE(fired_client != NULL);
+  keel_job_t t;
+  keel_job_init(&t, destroy_own_client, 0);
+  t.client = fired_client;
+  atomic_store(&wake_held, 0);
+  atomic_store(&wake_release, 0);
+  atomic_store(&hold_wake, 1);
+  KT_EQ(keel_sched_after(&t, 20), 0);
+  KT_CHECK(wait_for(flag_set, &fired_ran, 10));
+  atomic_store(&wake_release, 1);
+  atomic_store(&hold_wake, 0);
+  KT_EQ(atomic_load(&destroy_rc), 0);
+  if (atomic_load(&destroy_rc) != 0) {
+    KT_EQ(keel_sched_shutdown(KEEL_SCHED_DRAIN), 0); /* then the client is free */
+    KT_EQ(keel_sched_client_destroy(fired_client), 0);
+  }
+  KT_EQ(keel_sched_shutdown(KEEL_SCHED_DRAIN), 0);
+}
+
 KT_MAIN(KT_CASE(past_deadline_retires), KT_CASE(lazy_init_retried),
-        KT_CASE(on_cancel_of_failed_init))
+        KT_CASE(on_cancel_of_failed_init), KT_CASE(destroy_from_fired_job))
