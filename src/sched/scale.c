@@ -11,7 +11,8 @@
  * worker has been joined; _keel_sched_spawn refuses once nothing is pending).
  *
  * It also wakes a parked worker when work has waited a tick while one was
- * parked (workers chain-wake a sibling only when they fill a batch).
+ * parked (workers chain-wake a sibling only when they fill a batch, or when
+ * the monitor naps, MON_NAP, and would not look for up to block_ms/2).
  *
  * While jobs wait the monitor ticks: every millisecond when it could grow,
  * else every block_ms/2 to spot long jobs and to fire the due timers of
@@ -162,9 +163,11 @@ static void *monitor_main(void *arg) {
       if (go_inf()) keel_futex_wait_until(&s->mon_mode, MON_INF, UINT64_MAX);
       continue;
     }
-    uint32_t poked = MON_POKED;
-    atomic_compare_exchange_strong(&s->mon_mode, &poked, MON_TICK);
-    keel_futex_wait_until(&s->mon_mode, MON_TICK, now + wait);
+    /* Only the monitor and stop() write the mode outside MON_INF: the CAS
+     * fails only on MON_EXIT. */
+    uint32_t mode = wait > MON_TICK_NS ? MON_NAP : MON_TICK, m = atomic_load(&s->mon_mode);
+    if (m == MON_EXIT || !atomic_compare_exchange_strong(&s->mon_mode, &m, mode)) continue;
+    keel_futex_wait_until(&s->mon_mode, mode, now + wait);
   }
   return NULL;
 }

@@ -201,8 +201,10 @@ extern sched_t _keel_sched KEEL_HIDDEN;
 extern __thread sched_worker_t *_keel_sched_self KEEL_HIDDEN;
 extern struct keel_sched_client _keel_sched_default_client KEEL_HIDDEN;
 
-/* Monitor modes: sleeping with no deadline, poked awake, ticking. */
-enum { MON_INF, MON_POKED, MON_TICK, MON_EXIT };
+/* Monitor modes: sleeping with no deadline, poked awake, ticking (next
+ * look within MON_TICK_NS), napping (ticking, its next look further away:
+ * block_ms/2 while only long jobs or timers need it), told to exit. */
+enum { MON_INF, MON_POKED, MON_TICK, MON_NAP, MON_EXIT };
 
 KEEL_INLINE unsigned _keel_job_prio(const keel_job_t *job) {
   return (job->flags & KEEL_JOB_HIGH) ? PRIO_HIGH

@@ -88,14 +88,18 @@ static unsigned take(sched_worker_t *w, bool *stuck) {
     w->fast_max = w->fast_max * 2 > KEEL_SCHED_BATCH ? KEEL_SCHED_BATCH : w->fast_max * 2;
   else if (w->fast_max > 1)
     w->fast_max /= 2;
-  /* Chain wake only from a worker that filled a batch of 2 or more: a
-   * trickle that one worker keeps up with costs no futex syscall on the
-   * path of the jobs behind it (p99 at 8 paced producers: 127 us with a
-   * wake after every take, vs the mutex pool's 77 us). */
+  /* Chain wake from a worker that filled a batch of 2 or more: a trickle
+   * that one worker keeps up with costs no futex syscall on the path of the
+   * jobs behind it (p99 at 8 paced producers: 127 us with a wake after
+   * every take, vs the mutex pool's 77 us), since the monitor, ticking each
+   * millisecond, wakes a parked worker for work left waiting. When it naps
+   * (MON_NAP: its next look up to block_ms/2 away) a batch of one wakes a
+   * parked sibling too, or the work left behind would wait that long. */
   if (more) {
-    if (n >= 2 && n == max && atomic_load(&s->nidle) > 0)
+    uint32_t mode = keel_load_relaxed(&s->mon_mode);
+    if (((n >= 2 && n == max) || mode == MON_NAP) && atomic_load(&s->nidle) > 0)
       _keel_sched_wake_one();
-    else if (keel_load_relaxed(&s->mon_mode) == MON_INF)
+    else if (mode == MON_INF)
       _keel_sched_poke();
   }
   return n;

@@ -62,9 +62,13 @@ static long real_syscall(long n, long a[6]) {
   return real(n, a[0], a[1], a[2], a[3], a[4], a[5]);
 }
 
-static void hold_until(atomic_int *release) {
-  double end = kt_now() + 10;
+static void hold_for_at_most(atomic_int *release, double sec) {
+  double end = kt_now() + sec;
   while (!atomic_load(release) && kt_now() < end) sleep_ms(0.5);
+}
+
+static void hold_until(atomic_int *release) {
+  hold_for_at_most(release, 10);
 }
 
 long syscall(long n, ...) {
@@ -313,5 +317,57 @@ static void destroy_from_fired_job(void) {
   KT_EQ(keel_sched_shutdown(KEEL_SCHED_DRAIN), 0);
 }
 
+/* ---- wake-ups ---------------------------------------------------------- */
+
+/* Review bug 5: a worker that takes a batch of one and leaves work behind
+ * chain-woke no parked sibling and poked the monitor only in MON_INF; with
+ * the monitor napping block_ms/2 (here 300 s: a worker owning a timer is in
+ * a long job) the work left behind waited for that nap while a worker sat
+ * parked. L, a blocking job (it ends its batch), waits for J, submitted
+ * right behind it; J must run on the parked worker while L holds its own. */
+static atomic_int owner_in, owner_release, j_ran, l_saw_j;
+static keel_job_t owner_timer;
+
+static void owner_fn(keel_job_t *j) {
+  (void)j;
+  keel_job_init(&owner_timer, tjob_fn, 0);
+  KT_EQ(keel_sched_after(&owner_timer, 600000), 0); /* on this worker */
+  atomic_store(&owner_in, 1);
+  hold_for_at_most(&owner_release, 60); /* longer than L waits for J */
+}
+
+static void l_fn(keel_job_t *j) {
+  (void)j;
+  hold_until(&j_ran);
+  atomic_store(&l_saw_j, atomic_load(&j_ran));
+}
+
+static void j_fn(keel_job_t *j) {
+  (void)j;
+  atomic_store(&j_ran, 1);
+}
+
+static bool monitor_naps(void *a) {
+  (void)a;
+  return atomic_load(&_keel_sched.mon_mode) == MON_NAP;
+}
+
+static void batch_of_one_wakes_when_monitor_naps(void) {
+  start(3, 3, 60000, 600000);
+  keel_job_t owner, l, j;
+  keel_job_init(&owner, owner_fn, 0);
+  keel_job_init(&l, l_fn, KEEL_JOB_BLOCKING);
+  keel_job_init(&j, j_fn, 0);
+  KT_EQ(keel_sched_submit(&owner), 0);
+  KT_REQUIRE(wait_for(flag_set, &owner_in, 10));
+  KT_REQUIRE(wait_for(monitor_naps, NULL, 10));
+  KT_EQ(keel_sched_submit(&l), 0);
+  KT_EQ(keel_sched_submit(&j), 0);
+  KT_CHECK(wait_for(flag_set, &l_saw_j, 20));
+  atomic_store(&owner_release, 1);
+  KT_EQ(keel_sched_shutdown(KEEL_SCHED_CANCEL), 0); /* cancels the timer */
+}
+
 KT_MAIN(KT_CASE(past_deadline_retires), KT_CASE(lazy_init_retried),
-        KT_CASE(on_cancel_of_failed_init), KT_CASE(destroy_from_fired_job))
+        KT_CASE(on_cancel_of_failed_init), KT_CASE(destroy_from_fired_job),
+        KT_CASE(batch_of_one_wakes_when_monitor_naps))
