@@ -259,11 +259,18 @@ int keel_sched_after(keel_job_t *job, uint64_t ms) {
   /* Under the lock: once it is released, w may retire (handing the timer
    * on) and be freed. */
   if (rc == 0 && earliest && w != _keel_sched_self) _keel_sched_kick_worker(w);
-  bool in_job = rc == 0 && (w == _keel_sched_self || (keel_load_relaxed(&w->seq) & 1));
   pthread_mutex_unlock(&_keel_sched.lock);
   if (rc != 0) return rc;
-  /* The owner is inside a job (this one, or another thread's pick): if that
-   * job runs long, the monitor is the one who fires this timer on time. */
-  if (in_job && keel_load_relaxed(&_keel_sched.mon_mode) == MON_INF) _keel_sched_poke();
+  /* Should the owner's job run long, the monitor is the one who fires this
+   * timer on time, so it must not sleep without deadline. The owner is
+   * inside a job (the caller's), or another thread's pick, which may be
+   * about to enter one: it reads next_deadline before a batch and only then
+   * publishes its odd seq, so a seq read here and that deadline read can
+   * miss each other (a 10 ms timer fired after a 601 ms job). Hence a poke
+   * whoever the owner: the monitor then lingers MON_LINGER_NS, in which
+   * the owner's odd seq shows it in a job with timers (the monitor keeps
+   * ticking), and after which the owner's own pre-batch check sees the
+   * deadline. The poke is one CAS unless the monitor is in MON_INF. */
+  if (keel_load_relaxed(&_keel_sched.mon_mode) == MON_INF) _keel_sched_poke();
   return 0;
 }
