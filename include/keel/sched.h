@@ -40,6 +40,14 @@
  * Calling submit, run, after or stats before keel_sched_init initialises the pool
  * with the defaults of KEEL_OPTIONS (sched_min_threads, sched_max_threads,
  * sched_idle_ms, sched_block_ms, sched_spin_us).
+ *
+ * fork: the child gets a pool of its own, not yet started (its first call
+ * starts it with the parent's configuration), or a shut-down one if the
+ * parent's was shut down or shutting down; statistics start at 0. The
+ * parent's jobs, queued, timed or running, stay the parent's: their copies
+ * in the child are never run or cancelled (do not submit, cancel or wait
+ * for them there). Clients are the child's to use and destroy. A child
+ * forked inside a job ends when that job returns (exec or _exit first).
  */
 #ifndef KEEL_SCHED_H
 #define KEEL_SCHED_H

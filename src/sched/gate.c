@@ -53,6 +53,7 @@ KEEL_NOINLINE int _keel_sched_register(void) {
   me->hook.arg = me;
   int rc = _keel_thread_hook_arm(&me->hook);
   if (rc != 0) return rc;
+  _keel_sched_atfork_once();
   pthread_mutex_lock(&prod_lock);
   static unsigned next_shard; /* (prod_lock) */
   me->shard = next_shard++ % SCHED_SHARDS;
@@ -84,6 +85,30 @@ void _keel_sched_gate_close(void) {
   cds_list_for_each_entry(p, &producers, link) {
     while (atomic_load(&p->active)) sched_yield(); /* seq_cst: see gate_enter */
   }
+  pthread_mutex_unlock(&prod_lock);
+}
+
+void _keel_sched_gate_atfork_prepare(void) {
+  pthread_mutex_lock(&prod_lock);
+}
+
+void _keel_sched_gate_atfork_parent(void) {
+  pthread_mutex_unlock(&prod_lock);
+}
+
+/* The child has one thread, the forking one: every other record on the
+ * registry belongs to a thread that is gone (its TLS is a dead copy whose
+ * exit hook never runs), so the registry keeps this thread's alone, and
+ * its counts start at 0 with the child's pool (no submit is half done:
+ * the forking thread is in fork, not in a submit). */
+void _keel_sched_gate_atfork_child(void) {
+  sched_producer_t *me = &_keel_sched_me;
+  CDS_INIT_LIST_HEAD(&producers);
+  for (int p = 0; p < PRIO_COUNT; p++) {
+    exited[p] = 0;
+    keel_store_relaxed(&me->submitted[p], 0);
+  }
+  if (me->registered) cds_list_add(&me->link, &producers);
   pthread_mutex_unlock(&prod_lock);
 }
 

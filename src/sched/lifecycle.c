@@ -16,10 +16,18 @@
 #include "base/os.h"
 #include "sched/sched_int.h"
 
+/* The lists are valid (empty) before the first init too: fork.c's handlers
+ * walk them from a thread's first submit on. */
 sched_t _keel_sched = {
     .lock = PTHREAD_MUTEX_INITIALIZER,
     .idle_lock = PTHREAD_MUTEX_INITIALIZER,
     .life_lock = PTHREAD_MUTEX_INITIALIZER,
+    .workers = CDS_LIST_HEAD_INIT(_keel_sched.workers),
+    .zombies = CDS_LIST_HEAD_INIT(_keel_sched.zombies),
+    .idle = CDS_LIST_HEAD_INIT(_keel_sched.idle),
+    .levels = {{.ring = CDS_LIST_HEAD_INIT(_keel_sched.levels[PRIO_HIGH].ring)},
+               {.ring = CDS_LIST_HEAD_INIT(_keel_sched.levels[PRIO_NORMAL].ring)},
+               {.ring = CDS_LIST_HEAD_INIT(_keel_sched.levels[PRIO_LOW].ring)}},
 };
 
 void keel_sched_config_default(keel_sched_config_t *cfg) {
@@ -43,8 +51,11 @@ static void client_init(struct keel_sched_client *c) {
   atomic_init(&c->ntimers, 0);
 }
 
-/* Resets the dispatch state; no worker exists and no job is queued. */
-static void reset(const keel_sched_config_t *cfg) {
+/* Resets the queues, levels, worker lists and the counts that go with
+ * them; no worker exists and no job is queued (or, in a fork child, those
+ * that were are the parent's). No system call: fork.c's child handler uses
+ * it too. */
+void _keel_sched_reset_queues(void) {
   sched_t *s = &_keel_sched;
   for (int i = 0; i < SCHED_SHARDS; i++) __cds_wfcq_init(&s->in[i].head, &s->in[i].tail);
   for (int i = 0; i < SCHED_SHARDS; i++) {
@@ -72,6 +83,11 @@ static void reset(const keel_sched_config_t *cfg) {
   atomic_store(&s->nyielding, 0);
   s->mon_saw_work = false;
   s->mon_busy_ns = 0;
+}
+
+static void reset(const keel_sched_config_t *cfg) {
+  sched_t *s = &_keel_sched;
+  _keel_sched_reset_queues();
   s->cfg = *cfg;
   s->ncpu = _keel_os_ncpu();
 }
@@ -100,6 +116,7 @@ static int init_locked(const keel_sched_config_t *user) {
   if (cfg.max_threads == 0 || cfg.min_threads == 0 || cfg.min_threads > cfg.max_threads ||
       cfg.idle_ms == 0 || cfg.block_ms == 0)
     return KEEL_EINVAL;
+  _keel_sched_atfork_once();
   reset(&cfg);
   _keel_sched_gate_init();
   atomic_store(&s->state, SCHED_RUNNING);
@@ -131,10 +148,16 @@ int _keel_sched_lazy_init(void) {
   pthread_mutex_lock(&s->life_lock);
   in_life = true;
   int st = atomic_load(&s->state);
-  int rc = st == SCHED_UNINIT ? init_locked(NULL) : (st == SCHED_RUNNING ? 0 : KEEL_ESHUTDOWN);
+  /* A fork child's pool starts with its parent's configuration. */
+  const keel_sched_config_t *cfg = s->cfg_inherited ? &s->cfg : NULL;
+  int rc = st == SCHED_UNINIT ? init_locked(cfg) : (st == SCHED_RUNNING ? 0 : KEEL_ESHUTDOWN);
   in_life = false;
   pthread_mutex_unlock(&s->life_lock);
   return rc;
+}
+
+bool _keel_sched_in_life(void) {
+  return in_life;
 }
 
 /* submitted - run - cancelled. Exact once the gate is closed (submitted is
@@ -161,8 +184,11 @@ void _keel_sched_notify_cancel(keel_job_t *job) {
   if (cb != NULL) cb(job);
 }
 
+/* Stops if this thread forks from an on_cancel: in the child, the rest of
+ * `list` are the parent's jobs (fork.c). */
 static void notify_all(struct cds_list_head *list) {
-  while (!cds_list_empty(list)) {
+  unsigned gen = _keel_sched.fork_gen;
+  while (!cds_list_empty(list) && _keel_sched.fork_gen == gen) {
     struct cds_list_head *l = list->next;
     cds_list_del(l);
     keel_job_t *job = _keel_link_job(l);

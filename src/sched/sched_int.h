@@ -24,7 +24,10 @@
  * producer registry). Two tlocks are held together only by a retiring
  * worker handing its timers on (its own, then its heir's), under
  * sched.lock. A submit takes none of them unless it must wake a parked
- * worker (idle_lock) or is its thread's first (prod_lock).
+ * worker (idle_lock) or is its thread's first (prod_lock). fork.c's prepare
+ * takes all but life_lock: lock, every tlock, prod_lock, then idle_lock
+ * (prod_lock first: shutdown's gate_close holds it while it waits for a
+ * producer, whose kick may need idle_lock).
  */
 #ifndef KEEL_SCHED_INT_H
 #define KEEL_SCHED_INT_H
@@ -172,6 +175,8 @@ typedef struct sched {
   uint64_t run_retired[PRIO_COUNT];           /* nrun of joined workers */
   keel_atomic(int64_t) cancelled[PRIO_COUNT]; /* notices, by priority */
   keel_sched_config_t cfg;
+  bool cfg_inherited; /* a fork child's: its lazy init uses cfg, not the defaults */
+  unsigned fork_gen;  /* forks this process is the child of (fork.c; read by notify_all) */
   int ncpu;
   /* Parked workers, LIFO so the coldest ones time out and retire. */
   pthread_mutex_t idle_lock KEEL_CACHE_ALIGNED;
@@ -245,6 +250,8 @@ KEEL_INLINE void _keel_list_move_tail(struct cds_list_head *elem, struct cds_lis
 
 /* Lifecycle (lifecycle.c). */
 int _keel_sched_lazy_init(void) KEEL_HIDDEN;
+void _keel_sched_reset_queues(void) KEEL_HIDDEN;
+bool _keel_sched_in_life(void) KEEL_HIDDEN; /* this thread holds life_lock */
 int64_t _keel_sched_pending(void) KEEL_HIDDEN;
 void _keel_sched_notify_cancel(keel_job_t *job) KEEL_HIDDEN;
 
@@ -265,6 +272,12 @@ int _keel_sched_register(void) KEEL_HIDDEN;
 void _keel_sched_gate_init(void) KEEL_HIDDEN;
 void _keel_sched_gate_close(void) KEEL_HIDDEN;
 int64_t _keel_sched_submitted(int64_t by_prio[PRIO_COUNT]) KEEL_HIDDEN;
+/* fork (fork.c): prod_lock taken, released, or reset to the calling
+ * thread's record alone with every count at 0. */
+void _keel_sched_gate_atfork_prepare(void) KEEL_HIDDEN;
+void _keel_sched_gate_atfork_parent(void) KEEL_HIDDEN;
+void _keel_sched_gate_atfork_child(void) KEEL_HIDDEN;
+void _keel_sched_atfork_once(void) KEEL_HIDDEN; /* registers fork.c's handlers */
 
 /* Opens the gate for one submit: 0, or KEEL_EAGAIN (no exit hook). */
 KEEL_INLINE int _keel_sched_gate_enter(sched_producer_t *me) {
@@ -327,6 +340,7 @@ int _keel_sched_thread_create(pthread_t *t, void *(*fn)(void *), void *arg) KEEL
 extern int (*_keel_sched_create_hook)(void) KEEL_HIDDEN;
 void _keel_sched_join_zombies(void) KEEL_HIDDEN;
 void _keel_sched_join_workers(void) KEEL_HIDDEN;
+void _keel_sched_worker_free(sched_worker_t *w) KEEL_HIDDEN;
 
 /* Timers (timer.c). */
 void _keel_sched_timers_fire(sched_worker_t *w, uint64_t now) KEEL_HIDDEN;

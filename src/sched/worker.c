@@ -50,10 +50,17 @@ static void run_one(sched_worker_t *w, keel_job_t *job) {
 }
 
 /* Runs every job taken, a shutdown begun since included: a job is TAKEN only
- * if it will run (what keel_sched_cancel's KEEL_EBUSY tells its caller). */
-static void run_batch(sched_worker_t *w, unsigned n) {
-  for (unsigned i = 0; i < n; i++) run_one(w, w->batch[i]);
+ * if it will run (what keel_sched_cancel's KEEL_EBUSY tells its caller).
+ * False if a job forked and this is the child (fork.c cleared
+ * _keel_sched_self): the rest of the batch is the parent's to run, and this
+ * thread, no worker of the child's pool, ends (one TLS load per job). */
+static bool run_batch(sched_worker_t *w, unsigned n) {
+  for (unsigned i = 0; i < n; i++) {
+    run_one(w, w->batch[i]);
+    if (keel_unlikely(_keel_sched_self != w)) return false;
+  }
   w->busy_ns = keel_clock_ns();
+  return true;
 }
 
 /* Under sched.lock: a cancelling shutdown has begun (`how` is stored before
@@ -163,7 +170,7 @@ static void *worker_main(void *arg) {
       if (keel_unlikely(keel_load_relaxed(&w->next_deadline) != UINT64_MAX) &&
           keel_load_relaxed(&s->mon_mode) == MON_INF)
         _keel_sched_poke();
-      run_batch(w, n);
+      if (!run_batch(w, n)) return NULL;
       continue;
     }
     if (stuck) {
@@ -186,7 +193,7 @@ static sched_worker_t *worker_new(void) {
   return w;
 }
 
-static void worker_free(sched_worker_t *w) {
+void _keel_sched_worker_free(sched_worker_t *w) {
   pthread_mutex_destroy(&w->tlock);
   free(w->heap);
   free(w);
@@ -243,7 +250,7 @@ int _keel_sched_spawn(void) {
   pthread_mutex_lock(&s->lock);
   if (!__may_spawn()) {
     pthread_mutex_unlock(&s->lock);
-    worker_free(w);
+    _keel_sched_worker_free(w);
     return KEEL_EAGAIN;
   }
   keel_fetch_add_relaxed(&s->nthreads, 1);
@@ -268,7 +275,7 @@ int _keel_sched_spawn(void) {
       cds_list_del(l);
       _keel_sched_notify_cancel(_keel_link_job(l));
     }
-    worker_free(w);
+    _keel_sched_worker_free(w);
   }
   return -rc;
 }
@@ -288,7 +295,7 @@ static void reap(sched_worker_t *w, bool live) {
   }
   for (int p = 0; p < PRIO_COUNT; p++) s->run_retired[p] += keel_load_relaxed(&w->nrun[p]);
   pthread_mutex_unlock(&s->lock);
-  worker_free(w);
+  _keel_sched_worker_free(w);
 }
 
 /* The first worker on `list` that can be joined (its spawner has returned

@@ -6,10 +6,13 @@
  * the scheduler's decision.
  */
 #define _GNU_SOURCE
+#include <errno.h>
 #include <pthread.h>
+#include <signal.h>
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <time.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <keel/sched.h>
@@ -965,6 +968,138 @@ static void client_destroy_timed(void) {
   KT_EQ(keel_sched_client_destroy(c), 0);
 }
 
+/* Review bug 7: nothing in sched handled fork. In the child,
+ * keel_sched_run returned 0 and its job never ran (no worker exists there),
+ * keel_sched_shutdown segfaulted joining the parent's threads, and a lock a
+ * worker held at the fork hung it. Now the child gets a pool of its own
+ * (sched.h). The parent forks with a worker held in a job, client jobs and
+ * a timer queued, and a thread submitting all the while; once more from
+ * inside a job. Under TSan the child creates no thread (TSan's runtime
+ * does not support it after fork, as in tests/heap): it checks the reset
+ * and that a shutdown neither hangs nor crashes. */
+static atomic_int fork_stop, fork_submitting;
+enum { FORK_JOBS = 4096 };
+static tjob_t fork_jobs[FORK_JOBS];
+/* Submits jobs of its own, not keel_sched_run's, and the parent forks only
+ * once it is under way: ASan's allocator is not fork-safe (a malloc racing
+ * the fork, the thread's own start-up's included, leaves its lock held in
+ * the child, whose new threads then hang in calloc). */
+static void *fork_producer(void *a) {
+  (void)a;
+  for (int i = 0; i < FORK_JOBS && !atomic_load(&fork_stop); i++) {
+    tjob_init(&fork_jobs[i], i, i % 3 == 0 ? KEEL_JOB_HIGH : 0);
+    if (keel_sched_submit(&fork_jobs[i].job) != 0) break;
+    atomic_store(&fork_submitting, 1);
+    if (i % 64 == 0) sched_yield();
+  }
+  return NULL;
+}
+
+static bool ran_once(void *a) {
+  return atomic_load(&((tjob_t *)a)->runs) == 1;
+}
+
+static bool int_set(void *a) {
+  return atomic_load((atomic_int *)a) != 0;
+}
+
+/* What the child does; its exit status says which step failed. */
+static int child_uses_pool(keel_sched_client_t *c) {
+  alarm(30); /* a hang kills the child with SIGALRM */
+  if (atomic_load(&_keel_sched.state) != SCHED_UNINIT) return 2;
+  if (keel_sched_client_destroy(c) != 0) return 3; /* its parent's jobs are not its */
+#if !defined(KEEL_TSAN)
+  tjob_t t, timed;
+  tjob_init(&t, 0, 0);
+  tjob_init(&timed, 1, KEEL_JOB_HIGH);
+  keel_sched_client_t *c2 = keel_sched_client_create();
+  if (c2 == NULL) return 4;
+  timed.job.client = c2;
+  if (keel_sched_submit(&t.job) != 0 || keel_sched_after(&timed.job, 1) != 0) return 5;
+  if (!wait_for(ran_once, &t, 20) || !wait_for(ran_once, &timed, 20)) return 6;
+  keel_sched_stats_t st;
+  if (keel_sched_stats(&st) != 0 || st.submitted != 2 || st.threads < 1) return 7;
+  if (keel_sched_client_destroy(c2) != 0) return 8;
+#endif
+  if (keel_sched_shutdown(KEEL_SCHED_DRAIN) != 0) return 9;
+  tjob_t late;
+  tjob_init(&late, 2, 0);
+  if (keel_sched_submit(&late.job) != KEEL_ESHUTDOWN) return 10;
+  return 0;
+}
+
+static int wait_child(pid_t pid) {
+  int status = 0;
+  if (pid < 0) return -1;
+  while (waitpid(pid, &status, 0) < 0 && errno == EINTR) {}
+  return WIFEXITED(status) ? WEXITSTATUS(status) : 100 + WTERMSIG(status);
+}
+
+static atomic_int fork_in_job_status = -1;
+static void fork_in_job(keel_job_t *j) {
+  (void)j;
+  pid_t pid = fork();
+  if (pid == 0) _exit(child_uses_pool(keel_sched_client_create()));
+  atomic_store(&fork_in_job_status, wait_child(pid));
+}
+
+static bool fork_job_done(void *a) {
+  (void)a;
+  return atomic_load(&fork_in_job_status) != -1;
+}
+
+/* Every thread of the pool started and idle (no start-up malloc racing a
+ * fork, see fork_producer), the monitor asleep. */
+static bool pool_settled(void *a) {
+  keel_sched_stats_t st;
+  keel_sched_stats(&st);
+  return st.idle == (unsigned)(uintptr_t)a && atomic_load(&_keel_sched.mon_mode) == MON_INF;
+}
+
+static void fork_child_gets_own_pool(void) {
+  start(1, 1, 1000, 20); /* one worker, held: everything else stays queued */
+  KT_REQUIRE(wait_for(pool_settled, (void *)1, 10));
+  gate_close();
+  keel_sched_client_t *c = keel_sched_client_create();
+  KT_REQUIRE(c != NULL);
+  enum { NC = 8 };
+  tjob_t cj[NC], timer;
+  for (int i = 0; i < NC; i++) {
+    tjob_init(&cj[i], i, i % 2 ? KEEL_JOB_LOW : 0);
+    cj[i].job.client = c;
+    KT_EQ(keel_sched_submit(&cj[i].job), 0);
+  }
+  tjob_init(&timer, 9, 0);
+  timer.job.client = c;
+  KT_EQ(keel_sched_after(&timer.job, 600000), 0);
+  keel_sched_stats_t st;
+  KT_EQ(keel_sched_stats(&st), 0); /* sorts the client's jobs onto its lists */
+  atomic_store(&fork_stop, 0);
+  atomic_store(&fork_submitting, 0);
+  pthread_t prod;
+  KT_REQUIRE(pthread_create(&prod, NULL, fork_producer, NULL) == 0);
+  KT_REQUIRE(wait_for(int_set, &fork_submitting, 10));
+  pid_t pid = fork();
+  if (pid == 0) _exit(child_uses_pool(c));
+  KT_EQ(wait_child(pid), 0);
+  atomic_store(&fork_stop, 1);
+  pthread_join(prod, NULL);
+  atomic_store(&gate_open, 1);
+  for (int i = 0; i < NC; i++) KT_CHECK(wait_for(ran_once, &cj[i], 20));
+  KT_EQ(keel_sched_cancel(&timer.job), 0);
+  KT_EQ(keel_sched_client_destroy(c), 0);
+
+  /* From inside a job: the child's thread is a worker's. */
+  start(2, 2, 1000, 20);
+  KT_REQUIRE(wait_for(pool_settled, (void *)2, 10));
+  keel_job_t fj;
+  keel_job_init(&fj, fork_in_job, 0);
+  KT_EQ(keel_sched_submit(&fj), 0);
+  KT_CHECK(wait_for(fork_job_done, NULL, 60));
+  KT_EQ(atomic_load(&fork_in_job_status), 0);
+  KT_EQ(keel_sched_shutdown(KEEL_SCHED_DRAIN), 0);
+}
+
 KT_MAIN(KT_CASE(lazy_init), KT_CASE(bad_input), KT_CASE(submit_after_shutdown),
         KT_CASE(resubmit_queued), KT_CASE(shutdown_from_job), KT_CASE(shutdown_from_cancel),
         KT_CASE(cancel_queued_and_running), KT_CASE(cancel_timer), KT_CASE(cancel_during_shutdown),
@@ -974,4 +1109,5 @@ KT_MAIN(KT_CASE(lazy_init), KT_CASE(bad_input), KT_CASE(submit_after_shutdown),
         KT_CASE(resubmit_from_inside), KT_CASE(timer_of_stuck_worker),
         KT_CASE(timer_from_outside_on_busy_worker), KT_CASE(one_wakeup_per_burst),
         KT_CASE(stats_counts), KT_CASE(drain_grows_pool), KT_CASE(timers_move_on_retire),
-        KT_CASE(queued_prio_counts), KT_CASE(client_destroy_timed))
+        KT_CASE(queued_prio_counts), KT_CASE(client_destroy_timed),
+        KT_CASE(fork_child_gets_own_pool))
