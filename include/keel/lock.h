@@ -178,8 +178,10 @@ KEEL_API keel_lockspace_t *keel_lockspace_create(const keel_lockspace_config_t *
  * unless KEEL_LOCKSPACE_FORCE, which cancels every lock and request first,
  * calling each AST with lksb->status = KEEL_ECANCELED and lksb->lock = NULL;
  * blocking calls waiting in it return KEEL_ECANCELED (release waits for them
- * to leave). Callbacks already posted run first; a new request made during
- * the release (by an AST it causes, say) gets KEEL_ESHUTDOWN. Other calls
+ * to leave). Callbacks posted before the call run first; those they post in
+ * turn may run during it and find their locks cancelled (their lksbs no
+ * longer lead to them: KEEL_ENOENT). A new request made during the release
+ * (by an AST it causes, say) gets KEEL_ESHUTDOWN. Other calls
  * must not run concurrently with it. Calls on the
  * released handle return KEEL_ESHUTDOWN (checked for the last 1,024 released
  * lockspaces; their 64-byte headers are kept until exit for this). */

@@ -239,8 +239,11 @@ int _keel_lock_convert(keel_lksb_t *lksb, int mode, unsigned flags, const keel_l
   keel_dispatch_init(&d, res->ls->cbq);
   __keel_mutex_lock(&res->mu);
   if (keel_unlikely(lkb->queue != KEEL_Q_GRANT)) {
+    /* NONE: a forced release cancelled it after lksb_lock read it (its
+     * memory stays until the release has drained the callbacks). */
+    int busy = lkb->queue == KEEL_Q_NONE ? KEEL_ENOENT : KEEL_EBUSY;
     __keel_mutex_unlock(&res->mu);
-    return KEEL_EBUSY;
+    return busy;
   }
   lkb->wake = 0;
   set_deadline(lkb, flags);
@@ -274,6 +277,10 @@ int keel_unlock(keel_lksb_t *lksb, unsigned flags) {
   keel_dispatch_t d;
   keel_dispatch_init(&d, res->ls->cbq);
   __keel_mutex_lock(&res->mu);
+  if (keel_unlikely(lkb->queue == KEEL_Q_NONE)) { /* as in _keel_lock_convert */
+    __keel_mutex_unlock(&res->mu);
+    return KEEL_ENOENT;
+  }
   if (keel_unlikely(lkb->queue != KEEL_Q_GRANT)) {
     if (!(flags & KEEL_LOCK_CANCEL)) {
       __keel_mutex_unlock(&res->mu);

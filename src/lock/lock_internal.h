@@ -89,6 +89,7 @@ struct keel_res {
   keel_mutex_t mu;        /* guards everything below but name */
   uint8_t gmask;          /* modes with granted[m] > 0 */
   uint8_t namelen;        /* bytes in name */
+  bool release_held;      /* a forced release counts itself in nlkb (lockspace.c) */
   uint32_t nlkb;          /* lkbs attached; > 0 => one table reference held */
   uint32_t granted[KEEL_LOCK_MODES];
   struct cds_list_head grantq;    /* granted, nothing pending */

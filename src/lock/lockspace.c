@@ -446,22 +446,32 @@ bool __keel_ls_timer_disarm(keel_res_t *res) {
   return true;
 }
 
-static void timer_stop(keel_lockspace_t *ls) {
-  keel_ls_timer_t *t = ls->timer;
+/* Ends the timer thread's passes: it finishes the one it is in, if any, and
+ * exits. Entries stay (and may still be added) until timer_stop. */
+static void timer_halt(keel_lockspace_t *ls) {
+  keel_ls_timer_t *t = __atomic_load_n(&ls->timer, __ATOMIC_ACQUIRE);
   if (t == NULL) return;
   pthread_mutex_lock(&t->mu);
   t->stop = true;
   pthread_cond_signal(&t->cv);
   pthread_mutex_unlock(&t->mu);
+}
+
+/* Joins the halted thread, drops the entries left and frees the timer; runs
+ * once no callback can run any more (the release drained them), so no disarm
+ * races with it. Each entry holds a count in its resource's nlkb and a
+ * reference: both go, as in a disarm (not through __keel_dir_detach, whose
+ * disarm would look for the entry in this heap). */
+static void timer_stop(keel_lockspace_t *ls) {
+  keel_ls_timer_t *t = __atomic_load_n(&ls->timer, __ATOMIC_ACQUIRE);
+  if (t == NULL) return;
+  timer_halt(ls);
   pthread_join(t->thread, NULL);
-  /* Entries left hold a count in their resource's nlkb and a reference:
-   * both go, as in a disarm (a forced release stops the timer before it
-   * cancels, so the counts are still there). Not through __keel_dir_detach,
-   * whose disarm would look for them in this heap. */
-  for (size_t i = 0; i < t->n; i++) {
-    keel_res_t *res = t->heap[i].res;
+  __atomic_store_n(&ls->timer, NULL, __ATOMIC_RELEASE);
+  while (t->n != 0) {
+    keel_res_t *res = heap_remove(t, 0).res;
     __keel_mutex_lock(&res->mu);
-    bool last = res->nlkb != 0 && --res->nlkb == 0;
+    bool last = --res->nlkb == 0;
     __keel_mutex_unlock(&res->mu);
     _keel_dir_put(res); /* the entry's own */
     if (last) _keel_dir_put(res);
@@ -471,7 +481,6 @@ static void timer_stop(keel_lockspace_t *ls) {
   pthread_cond_destroy(&t->cv);
   pthread_mutex_destroy(&t->mu);
   free(t);
-  ls->timer = NULL;
 }
 
 /* ---- release -------------------------------------------------------------- */
@@ -487,17 +496,21 @@ static int busy_fn(keel_table_node_t *node, void *arg) {
 
 typedef struct cancel_ctx {
   keel_dispatch_t d;
-  struct cds_list_head gone;
-  uint32_t owed; /* this resource's locks left to their last BAST */
+  struct cds_list_head gone; /* cancelled locks the release frees at its end */
+  struct cds_list_head owed; /* cancelled locks still owed BASTs, held by the release */
 } cancel_ctx_t;
 
-/* Cancels every lock on q. A blocking call waiting on one (no AST, request
- * pending) is woken with KEEL_ECANCELED and frees the lkb itself (gr = -1
- * tells wait_blocking it holds nothing); every other lkb is freed by release
- * after the notices. A lock still owed BASTs (sent by a timed waiter's
- * cancel, or queued for the callback drainer) is left to the last of them,
- * as keel_unlock leaves it, and stays attached to its resource till then. */
-static void cancel_queue(struct cds_list_head *q, cancel_ctx_t *c) {
+/* Cancels every lock on q (res->mu held, the release counted in nlkb). The
+ * lksbs stop leading to them, the ASTs get KEEL_ECANCELED and blocked calls
+ * are woken with it. Who frees what:
+ *  - a lock owed BASTs is left to the last of them (`released`, still
+ *    counted), and the release holds one more count on it until blocked
+ *    callers have left: one may be its blocked (or just granted) owner;
+ *  - a blocked call's lock otherwise is detached here and freed by its
+ *    caller (gr = -1 tells wait_blocking it holds nothing);
+ *  - every other lock goes on `gone`, still counted, and is freed after the
+ *    callback queue has drained: a callback may hold it from its lksb. */
+static void cancel_queue(keel_res_t *res, struct cds_list_head *q, cancel_ctx_t *c) {
   keel_lkb_t *l, *tmp;
   cds_list_for_each_entry_safe(l, tmp, q, q) {
     bool sleeper = l->ast == NULL && l->queue != KEEL_Q_GRANT;
@@ -505,43 +518,82 @@ static void cancel_queue(struct cds_list_head *q, cancel_ctx_t *c) {
     l->queue = KEEL_Q_NONE;
     _keel_lksb_set_status(l->lksb, KEEL_ECANCELED);
     _keel_lksb_set_lock(l->lksb, NULL);
-    bool owed = l->basts != 0;
-    if (owed) {
+    if (sleeper) l->gr = -1;
+    if (l->basts != 0) {
       l->released = true;
-      c->owed++;
+      l->basts++; /* the release's hold (lkb->q now links c->owed) */
+      cds_list_add_tail(&l->q, &c->owed);
+    } else if (sleeper) {
+      bool last = __keel_dir_detach(res);
+      KEEL_ASSERT(!last); /* the release's count */
+      (void)last;
+    } else {
+      cds_list_add_tail(&l->q, &c->gone);
     }
     if (sleeper) {
-      l->gr = -1;
       /* seq_cst: pairs with sleeper_enter's increment of ls->sleepers before
        * its load of wake (see keel_lockspace_release). */
       if (__atomic_exchange_n(&l->wake, 1, __ATOMIC_SEQ_CST) == 2) {
         keel_delivery_t e = {.kind = KEEL_DELIVER_WAKE, .fn.wake = &l->wake};
         _keel_dispatch_push(&c->d, &e);
       }
-      continue;
-    }
-    if (l->ast != NULL) {
+    } else if (l->ast != NULL) {
       keel_delivery_t e = {.kind = KEEL_DELIVER_AST, .fn.ast = l->ast, .arg = l->arg};
       _keel_dispatch_push(&c->d, &e);
     }
-    if (!owed) cds_list_add_tail(&l->q, &c->gone);
   }
 }
 
 static int cancel_fn(keel_table_node_t *node, void *arg) {
   keel_res_t *res = keel_table_entry(node, keel_res_t, node);
-  cancel_ctx_t *c = arg;
   __keel_mutex_lock(&res->mu);
-  bool held = res->nlkb > 0;
-  c->owed = 0;
-  cancel_queue(&res->grantq, c);
-  cancel_queue(&res->convertq, c);
-  cancel_queue(&res->waitq, c);
-  memset(res->granted, 0, sizeof(res->granted));
-  res->gmask = 0;
-  res->nlkb = c->owed; /* the owed locks detach as they are freed */
+  /* nlkb == 0: unused and cached, nothing to cancel. Else the release
+   * counts itself in, so res stays until its second walk, whatever the
+   * locks it cancels do meanwhile. */
+  if (res->nlkb != 0 && !res->release_held) {
+    res->nlkb++;
+    res->release_held = true;
+    cancel_queue(res, &res->grantq, arg);
+    cancel_queue(res, &res->convertq, arg);
+    cancel_queue(res, &res->waitq, arg);
+    memset(res->granted, 0, sizeof(res->granted));
+    res->gmask = 0;
+  }
   __keel_mutex_unlock(&res->mu);
-  if (held && c->owed == 0) _keel_dir_put(res); /* the reference the lkbs shared */
+  return 0;
+}
+
+/* Drops one count of l (res->mu not held) and frees l if that was its last
+ * and it is to go (released, or `detached_free`: a cancelled lock the
+ * release frees). */
+static void release_drop_lkb(keel_lkb_t *l, bool gone) {
+  keel_res_t *res = l->res;
+  bool free_it, last = false;
+  __keel_mutex_lock(&res->mu);
+  if (gone) {
+    free_it = true;
+    last = __keel_dir_detach(res);
+  } else {
+    free_it = --l->basts == 0;
+    if (free_it) last = __keel_dir_detach(res);
+  }
+  __keel_mutex_unlock(&res->mu);
+  if (free_it) _keel_lkb_free(l);
+  if (last) _keel_dir_put(res);
+}
+
+/* The release's second walk: its own count on each resource it cancelled. */
+static int uncount_fn(keel_table_node_t *node, void *arg) {
+  (void)arg;
+  keel_res_t *res = keel_table_entry(node, keel_res_t, node);
+  __keel_mutex_lock(&res->mu);
+  bool held = res->release_held, last = false;
+  if (held) {
+    res->release_held = false;
+    last = __keel_dir_detach(res);
+  }
+  __keel_mutex_unlock(&res->mu);
+  if (last) _keel_dir_put(res);
   return 0;
 }
 
@@ -549,6 +601,9 @@ int keel_lockspace_release(keel_lockspace_t *ls, unsigned flags) {
   int rc = _keel_ls_check(ls);
   if (rc != 0) return rc;
   if (flags & ~KEEL_LOCKSPACE_FORCE) return KEEL_EINVAL;
+  /* Callbacks posted before this call run first (not those they post in
+   * turn: two locks ping-ponging through their callbacks never stop). */
+  if (ls->cbq != NULL) _keel_cbq_wait_posted(ls->cbq);
   /* From here on a new request gets KEEL_ESHUTDOWN (from a callback the
    * release causes, one still queued, or the timer's): a lock taken now
    * would keep the table referenced past its destroy. Set before the busy
@@ -557,42 +612,47 @@ int keel_lockspace_release(keel_lockspace_t *ls, unsigned flags) {
   __atomic_store_n(&ls->magic, KEEL_LS_CLOSING, __ATOMIC_SEQ_CST);
   cancel_ctx_t c;
   CDS_INIT_LIST_HEAD(&c.gone);
+  CDS_INIT_LIST_HEAD(&c.owed);
   if (!(flags & KEEL_LOCKSPACE_FORCE)) {
     if (keel_table_for_each(ls->table, busy_fn, NULL) != 0) {
       __atomic_store_n(&ls->magic, KEEL_LS_MAGIC, __ATOMIC_RELAXED);
       return KEEL_EBUSY;
     }
   } else {
-    timer_stop(ls); /* its expiries would grant, cancel and send BASTs under the walk */
+    /* The timer's passes end (one under way finishes); its thread is joined
+     * only after the cancel, which wakes a call it may be blocked in. */
+    timer_halt(ls);
     keel_dispatch_init(&c.d, ls->cbq);
-    keel_table_for_each(ls->table, cancel_fn, &c);
+    if (keel_table_for_each(ls->table, cancel_fn, &c) != 0)
+      keel_die("keel_lockspace_release", "out of memory walking the resources");
     /* Notices run outside the table walk's read-side section: an AST may call
      * anything but keel_lockspace_release on this lockspace (new requests
      * get KEEL_ESHUTDOWN, the cancelled locks are gone from their lksbs). */
     keel_dispatch(&c.d);
     /* Blocked callers may still be inside a wait (a timed one about to take
-     * its resource's mutex): the resources stay until all have left. Each
-     * counts itself in before its first load of wake, and every wake word was
-     * set above (seq_cst on both sides), so a caller that counts itself in
-     * later sees wake == 1 and touches no resource. The locks found granted
-     * stay too: one may belong to a caller that a grant has just woken and
-     * that still reads its lkb on the way out. */
+     * its resource's mutex): the resources stay until all have left (the
+     * release's count) and so do their locks (on gone or held). Each counts
+     * itself in before its first load of wake, and every wake word was set
+     * above (seq_cst on both sides), so a caller that counts itself in
+     * later sees wake == 1 and touches no resource. */
     while (__atomic_load_n(&ls->sleepers, __ATOMIC_SEQ_CST) != 0) sched_yield();
+    keel_lkb_t *l, *tmp;
+    cds_list_for_each_entry_safe(l, tmp, &c.owed, q) release_drop_lkb(l, false);
   }
-  timer_stop(ls);
-  /* Callbacks already posted run first: the notices above, and the BASTs
-   * the locks left to them are owed (sleepers have left, so every other
-   * one has run). A callback running on the drainer meanwhile may still
-   * hold a lock it read from its lksb before the cancel cleared it, so the
-   * cancelled locks are freed only after the drain; no new work can start
-   * (no lksb leads to a lock, new requests get KEEL_ESHUTDOWN). Then nothing
-   * references the table. */
+  /* The rest of the callbacks: the notices above, those they cause, the
+   * BASTs owed to released locks (sleepers have left, so every other one
+   * has run). A callback on the drainer may hold a cancelled lock it read
+   * from its lksb before the cancel, and may disarm a timer entry, so the
+   * locks and the timer go only after the drain. */
   if (ls->cbq != NULL) {
     _keel_cbq_destroy(ls->cbq);
     ls->cbq = NULL;
   }
+  timer_stop(ls);
   keel_lkb_t *l, *tmp;
-  cds_list_for_each_entry_safe(l, tmp, &c.gone, q) _keel_lkb_free(l);
+  cds_list_for_each_entry_safe(l, tmp, &c.gone, q) release_drop_lkb(l, true);
+  if ((flags & KEEL_LOCKSPACE_FORCE) && keel_table_for_each(ls->table, uncount_fn, NULL) != 0)
+    keel_die("keel_lockspace_release", "out of memory walking the resources");
   rc = keel_table_destroy(ls->table);
   if (rc != 0) keel_die("keel_lockspace_release", "resource table still referenced (%d)", rc);
   ls->table = NULL;
