@@ -37,7 +37,6 @@ struct keel_cbq {
   pthread_mutex_t mu;           /* guards the two fields below */
   struct cds_list_head batches; /* FIFO of cb_batch_t */
   bool scheduled;               /* a drainer is submitted or running */
-  uint64_t posted, done;        /* batches queued, and run, so far */
 };
 
 void _keel_dispatch_push(keel_dispatch_t *d, const keel_delivery_t *e) {
@@ -91,9 +90,6 @@ static void cbq_drain(keel_job_t *job) {
     pthread_mutex_unlock(&q->mu);
     deliver(b->v, b->n);
     free(b);
-    pthread_mutex_lock(&q->mu);
-    q->done++;
-    pthread_mutex_unlock(&q->mu);
   }
 }
 
@@ -118,7 +114,6 @@ static void cbq_post(keel_cbq_t *q, keel_dispatch_t *d) {
   }
   pthread_mutex_lock(&q->mu);
   cds_list_add_tail(&b->link, &q->batches);
-  q->posted++;
   bool submit = !q->scheduled;
   q->scheduled = true;
   pthread_mutex_unlock(&q->mu);
@@ -142,17 +137,6 @@ keel_cbq_t *_keel_cbq_create(void) {
   pthread_mutex_init(&q->mu, NULL);
   CDS_INIT_LIST_HEAD(&q->batches);
   return q;
-}
-
-void _keel_cbq_wait_posted(keel_cbq_t *q) {
-  pthread_mutex_lock(&q->mu);
-  uint64_t target = q->posted;
-  while (q->done < target) {
-    pthread_mutex_unlock(&q->mu);
-    sched_yield();
-    pthread_mutex_lock(&q->mu);
-  }
-  pthread_mutex_unlock(&q->mu);
 }
 
 void _keel_cbq_destroy(keel_cbq_t *q) {

@@ -73,10 +73,6 @@ void _keel_dispatch_run(keel_dispatch_t *d) KEEL_HIDDEN;
 /* A callback queue for a lockspace (NULL, errno ENOMEM); allocates. */
 keel_cbq_t *_keel_cbq_create(void) KEEL_HIDDEN;
 
-/* Waits until the batches posted to q so far have run (not those posted
- * meanwhile). Must not run on a callback of q. */
-void _keel_cbq_wait_posted(keel_cbq_t *q) KEEL_HIDDEN;
-
 /* Waits until every batch posted to q has run, then frees q. Blocks; must not
  * run on a callback of q (it would wait for itself). */
 void _keel_cbq_destroy(keel_cbq_t *q) KEEL_HIDDEN;

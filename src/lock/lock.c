@@ -206,6 +206,18 @@ int keel_lock(keel_lockspace_t *ls, const void *name, size_t namelen, int mode, 
     free(lkb);
     return KEEL_ENOMEM;
   }
+  /* A release may have begun since the check above. It stores CLOSING
+   * before its walk takes each resource's mutex, so a request that still
+   * reads the lockspace live here is one the walk will find (res->mu orders
+   * them; for a resource just created, see dir_create). */
+  if (keel_unlikely(__atomic_load_n(&ls->magic, __ATOMIC_SEQ_CST) != KEEL_LS_MAGIC)) {
+    bool last = __keel_dir_detach(res);
+    __keel_mutex_unlock(&res->mu);
+    _keel_lksb_set_lock(lksb, NULL);
+    free(lkb);
+    if (last) _keel_dir_put(res);
+    return KEEL_ESHUTDOWN;
+  }
   lkb->res = res;
   /* Published before any AST can run and look at it, and only once res is
    * set: a canceller on another thread may pick it up from here. */
@@ -244,6 +256,12 @@ int _keel_lock_convert(keel_lksb_t *lksb, int mode, unsigned flags, const keel_l
     int busy = lkb->queue == KEEL_Q_NONE ? KEEL_ENOENT : KEEL_EBUSY;
     __keel_mutex_unlock(&res->mu);
     return busy;
+  }
+  /* A release under way refuses conversions too: one would start BASTs or a
+   * timer the release has already stopped waiting for. */
+  if (keel_unlikely(__atomic_load_n(&res->ls->magic, __ATOMIC_SEQ_CST) != KEEL_LS_MAGIC)) {
+    __keel_mutex_unlock(&res->mu);
+    return KEEL_ESHUTDOWN;
   }
   lkb->wake = 0;
   set_deadline(lkb, flags);

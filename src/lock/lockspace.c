@@ -71,7 +71,15 @@ KEEL_NOINLINE static keel_res_t *dir_create(keel_lockspace_t *ls, const void *na
   res->nlkb = 1;
   __keel_mutex_lock(&res->mu); /* before it is visible: uncontended */
   int rc = keel_table_insert(ls->table, &res->node);
-  if (rc == 0) return res;
+  if (rc == 0) {
+    /* An RMW on ls->magic after the insert, paired with the release's
+     * exchange to CLOSING before its walk: if the exchange reads this one,
+     * the insert happens before the walk, which finds the resource; else
+     * keel_lock's load after it sees CLOSING. (A fence would do on its own,
+     * but TSan does not model fences.) */
+    (void)__atomic_fetch_add(&ls->magic, 0, __ATOMIC_SEQ_CST);
+    return res;
+  }
   __keel_mutex_unlock(&res->mu);
   free(res);
   if (rc == KEEL_EEXIST) {
@@ -457,16 +465,26 @@ static void timer_halt(keel_lockspace_t *ls) {
   pthread_mutex_unlock(&t->mu);
 }
 
-/* Joins the halted thread, drops the entries left and frees the timer; runs
- * once no callback can run any more (the release drained them), so no disarm
- * races with it. Each entry holds a count in its resource's nlkb and a
- * reference: both go, as in a disarm (not through __keel_dir_detach, whose
- * disarm would look for the entry in this heap). */
-static void timer_stop(keel_lockspace_t *ls) {
+/* Halts the timer and joins its thread: no pass runs or posts callbacks
+ * after it. The timer itself stays (a callback may still arm or disarm an
+ * entry) until timer_free. */
+static void timer_join(keel_lockspace_t *ls) {
   keel_ls_timer_t *t = __atomic_load_n(&ls->timer, __ATOMIC_ACQUIRE);
-  if (t == NULL) return;
+  if (t == NULL || t->joined) return;
   timer_halt(ls);
   pthread_join(t->thread, NULL);
+  t->joined = true;
+}
+
+/* Drops the entries left and frees the joined timer; runs once no callback
+ * can run any more (the release drained them), so no arm or disarm races
+ * with it. Each entry holds a count in its resource's nlkb and a reference:
+ * both go, as in a disarm (not through __keel_dir_detach, whose disarm
+ * would look for the entry in this heap). */
+static void timer_free(keel_lockspace_t *ls) {
+  keel_ls_timer_t *t = __atomic_load_n(&ls->timer, __ATOMIC_ACQUIRE);
+  if (t == NULL) return;
+  timer_join(ls);
   __atomic_store_n(&ls->timer, NULL, __ATOMIC_RELEASE);
   while (t->n != 0) {
     keel_res_t *res = heap_remove(t, 0).res;
@@ -502,15 +520,14 @@ typedef struct cancel_ctx {
 
 /* Cancels every lock on q (res->mu held, the release counted in nlkb). The
  * lksbs stop leading to them, the ASTs get KEEL_ECANCELED and blocked calls
- * are woken with it. Who frees what:
- *  - a lock owed BASTs is left to the last of them (`released`, still
- *    counted), and the release holds one more count on it until blocked
- *    callers have left: one may be its blocked (or just granted) owner;
- *  - a blocked call's lock otherwise is detached here and freed by its
- *    caller (gr = -1 tells wait_blocking it holds nothing);
- *  - every other lock goes on `gone`, still counted, and is freed after the
- *    callback queue has drained: a callback may hold it from its lksb. */
-static void cancel_queue(keel_res_t *res, struct cds_list_head *q, cancel_ctx_t *c) {
+ * are woken with it. No lock is freed before the release has drained every
+ * callback and joined the timer thread (a callback may hold one it read
+ * from its lksb before the cancel): each stays counted on its resource, on
+ * `gone`, or, if it is still owed BASTs, on `owed` with a count of the
+ * release's in basts, and is `released` so that neither its last BAST nor
+ * its blocked caller (gr = -1 tells wait_blocking it holds nothing) frees
+ * it. */
+static void cancel_queue(struct cds_list_head *q, cancel_ctx_t *c) {
   keel_lkb_t *l, *tmp;
   cds_list_for_each_entry_safe(l, tmp, q, q) {
     bool sleeper = l->ast == NULL && l->queue != KEEL_Q_GRANT;
@@ -518,19 +535,15 @@ static void cancel_queue(keel_res_t *res, struct cds_list_head *q, cancel_ctx_t 
     l->queue = KEEL_Q_NONE;
     _keel_lksb_set_status(l->lksb, KEEL_ECANCELED);
     _keel_lksb_set_lock(l->lksb, NULL);
-    if (sleeper) l->gr = -1;
+    l->released = true;
     if (l->basts != 0) {
-      l->released = true;
-      l->basts++; /* the release's hold (lkb->q now links c->owed) */
+      l->basts++; /* the release's hold */
       cds_list_add_tail(&l->q, &c->owed);
-    } else if (sleeper) {
-      bool last = __keel_dir_detach(res);
-      KEEL_ASSERT(!last); /* the release's count */
-      (void)last;
     } else {
       cds_list_add_tail(&l->q, &c->gone);
     }
     if (sleeper) {
+      l->gr = -1;
       /* seq_cst: pairs with sleeper_enter's increment of ls->sleepers before
        * its load of wake (see keel_lockspace_release). */
       if (__atomic_exchange_n(&l->wake, 1, __ATOMIC_SEQ_CST) == 2) {
@@ -553,9 +566,9 @@ static int cancel_fn(keel_table_node_t *node, void *arg) {
   if (res->nlkb != 0 && !res->release_held) {
     res->nlkb++;
     res->release_held = true;
-    cancel_queue(res, &res->grantq, arg);
-    cancel_queue(res, &res->convertq, arg);
-    cancel_queue(res, &res->waitq, arg);
+    cancel_queue(&res->grantq, arg);
+    cancel_queue(&res->convertq, arg);
+    cancel_queue(&res->waitq, arg);
     memset(res->granted, 0, sizeof(res->granted));
     res->gmask = 0;
   }
@@ -563,9 +576,10 @@ static int cancel_fn(keel_table_node_t *node, void *arg) {
   return 0;
 }
 
-/* Drops one count of l (res->mu not held) and frees l if that was its last
- * and it is to go (released, or `detached_free`: a cancelled lock the
- * release frees). */
+/* The end of a lock the release cancelled (no callback can run any more):
+ * one on `gone` is detached and freed; one on `owed` loses the release's
+ * hold, and goes with it if no BAST is owed any more (else the last BAST
+ * frees it, as after keel_unlock). */
 static void release_drop_lkb(keel_lkb_t *l, bool gone) {
   keel_res_t *res = l->res;
   bool free_it, last = false;
@@ -601,15 +615,13 @@ int keel_lockspace_release(keel_lockspace_t *ls, unsigned flags) {
   int rc = _keel_ls_check(ls);
   if (rc != 0) return rc;
   if (flags & ~KEEL_LOCKSPACE_FORCE) return KEEL_EINVAL;
-  /* Callbacks posted before this call run first (not those they post in
-   * turn: two locks ping-ponging through their callbacks never stop). */
-  if (ls->cbq != NULL) _keel_cbq_wait_posted(ls->cbq);
-  /* From here on a new request gets KEEL_ESHUTDOWN (from a callback the
-   * release causes, one still queued, or the timer's): a lock taken now
-   * would keep the table referenced past its destroy. Set before the busy
-   * check, so none slips in after it; a release that then finds the
-   * lockspace busy makes it live again. */
-  __atomic_store_n(&ls->magic, KEEL_LS_CLOSING, __ATOMIC_SEQ_CST);
+  /* From here on new requests and conversions get KEEL_ESHUTDOWN (from a
+   * callback still queued or one the release causes, or the timer's): a
+   * lock taken now would escape the cancel and keep the table referenced
+   * past its destroy. Set before the busy check and the walk, which take
+   * every resource's mutex after it (see keel_lock); a release that finds
+   * the lockspace busy makes it live again. */
+  (void)__atomic_exchange_n(&ls->magic, KEEL_LS_CLOSING, __ATOMIC_SEQ_CST);
   cancel_ctx_t c;
   CDS_INIT_LIST_HEAD(&c.gone);
   CDS_INIT_LIST_HEAD(&c.owed);
@@ -627,30 +639,30 @@ int keel_lockspace_release(keel_lockspace_t *ls, unsigned flags) {
       keel_die("keel_lockspace_release", "out of memory walking the resources");
     /* Notices run outside the table walk's read-side section: an AST may call
      * anything but keel_lockspace_release on this lockspace (new requests
-     * get KEEL_ESHUTDOWN, the cancelled locks are gone from their lksbs). */
+     * and conversions get KEEL_ESHUTDOWN, the cancelled locks are gone from
+     * their lksbs). */
     keel_dispatch(&c.d);
     /* Blocked callers may still be inside a wait (a timed one about to take
-     * its resource's mutex): the resources stay until all have left (the
-     * release's count) and so do their locks (on gone or held). Each counts
-     * itself in before its first load of wake, and every wake word was set
-     * above (seq_cst on both sides), so a caller that counts itself in
-     * later sees wake == 1 and touches no resource. */
+     * its resource's mutex): resources and locks stay until all have left.
+     * Each counts itself in before its first load of wake, and every wake
+     * word was set above (seq_cst on both sides), so a caller that counts
+     * itself in later sees wake == 1 and touches no resource. */
     while (__atomic_load_n(&ls->sleepers, __ATOMIC_SEQ_CST) != 0) sched_yield();
-    keel_lkb_t *l, *tmp;
-    cds_list_for_each_entry_safe(l, tmp, &c.owed, q) release_drop_lkb(l, false);
   }
-  /* The rest of the callbacks: the notices above, those they cause, the
-   * BASTs owed to released locks (sleepers have left, so every other one
-   * has run). A callback on the drainer may hold a cancelled lock it read
-   * from its lksb before the cancel, and may disarm a timer entry, so the
-   * locks and the timer go only after the drain. */
+  /* Then no pass may post a callback (the thread's calls are cancelled or
+   * refused), and the callbacks drain: the notices above, those they cause,
+   * the BASTs owed to released locks. Only then do the cancelled locks and
+   * the timer go: a callback may hold a lock it read from its lksb before
+   * the cancel, or arm and disarm entries. */
+  timer_join(ls);
   if (ls->cbq != NULL) {
     _keel_cbq_destroy(ls->cbq);
     ls->cbq = NULL;
   }
-  timer_stop(ls);
+  timer_free(ls);
   keel_lkb_t *l, *tmp;
   cds_list_for_each_entry_safe(l, tmp, &c.gone, q) release_drop_lkb(l, true);
+  cds_list_for_each_entry_safe(l, tmp, &c.owed, q) release_drop_lkb(l, false);
   if ((flags & KEEL_LOCKSPACE_FORCE) && keel_table_for_each(ls->table, uncount_fn, NULL) != 0)
     keel_die("keel_lockspace_release", "out of memory walking the resources");
   rc = keel_table_destroy(ls->table);

@@ -59,7 +59,7 @@ typedef struct keel_ls_timer {
   size_t n, cap;
   size_t *index;    /* heap position + 1 by resource address, 0: free slot */
   size_t index_cap; /* power of two >= 2 n, or 0 */
-  bool started, stop;
+  bool started, stop, joined;
   pthread_t thread;
 } keel_ls_timer_t;
 
