@@ -178,13 +178,15 @@ KEEL_API keel_lockspace_t *keel_lockspace_create(const keel_lockspace_config_t *
  * unless KEEL_LOCKSPACE_FORCE, which cancels every lock and request first,
  * calling each AST with lksb->status = KEEL_ECANCELED and lksb->lock = NULL;
  * blocking calls waiting in it return KEEL_ECANCELED (release waits for them
- * to leave). Callbacks posted before the call run first; those they post in
- * turn may run during it and find their locks cancelled (their lksbs no
- * longer lead to them: KEEL_ENOENT). A new request made during the release
- * (by an AST it causes, say) gets KEEL_ESHUTDOWN. Other calls
- * must not run concurrently with it. Calls on the
- * released handle return KEEL_ESHUTDOWN (checked for the last 1,024 released
- * lockspaces; their 64-byte headers are kept until exit for this). */
+ * to leave). Callbacks still queued (KEEL_LOCKSPACE_SCHED) may run during
+ * the release: they find their locks cancelled (lksb->lock NULL, and
+ * KEEL_ENOENT from a handle read before), and lksb->status may change under
+ * them (read it atomically there). New requests and conversions made during
+ * the release (by an AST it causes, say) get KEEL_ESHUTDOWN; it returns once
+ * every callback has run. Other calls must not run concurrently with it.
+ * Calls on the released handle return KEEL_ESHUTDOWN (checked for the last
+ * 1,024 released lockspaces; their 64-byte headers are kept until exit for
+ * this). */
 KEEL_API int keel_lockspace_release(keel_lockspace_t *ls, unsigned flags);
 
 /* Drops up to n cached unused resources (a memory-pressure callback calls
