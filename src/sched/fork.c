@@ -128,9 +128,15 @@ static void fork_handlers(void) {
   pthread_atfork(fork_prepare, fork_parent, fork_child);
 }
 
-/* Before anything fork_prepare takes can be held: init's first step, and a
- * thread's first submit (prod_lock). A constructor would not do: nothing
- * else in this file is referenced, so a static link would leave it out. */
+/* Called by every public entry point that takes a lock (and by a thread's
+ * first submit, _keel_sched_register) before it takes any: a fork by
+ * another thread while the first call of the process held life_lock or
+ * sched.lock with no handler registered left the child that lock held and
+ * its queues the parent's (its first submit hung). Registered here, the
+ * child reinitialises life_lock, and prepare keeps the others from being
+ * held at the fork. After the first call, pthread_once is a load and a
+ * branch. A constructor would not do: nothing else in this file is
+ * referenced, so a static link would leave it out. */
 void _keel_sched_atfork_once(void) {
   static pthread_once_t once = PTHREAD_ONCE_INIT;
   pthread_once(&once, fork_handlers);

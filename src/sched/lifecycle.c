@@ -116,7 +116,6 @@ static int init_locked(const keel_sched_config_t *user) {
   if (cfg.max_threads == 0 || cfg.min_threads == 0 || cfg.min_threads > cfg.max_threads ||
       cfg.idle_ms == 0 || cfg.block_ms == 0)
     return KEEL_EINVAL;
-  _keel_sched_atfork_once();
   reset(&cfg);
   _keel_sched_gate_init();
   atomic_store(&s->state, SCHED_RUNNING);
@@ -131,6 +130,7 @@ static int init_locked(const keel_sched_config_t *user) {
 }
 
 int keel_sched_init(const keel_sched_config_t *cfg) {
+  _keel_sched_atfork_once(); /* before life_lock: see fork.c */
   if (in_life || _keel_sched_self != NULL) return KEEL_EDEADLK;
   pthread_mutex_lock(&_keel_sched.life_lock);
   in_life = true;
@@ -145,6 +145,7 @@ int keel_sched_init(const keel_sched_config_t *cfg) {
 int _keel_sched_lazy_init(void) {
   sched_t *s = &_keel_sched;
   if (in_life) return KEEL_EDEADLK;
+  _keel_sched_atfork_once(); /* done by every entry point; once more costs a load */
   pthread_mutex_lock(&s->life_lock);
   in_life = true;
   int st = atomic_load(&s->state);
@@ -260,6 +261,7 @@ static void stop(int how) {
 int keel_sched_shutdown(int how) {
   if (how != KEEL_SCHED_DRAIN && how != KEEL_SCHED_CANCEL) return KEEL_EINVAL;
   if (_keel_sched_self != NULL || in_life) return KEEL_EDEADLK; /* it would wait for itself */
+  _keel_sched_atfork_once();
   sched_t *s = &_keel_sched;
   pthread_mutex_lock(&s->life_lock);
   in_life = true;
@@ -307,6 +309,7 @@ static int cancel_locked(keel_job_t *job) {
 
 int keel_sched_cancel(keel_job_t *job) {
   if (job == NULL) return KEEL_EINVAL;
+  _keel_sched_atfork_once(); /* before sched.lock, even on a pool never started */
   sched_t *s = &_keel_sched;
   for (;;) {
     pthread_mutex_lock(&s->lock);
@@ -330,6 +333,7 @@ keel_sched_client_t *keel_sched_client_create(void) {
 
 int keel_sched_client_destroy(keel_sched_client_t *c) {
   if (c == NULL) return KEEL_EINVAL;
+  _keel_sched_atfork_once();
   sched_t *s = &_keel_sched;
   int busy = 0;
   pthread_mutex_lock(&s->lock);
@@ -373,6 +377,7 @@ static void stats_workers(keel_sched_stats_t *st, struct cds_list_head *list,
  * lane and the unsorted staging queues included, at no cost to submit. */
 int keel_sched_stats(keel_sched_stats_t *st) {
   if (st == NULL) return KEEL_EINVAL;
+  _keel_sched_atfork_once();
   sched_t *s = &_keel_sched;
   if (atomic_load(&s->state) == SCHED_UNINIT) {
     int rc = _keel_sched_lazy_init();

@@ -233,6 +233,7 @@ static int arm(keel_job_t *job, uint64_t deadline, sched_worker_t **owner, bool 
 int keel_sched_after(keel_job_t *job, uint64_t ms) {
   if (job == NULL || job->fn == NULL) return KEEL_EINVAL;
   if (ms == 0) return keel_sched_submit(job);
+  _keel_sched_atfork_once(); /* before life_lock (a lazy init) and sched.lock */
   if (atomic_load(&_keel_sched.state) == SCHED_UNINIT) {
     int rc = _keel_sched_lazy_init();
     if (rc != 0 && rc != KEEL_EBUSY) return rc;
