@@ -113,6 +113,21 @@ static sched_worker_t *__timer_heir(sched_worker_t *w) {
   return heir;
 }
 
+/* Whether more than min workers have started; caller holds sched.lock.
+ * nthreads also counts a worker whose pthread_create is in progress: a
+ * worker that retired on that count left the pool below min, at 0 with
+ * min 1, when the creation then failed (review repro c_retire_below_min).
+ * Walks at most min + 1 entries, and only when a worker is due to retire. */
+static bool __started_above_min(void) {
+  sched_t *s = &_keel_sched;
+  unsigned n = 0;
+  sched_worker_t *w;
+  cds_list_for_each_entry(w, &s->workers, link) {
+    if (w->started && ++n > s->cfg.min_threads) return true;
+  }
+  return false;
+}
+
 /* Leaves the pool if it is above min and idle long enough, handing its
  * timers to another worker first (if they cannot move, for want of memory,
  * it stays). Under sched.lock, which keel_sched_after holds while it picks a
@@ -123,15 +138,16 @@ static bool try_retire(sched_worker_t *w, uint64_t now) {
   sched_worker_t *heir = NULL;
   pthread_mutex_lock(&s->lock);
   if (atomic_load(&s->state) == SCHED_RUNNING &&
-      keel_load_relaxed(&s->nthreads) > (int)s->cfg.min_threads &&
       now - w->busy_ns >= (uint64_t)s->cfg.idle_ms * 1000000u) {
-    retire = true;
-    if (atomic_load(&w->next_deadline) != UINT64_MAX) {
-      /* nthreads > min >= 1 counts another worker, but it may be starting */
+    /* None to spare while one counted in nthreads is still starting: look
+     * again after another idle_ms, not at once (its deadline is past). */
+    retire = __started_above_min();
+    if (retire && atomic_load(&w->next_deadline) != UINT64_MAX) {
+      /* more than min >= 1 started: another started worker exists */
       heir = __timer_heir(w);
       retire = heir != NULL && __keel_sched_timers_hand_over(w, heir) == 0;
-      if (!retire) w->busy_ns = now; /* retry after another idle_ms, not at once */
     }
+    if (!retire) w->busy_ns = now;
   }
   if (retire) {
     cds_list_del(&w->link);

@@ -17,7 +17,6 @@
  * array grows by doubling (the only allocation in sched besides threads,
  * clients and keel_sched_run).
  */
-#include <sched.h>
 #include <stdlib.h>
 
 #include "base/clock.h"
@@ -187,7 +186,7 @@ int _keel_sched_timer_cancel(keel_job_t *job) {
  * takes its worker off again before init's stop() leaves RUNNING. Storing
  * RUNNING after the first spawn would not close the second window (nor could
  * that spawn pass __may_spawn, which wants RUNNING), so the empty list is
- * handled here, where it is read, and keel_sched_after retries. */
+ * handled here, where it is read, and keel_sched_after waits for the init. */
 static sched_worker_t *timer_owner(void) {
   sched_t *s = &_keel_sched;
   if (_keel_sched_self != NULL) return _keel_sched_self;
@@ -247,20 +246,28 @@ int keel_sched_after(keel_job_t *job, uint64_t ms) {
   sched_worker_t *w = NULL;
   bool earliest = false;
   int rc;
-  for (;;) {
+  bool life = false;
+  pthread_mutex_lock(&_keel_sched.lock);
+  rc = arm(job, deadline, &w, &earliest);
+  if (rc == KEEL_EAGAIN && !_keel_sched_in_life()) {
+    /* RUNNING with no worker listed: only while an init, which holds
+     * life_lock, is between its state store and its first spawn, or about
+     * to stop after a failed one. Arm again under life_lock, once no init
+     * is in progress: then an empty list would be a pool below min (which
+     * try_retire prevents), so KEEL_EAGAIN rather than a spin. The init
+     * thread itself (a hook or on_cancel it runs) cannot wait for itself
+     * and gets KEEL_EAGAIN at once. */
+    pthread_mutex_unlock(&_keel_sched.lock);
+    pthread_mutex_lock(&_keel_sched.life_lock);
+    life = true;
     pthread_mutex_lock(&_keel_sched.lock);
     rc = arm(job, deadline, &w, &earliest);
-    if (rc != KEEL_EAGAIN) break;
-    /* RUNNING with no worker listed yet: init is between its state store
-     * and its first spawn (which needs sched.lock), or about to stop after
-     * a failed one (then arm says KEEL_ESHUTDOWN). Either ends soon. */
-    pthread_mutex_unlock(&_keel_sched.lock);
-    sched_yield();
   }
   /* Under the lock: once it is released, w may retire (handing the timer
    * on) and be freed. */
   if (rc == 0 && earliest && w != _keel_sched_self) _keel_sched_kick_worker(w);
   pthread_mutex_unlock(&_keel_sched.lock);
+  if (life) pthread_mutex_unlock(&_keel_sched.life_lock);
   if (rc != 0) return rc;
   /* Should the owner's job run long, the monitor is the one who fires this
    * timer on time, so it must not sleep without deadline. The owner is

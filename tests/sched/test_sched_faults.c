@@ -57,6 +57,8 @@ static atomic_int hold_timeout, timeout_held, timeout_release;
 static atomic_int hold_wake, wake_held, wake_release;
 /* Futex wakes of the monitor by the test's thread (pokes from MON_INF). */
 static atomic_int main_pokes;
+/* Futex waits begun on a worker's word (parks). */
+static atomic_int worker_waits;
 
 static long real_syscall(long n, long a[6]) {
   static long (*real)(long, ...);
@@ -79,6 +81,9 @@ long syscall(long n, ...) {
   long a[6];
   for (int i = 0; i < 6; i++) a[i] = va_arg(ap, long);
   va_end(ap);
+  if (n == SYS_futex && (int)(a[1] & FUTEX_CMD_MASK) == FUTEX_WAIT_BITSET &&
+      (void *)a[0] != (void *)&_keel_sched.mon_mode)
+    atomic_fetch_add(&worker_waits, 1);
   long rc = real_syscall(n, a);
   int err = errno;
   if (n != SYS_futex) return rc;
@@ -200,15 +205,79 @@ static void creations_ok(void) {
   __atomic_store_n(&_keel_sched_create_hook, NULL, __ATOMIC_RELEASE);
 }
 
+static bool ran_once(void *a) {
+  return atomic_load(&((tjob_t *)a)->runs) == 1;
+}
+
+/* Second review, bug 4: try_retire compared nthreads, which counts a
+ * worker whose pthread_create is still in progress, with min; W1 retired on
+ * that count, W2's creation then failed, and the RUNNING pool had no worker
+ * (min 1): keel_sched_after spun on KEEL_EAGAIN for ever. Here the monitor
+ * is held creating W2 while W1 times out at its retire deadline and makes
+ * its retire check; then W2's creation fails. */
+static atomic_int create_in, create_release;
+static int hold_then_fail(void) {
+  atomic_store(&create_in, 1);
+  hold_until(&create_release);
+  return EAGAIN;
+}
+
+static uint64_t retired_before; /* statistics count since the process started */
+static uint64_t retired_now(void) {
+  keel_sched_stats_t st;
+  keel_sched_stats(&st);
+  return st.retired - retired_before;
+}
+
+static bool one_parked(void *a) {
+  (void)a;
+  keel_sched_stats_t st;
+  keel_sched_stats(&st);
+  return st.threads == 1 && st.idle == 1;
+}
+
+static bool parked_again(void *a) {
+  return retired_now() > 0 || atomic_load(&worker_waits) > *(int *)a;
+}
+
+static void no_retire_below_min(void) {
+  start(1, 2, 50, 600000);
+  /* W1 alone, parked: one still starting made the gate job wait and the
+   * monitor add a W2 before the hook was set (which then ran j0). */
+  KT_REQUIRE(wait_for(one_parked, NULL, 10));
+  retired_before = retired_now();
+  gate_close(); /* W1 */
+  atomic_store(&create_in, 0);
+  atomic_store(&create_release, 0);
+  __atomic_store_n(&_keel_sched_create_hook, hold_then_fail, __ATOMIC_RELEASE);
+  tjob_t j0;
+  tjob_init(&j0, 0);
+  KT_EQ(keel_sched_submit(&j0.job), 0); /* no worker idle: the monitor creates W2 */
+  KT_REQUIRE(wait_for(flag_set, &create_in, 10));
+  atomic_store(&timeout_held, 0);
+  atomic_store(&timeout_release, 0);
+  atomic_store(&hold_timeout, 1);
+  atomic_store(&gate_open, 1); /* W1 runs j0, parks until its retire deadline */
+  KT_REQUIRE(wait_for(flag_set, &timeout_held, 10));
+  int waits = atomic_load(&worker_waits);
+  atomic_store(&timeout_release, 1); /* its retire check, W2 still starting */
+  KT_REQUIRE(wait_for(parked_again, &waits, 10));
+  atomic_store(&create_release, 1); /* W2's creation fails */
+  KT_EQ(retired_now(), 0);
+  creations_ok();
+  tjob_t t;
+  tjob_init(&t, 0);
+  KT_EQ(keel_sched_after(&t.job, 1), 0);
+  KT_CHECK(wait_for(ran_once, &t, 10));
+  KT_EQ(atomic_load(&j0.runs), 1);
+  KT_EQ(keel_sched_shutdown(KEEL_SCHED_DRAIN), 0);
+}
+
 /* Back to a pool never initialised, for the lazy-init cases: after a full
  * shutdown nothing is left that UNINIT would not also describe. */
 static void uninit(void) {
   KT_EQ(keel_sched_shutdown(KEEL_SCHED_DRAIN), 0);
   atomic_store(&_keel_sched.state, SCHED_UNINIT);
-}
-
-static bool ran_once(void *a) {
-  return atomic_load(&((tjob_t *)a)->runs) == 1;
 }
 
 /* Review bug 2: one transient pthread_create failure during the lazy init
@@ -405,6 +474,6 @@ static void after_from_outside_pokes(void) {
   KT_EQ(keel_sched_shutdown(KEEL_SCHED_DRAIN), 0);
 }
 
-KT_MAIN(KT_CASE(past_deadline_retires), KT_CASE(lazy_init_retried),
+KT_MAIN(KT_CASE(past_deadline_retires), KT_CASE(no_retire_below_min), KT_CASE(lazy_init_retried),
         KT_CASE(on_cancel_of_failed_init), KT_CASE(destroy_from_fired_job),
         KT_CASE(batch_of_one_wakes_when_monitor_naps), KT_CASE(after_from_outside_pokes))
