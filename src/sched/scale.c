@@ -99,13 +99,6 @@ static bool look(sched_worker_t *w, uint64_t now, uint64_t block_ns, bool *timer
   return stuck || keel_load_relaxed(&w->blocking);
 }
 
-/* The nap's length: long enough to cost little, short enough to see a job
- * stuck for block_ms (and fire its worker's due timers) soon after. */
-static uint64_t nap_ns(void) {
-  uint64_t half = (uint64_t)_keel_sched.cfg.block_ms * 500000u;
-  return half > SPAWN_INTERVAL_NS ? half : SPAWN_INTERVAL_NS;
-}
-
 /* One look at the pool. Returns the ns to sleep (UINT64_MAX: until poked). */
 static uint64_t tick(uint64_t now) {
   sched_t *s = &_keel_sched;
@@ -145,7 +138,7 @@ static uint64_t tick(uint64_t now) {
     _keel_sched_spawn();
   }
   if (grow) return SPAWN_INTERVAL_NS;
-  uint64_t nap = nap_ns();
+  uint64_t nap = block_ns / 2 > SPAWN_INTERVAL_NS ? block_ns / 2 : SPAWN_INTERVAL_NS;
   if (waiting) return nap;
   /* Timers alone: keep lingering while the pool is busy, as with none.
    * Napping then made every take that left work behind wake a parked
@@ -155,54 +148,25 @@ static uint64_t tick(uint64_t now) {
   return UINT64_MAX;
 }
 
-enum { GO_INF, GO_TICK, GO_NAP };
-
-/* Whether a worker that is not parked owns timers; caller holds sched.lock.
- * Such a worker may be inside a job, or about to enter one having read its
- * deadline before (worker_main's poke then saw the mode before MON_INF). A
- * parked owner sleeps until its own deadline, and one that unparks after
- * the caller's look (idle_lock orders the two) reads MON_INF before its
- * batch and pokes. */
-static bool __awake_timer_owner(void) {
-  sched_t *s = &_keel_sched;
-  bool awake = false;
-  sched_worker_t *w;
-  pthread_mutex_lock(&s->idle_lock);
-  cds_list_for_each_entry(w, &s->workers, link) {
-    if (atomic_load(&w->next_deadline) != UINT64_MAX && !w->parked) {
-      awake = true;
-      break;
-    }
-  }
-  pthread_mutex_unlock(&s->idle_lock);
-  return awake;
-}
-
-/* Goes to MON_INF unless exiting: GO_INF, or GO_TICK to look again at
- * once, or GO_NAP to sleep nap_ns(). A poke is due after all if a producer
- * or worker read MON_TICK and skipped its poke: the seq_cst store here and
- * its append are ordered, so one of us sees the other. So is a nap if a
- * timer was armed after the tick's look on a worker that is not parked:
- * keel_sched_after read MON_TICK and skipped its poke too (a 10 ms timer
- * then fired when its owner's 1500 ms job ended). One armed after the lock
- * below sees MON_INF (its arm and mode load follow our unlock) and pokes. */
-static int go_inf(void) {
+/* Goes to MON_INF unless exiting; false if a poke is due after all (a
+ * producer that read MON_TICK skipped its poke: the seq_cst store here and
+ * its append are ordered, so one of us sees the other). */
+static bool go_inf(void) {
   sched_t *s = &_keel_sched;
   uint32_t m = atomic_load(&s->mon_mode);
-  if (m == MON_EXIT || !atomic_compare_exchange_strong(&s->mon_mode, &m, MON_INF)) return GO_TICK;
+  if (m == MON_EXIT || !atomic_compare_exchange_strong(&s->mon_mode, &m, MON_INF)) return false;
   pthread_mutex_lock(&s->lock);
   /* Any backlog, parked workers or not: a worker that left work behind a
    * batch of one skipped its poke if it read MON_TICK, and may be in a long
    * job now; the tick's second look wakes a parked one for it. */
   bool again = backlog() || !cds_list_empty(&s->zombies);
-  bool nap = !again && __awake_timer_owner();
   pthread_mutex_unlock(&s->lock);
-  if (again || nap) {
+  if (again) {
     uint32_t inf = MON_INF;
     atomic_compare_exchange_strong(&s->mon_mode, &inf, MON_TICK);
-    return again ? GO_TICK : GO_NAP;
+    return false;
   }
-  return GO_INF;
+  return true;
 }
 
 static void *monitor_main(void *arg) {
@@ -215,10 +179,8 @@ static void *monitor_main(void *arg) {
     uint64_t wait = tick(now);
     if (wait == UINT64_MAX && now - s->mon_busy_ns < MON_LINGER_NS) wait = MON_TICK_NS;
     if (wait == UINT64_MAX) {
-      int go = go_inf();
-      if (go == GO_INF) keel_futex_wait_until(&s->mon_mode, MON_INF, UINT64_MAX);
-      if (go != GO_NAP) continue;
-      wait = nap_ns(); /* a timer owner may be in a job: not for good */
+      if (go_inf()) keel_futex_wait_until(&s->mon_mode, MON_INF, UINT64_MAX);
+      continue;
     }
     /* Outside MON_INF only the monitor, stop() and a nap's early end
      * (MON_NAP -> MON_POKED) write the mode: the CAS fails on MON_EXIT, or on
