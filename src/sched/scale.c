@@ -16,9 +16,7 @@
  *
  * While jobs wait the monitor ticks: every millisecond when it could grow,
  * else every block_ms/2 to spot long jobs and to fire the due timers of
- * workers stuck in them (a worker owning timers inside a job makes it nap
- * so too, but only once the pool has been quiet MON_LINGER_NS; a take that
- * leaves work behind ends such a nap). Once nothing waits it lingers, ticking each
+ * workers stuck in them. Once nothing waits it lingers, ticking each
  * millisecond (MON_TICK_NS), until MON_LINGER_NS have passed since the last
  * tick that saw work waiting, a job start or end, or a worker waking or
  * spinning (a long job alone does not keep it up: its worker's seq stays
@@ -49,17 +47,6 @@ void _keel_sched_poke(void) {
   sched_t *s = &_keel_sched;
   uint32_t inf = MON_INF;
   if (atomic_compare_exchange_strong(&s->mon_mode, &inf, MON_POKED))
-    keel_futex_wake(&s->mon_mode, 1);
-}
-
-/* Ends a nap early: the pool has become busy while the monitor napped, so
- * it should tick (and linger) again. One CAS and a FUTEX_WAKE, once per
- * quiet-to-busy change: the tick it causes sees the activity, and from then
- * on the mode is MON_TICK until the pool has been quiet MON_LINGER_NS. */
-void _keel_sched_poke_nap(void) {
-  sched_t *s = &_keel_sched;
-  uint32_t nap = MON_NAP;
-  if (atomic_compare_exchange_strong(&s->mon_mode, &nap, MON_POKED))
     keel_futex_wake(&s->mon_mode, 1);
 }
 
@@ -138,13 +125,7 @@ static uint64_t tick(uint64_t now) {
     _keel_sched_spawn();
   }
   if (grow) return SPAWN_INTERVAL_NS;
-  uint64_t nap = block_ns / 2 > SPAWN_INTERVAL_NS ? block_ns / 2 : SPAWN_INTERVAL_NS;
-  if (waiting) return nap;
-  /* Timers alone: keep lingering while the pool is busy, as with none.
-   * Napping then made every take that left work behind wake a parked
-   * worker (worker.c, MON_NAP): 3.2 wake-ups per burst of 4 instead of 2.0
-   * (6 workers, a burst each ms, one timer owner in a long job). */
-  if (timers) return now - s->mon_busy_ns < MON_LINGER_NS ? MON_TICK_NS : nap;
+  if (waiting || timers) return block_ns / 2 > SPAWN_INTERVAL_NS ? block_ns / 2 : SPAWN_INTERVAL_NS;
   return UINT64_MAX;
 }
 
@@ -182,9 +163,8 @@ static void *monitor_main(void *arg) {
       if (go_inf()) keel_futex_wait_until(&s->mon_mode, MON_INF, UINT64_MAX);
       continue;
     }
-    /* Outside MON_INF only the monitor, stop() and a nap's early end
-     * (MON_NAP -> MON_POKED) write the mode: the CAS fails on MON_EXIT, or on
-     * a poke since the load (then tick again). */
+    /* Only the monitor and stop() write the mode outside MON_INF: the CAS
+     * fails only on MON_EXIT. */
     uint32_t mode = wait > MON_TICK_NS ? MON_NAP : MON_TICK, m = atomic_load(&s->mon_mode);
     if (m == MON_EXIT || !atomic_compare_exchange_strong(&s->mon_mode, &m, mode)) continue;
     keel_futex_wait_until(&s->mon_mode, mode, now + wait);

@@ -352,6 +352,5 @@ int __keel_sched_timers_hand_over(sched_worker_t *w, sched_worker_t *heir) KEEL_
 int _keel_sched_monitor_start(void) KEEL_HIDDEN;
 void _keel_sched_monitor_stop(void) KEEL_HIDDEN;
 void _keel_sched_poke(void) KEEL_HIDDEN;
-void _keel_sched_poke_nap(void) KEEL_HIDDEN;
 
 #endif /* KEEL_SCHED_INT_H */

@@ -101,16 +101,13 @@ static unsigned take(sched_worker_t *w, bool *stuck) {
    * every take, vs the mutex pool's 77 us), since the monitor, ticking each
    * millisecond, wakes a parked worker for work left waiting. When it naps
    * (MON_NAP: its next look up to block_ms/2 away) a batch of one wakes a
-   * parked sibling too, or the work left behind would wait that long, and
-   * ends the nap: the monitor naps only in a pool quiet for MON_LINGER_NS
-   * (scale.c), so this happens once as the pool gets busy, not per burst. */
+   * parked sibling too, or the work left behind would wait that long. */
   if (more) {
     uint32_t mode = keel_load_relaxed(&s->mon_mode);
     if (((n >= 2 && n == max) || mode == MON_NAP) && atomic_load(&s->nidle) > 0)
       _keel_sched_wake_one();
     else if (mode == MON_INF)
       _keel_sched_poke();
-    if (mode == MON_NAP) _keel_sched_poke_nap();
   }
   return n;
 }

@@ -400,11 +400,7 @@ static void destroy_from_fired_job(void) {
  * the monitor napping block_ms/2 (here 300 s: a worker owning a timer is in
  * a long job) the work left behind waited for that nap while a worker sat
  * parked. L, a blocking job (it ends its batch), waits for J, submitted
- * right behind it; J must run on the parked worker while L holds its own.
- * (Second review, bug 2, keeps this: the monitor now naps only in a pool
- * quiet for MON_LINGER_NS, and that take also ends the nap; that a busy
- * pool's bursts then cost 2.0 wake-ups, not 3.2, is a timing measurement
- * left to the review's repro f_nap_wakes.) */
+ * right behind it; J must run on the parked worker while L holds its own. */
 static atomic_int owner_in, owner_release, j_ran, l_saw_j;
 static keel_job_t owner_timer;
 
