@@ -246,10 +246,12 @@ static void no_retire_below_min(void) {
    * monitor add a W2 before the hook was set (which then ran j0). */
   KT_REQUIRE(wait_for(one_parked, NULL, 10));
   retired_before = retired_now();
-  gate_close(); /* W1 */
+  /* The hook before the gate: a BLOCKING gate job may itself make the
+   * monitor add W2, which then ran j0 before the hook was set (1 run in 20). */
   atomic_store(&create_in, 0);
   atomic_store(&create_release, 0);
   __atomic_store_n(&_keel_sched_create_hook, hold_then_fail, __ATOMIC_RELEASE);
+  gate_close(); /* W1 */
   tjob_t j0;
   tjob_init(&j0, 0);
   KT_EQ(keel_sched_submit(&j0.job), 0); /* no worker idle: the monitor creates W2 */
