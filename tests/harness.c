@@ -66,6 +66,21 @@ double kt_now(void) {
   return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
+void kt_sleep_ms(double ms) {
+  struct timespec ts = {(time_t)(ms / 1000),
+                        (long)((ms - (double)(time_t)(ms / 1000) * 1000) * 1e6)};
+  nanosleep(&ts, NULL);
+}
+
+bool kt_wait_for(bool (*cond)(void *), void *arg, double sec) {
+  double end = kt_now() + sec;
+  while (!cond(arg)) {
+    if (kt_now() > end) return false;
+    kt_sleep_ms(0.2);
+  }
+  return true;
+}
+
 size_t kt_rss_kb(void) {
   FILE *f = fopen("/proc/self/statm", "r");
   if (f == NULL) return 0;

@@ -92,6 +92,13 @@ void kt_stderr_end(char *buf, size_t len);
 /* Wall-clock seconds, monotonic. */
 double kt_now(void);
 
+/* Sleeps ms milliseconds (fractions too). */
+void kt_sleep_ms(double ms);
+
+/* Polls cond(arg) every 0.2 ms until it holds or `sec` seconds have passed;
+ * returns cond(arg). */
+bool kt_wait_for(bool (*cond)(void *), void *arg, double sec);
+
 /* Resident set size of this process in KiB. */
 size_t kt_rss_kb(void);
 

@@ -47,21 +47,6 @@ static void tjob_init(tjob_t *t, int id, unsigned flags) {
   t->id = id;
 }
 
-static void sleep_ms(double ms) {
-  struct timespec ts = {(time_t)(ms / 1000), (long)((ms - (time_t)(ms / 1000) * 1000) * 1e6)};
-  nanosleep(&ts, NULL);
-}
-
-/* Polls until cond() or `sec` seconds; returns cond(). */
-static bool wait_for(bool (*cond)(void *), void *arg, double sec) {
-  double end = kt_now() + sec;
-  while (!cond(arg)) {
-    if (kt_now() > end) return false;
-    sleep_ms(0.2);
-  }
-  return true;
-}
-
 static void start(unsigned min, unsigned max, unsigned idle_ms, unsigned block_ms) {
   keel_sched_shutdown(KEEL_SCHED_DRAIN);
   keel_sched_config_t cfg = {min, max, idle_ms, block_ms};
@@ -73,7 +58,7 @@ static atomic_int gate_open, gate_entered;
 static void gate_fn(keel_job_t *j) {
   (void)j;
   atomic_store(&gate_entered, 1);
-  while (!atomic_load(&gate_open)) sleep_ms(0.1);
+  while (!atomic_load(&gate_open)) kt_sleep_ms(0.1);
 }
 static bool gate_in(void *a) {
   (void)a;
@@ -85,7 +70,7 @@ static void gate_close(void) {
   atomic_store(&gate_entered, 0);
   keel_job_init(&gate_job, gate_fn, 0);
   KT_EQ(keel_sched_submit(&gate_job), 0);
-  KT_REQUIRE(wait_for(gate_in, NULL, 10));
+  KT_REQUIRE(kt_wait_for(gate_in, NULL, 10));
 }
 
 static bool all_done(void *a) {
@@ -100,7 +85,7 @@ static void lazy_init(void) {
   tjob_t t;
   tjob_init(&t, 0, 0);
   KT_EQ(keel_sched_submit(&t.job), 0); /* no init call before */
-  KT_CHECK(wait_for(all_done, NULL, 10));
+  KT_CHECK(kt_wait_for(all_done, NULL, 10));
   KT_EQ(atomic_load(&t.runs), 1);
   keel_sched_stats_t st;
   KT_EQ(keel_sched_stats(&st), 0);
@@ -152,7 +137,7 @@ static void submit_after_shutdown(void) {
   /* Still the caller's: after a new init the same job submits and runs. */
   start(1, 2, 1000, 20);
   KT_EQ(keel_sched_submit(&t.job), 0);
-  KT_CHECK(wait_for(all_done, NULL, 10));
+  KT_CHECK(kt_wait_for(all_done, NULL, 10));
   KT_EQ(atomic_load(&t.runs), 1);
 }
 
@@ -165,10 +150,10 @@ static void resubmit_queued(void) {
   KT_EQ(keel_sched_submit(&t.job), KEEL_EBUSY);
   KT_EQ(keel_sched_after(&t.job, 1), KEEL_EBUSY);
   atomic_store(&gate_open, 1);
-  KT_CHECK(wait_for(all_done, NULL, 10));
+  KT_CHECK(kt_wait_for(all_done, NULL, 10));
   KT_EQ(atomic_load(&t.runs), 1);
   KT_EQ(keel_sched_submit(&t.job), 0); /* idle again: fine */
-  KT_CHECK(wait_for(all_done, NULL, 10));
+  KT_CHECK(kt_wait_for(all_done, NULL, 10));
   KT_EQ(atomic_load(&t.runs), 2);
 }
 
@@ -185,7 +170,7 @@ static void shutdown_from_job(void) {
   keel_job_t j;
   keel_job_init(&j, shutdown_inside, 0);
   KT_EQ(keel_sched_submit(&j), 0);
-  KT_CHECK(wait_for(all_done, NULL, 10));
+  KT_CHECK(kt_wait_for(all_done, NULL, 10));
   KT_EQ(atomic_load(&inner_rc), KEEL_EDEADLK);
   KT_EQ(atomic_load(&inner_init_rc), KEEL_EDEADLK);
   keel_sched_stats_t st;
@@ -225,7 +210,7 @@ static void cancel_queued_and_running(void) {
   KT_EQ(keel_sched_cancel(&t[0].job), KEEL_ENOENT);
   for (int i = 0; i < 10; i += 2) KT_EQ(atomic_load(&t[i].cancels), 1); /* notice, at once */
   atomic_store(&gate_open, 1);
-  KT_CHECK(wait_for(all_done, NULL, 10));
+  KT_CHECK(kt_wait_for(all_done, NULL, 10));
   for (int i = 0; i < 10; i++) {
     KT_EQ(atomic_load(&t[i].runs), i % 2);
     KT_EQ(atomic_load(&t[i].cancels), 1 - i % 2);
@@ -246,7 +231,7 @@ static void cancel_timer(void) {
   keel_sched_stats(&st);
   KT_EQ(st.timers, 0);
   KT_EQ(keel_sched_after(&t.job, 0), 0); /* 0 ms: a plain submit */
-  KT_CHECK(wait_for(all_done, NULL, 10));
+  KT_CHECK(kt_wait_for(all_done, NULL, 10));
   KT_EQ(atomic_load(&t.runs), 1);
 }
 
@@ -279,7 +264,7 @@ static void cancel_during_shutdown(void) {
 }
 
 static void slow_fn(keel_job_t *j) {
-  sleep_ms(1);
+  kt_sleep_ms(1);
   tjob_fn(j);
 }
 
@@ -309,7 +294,7 @@ static void shutdown_drains(void) {
 
 static void *open_gate_later(void *a) {
   (void)a;
-  sleep_ms(50);
+  kt_sleep_ms(50);
   atomic_store(&gate_open, 1);
   return NULL;
 }
@@ -354,7 +339,7 @@ static void priority_bounds(void) {
   /* Low first, then normal, then high: the order must come from priorities. */
   for (int i = NH + NN + NL - 1; i >= 0; i--) KT_EQ(keel_sched_submit(&t[i].job), 0);
   atomic_store(&gate_open, 1);
-  KT_CHECK(wait_for(all_done, NULL, 10));
+  KT_CHECK(kt_wait_for(all_done, NULL, 10));
   int n = atomic_load(&norder);
   KT_EQ(n, NH + NN + NL);
   int left[3] = {NH, NN, NL}, since_low = 0, since_normal = 0, max_low = 0, max_normal = 0;
@@ -395,7 +380,7 @@ static void fairness_bound(void) {
   for (int i = NA; i < NA + NB; i++) KT_EQ(keel_sched_submit(&t[i].job), 0);
   KT_EQ(keel_sched_client_destroy(b), KEEL_EBUSY); /* jobs queued */
   atomic_store(&gate_open, 1);
-  KT_CHECK(wait_for(all_done, NULL, 10));
+  KT_CHECK(kt_wait_for(all_done, NULL, 10));
   KT_EQ(atomic_load(&norder), NA + NB);
   /* Between two of B's dispatches (and before its first), A gets at most
    * KEEL_SCHED_QUANTUM. */
@@ -431,7 +416,7 @@ static void timers_in_order(void) {
     KT_EQ(keel_sched_after(&t[i].job, (uint64_t)ms), 0);
     dl_hi[i] = kt_now() + ms / 1000.0;
   }
-  KT_CHECK(wait_for(all_done, NULL, 10));
+  KT_CHECK(kt_wait_for(all_done, NULL, 10));
   double late = 0;
   KT_EQ(atomic_load(&norder), N);
   /* Fired in deadline order: no timer ran after one whose deadline was
@@ -446,7 +431,7 @@ static void timers_in_order(void) {
     deadline[i] = kt_now() + (1 + i % 7) / 1000.0;
     KT_EQ(keel_sched_after(&t[i].job, (uint64_t)(1 + i % 7)), 0);
   }
-  KT_CHECK(wait_for(all_done, NULL, 10));
+  KT_CHECK(kt_wait_for(all_done, NULL, 10));
   for (int i = 0; i < N; i++) {
     KT_EQ(atomic_load(&t[i].runs), 1);
     KT_CHECK(t[i].ran_at >= deadline[i] - 1e-4);
@@ -468,7 +453,7 @@ static void sleepy_fn(keel_job_t *j) {
   int c = atomic_fetch_add(&concurrent, 1) + 1;
   int m = atomic_load(&max_concurrent);
   while (c > m && !atomic_compare_exchange_weak(&max_concurrent, &m, c)) {}
-  sleep_ms(60);
+  kt_sleep_ms(60);
   atomic_fetch_sub(&concurrent, 1);
   tjob_fn(j);
 }
@@ -496,7 +481,7 @@ static void grow_and_shrink(unsigned flags) {
     keel_sched_stats(&st);
     if (st.threads > peak) peak = st.threads;
     KT_CHECK(st.threads <= max);
-    sleep_ms(1);
+    kt_sleep_ms(1);
   }
   for (int i = 0; i < N; i++) KT_EQ(atomic_load(&t[i].runs), 1);
   /* Rate limit: the monitor adds at most one worker per millisecond. */
@@ -506,7 +491,7 @@ static void grow_and_shrink(unsigned flags) {
   long ncpu = _keel_os_ncpu(); /* as sched counts them */
   KT_CHECK(peak > (unsigned)(ncpu < (long)max ? ncpu : (long)max - 1));
   KT_CHECK(atomic_load(&max_concurrent) <= (int)max);
-  KT_CHECK(wait_for(threads_at_min, &min, 10));
+  KT_CHECK(kt_wait_for(threads_at_min, &min, 10));
   keel_sched_stats_t st;
   keel_sched_stats(&st);
   KT_EQ(st.threads, min);
@@ -531,7 +516,7 @@ static void run_convenience(void) {
   atomic_store(&run_hits, 0);
   for (int i = 0; i < 1000; i++)
     KT_EQ(keel_sched_run(run_fn, &one, i % 3 == 0 ? KEEL_JOB_LOW : 0), 0);
-  KT_CHECK(wait_for(all_done, NULL, 10));
+  KT_CHECK(kt_wait_for(all_done, NULL, 10));
   KT_EQ(atomic_load(&run_hits), 1000);
   /* Queued ones are freed by a cancelling shutdown (LeakSanitizer checks);
    * those with KEEL_JOB_RUN_IF_CANCELLED run in the shutting-down thread,
@@ -578,7 +563,7 @@ static void *stalled_producer(void *arg) {
   cds_wfcq_node_init(node);
   struct cds_wfcq_node *prev = uatomic_xchg(&_keel_sched.in[p->shard].tail.p, node);
   atomic_store(&p->swapped, 1);
-  while (atomic_load(&_keel_sched.state) == SCHED_RUNNING) sleep_ms(0.1);
+  while (atomic_load(&_keel_sched.state) == SCHED_RUNNING) kt_sleep_ms(0.1);
   pthread_mutex_lock(&_keel_sched.lock);
   pthread_mutex_unlock(&_keel_sched.lock);
   CMM_STORE_SHARED(prev->next, node);
@@ -609,7 +594,7 @@ static void run_if_cancelled_thread(void) {
   tjob_t first;
   tjob_init(&first, 0, 0);
   KT_EQ(keel_sched_submit(&first.job), 0); /* registers this thread: its shard is known */
-  KT_CHECK(wait_for(all_done, NULL, 10));
+  KT_CHECK(kt_wait_for(all_done, NULL, 10));
   static stalled_t st;
   memset(&st, 0, sizeof(st));
   keel_job_init(&st.job, tjob_fn, 0);
@@ -617,7 +602,7 @@ static void run_if_cancelled_thread(void) {
   st.shard = _keel_sched_me.shard;
   pthread_t th;
   KT_EQ(pthread_create(&th, NULL, stalled_producer, &st), 0);
-  KT_REQUIRE(wait_for(stalled_swapped, &st, 10));
+  KT_REQUIRE(kt_wait_for(stalled_swapped, &st, 10));
   atomic_store(&ric_runs, 0);
   KT_EQ(keel_sched_run(ric_fn, NULL, KEEL_JOB_RUN_IF_CANCELLED), 0); /* behind st.job */
   KT_EQ(keel_sched_shutdown(KEEL_SCHED_CANCEL), 0);
@@ -639,7 +624,7 @@ static void resubmit_from_inside(void) {
   keel_job_t j;
   keel_job_init(&j, chain_fn, 0);
   KT_EQ(keel_sched_submit(&j), 0);
-  KT_CHECK(wait_for(all_done, NULL, 20));
+  KT_CHECK(kt_wait_for(all_done, NULL, 20));
   KT_EQ(atomic_load(&chain_left), 0);
   KT_EQ(keel_sched_shutdown(KEEL_SCHED_DRAIN), 0);
 }
@@ -648,7 +633,7 @@ static void resubmit_from_inside(void) {
  * have run on another worker, whatever the machine's load. */
 static void hold_until_ran(tjob_t *t) {
   double end = kt_now() + 60;
-  while (atomic_load(&t->runs) == 0 && kt_now() < end) sleep_ms(1);
+  while (atomic_load(&t->runs) == 0 && kt_now() < end) kt_sleep_ms(1);
 }
 
 /* A timer armed from inside a job lives in that worker's heap; while the
@@ -672,7 +657,7 @@ static void timer_of_stuck_worker(void) {
   keel_job_t j;
   keel_job_init(&j, stuck_fn, 0);
   KT_EQ(keel_sched_submit(&j), 0);
-  KT_CHECK(wait_for(all_done, NULL, 70));
+  KT_CHECK(kt_wait_for(all_done, NULL, 70));
   KT_EQ(atomic_load(&stuck_timer.runs), 1);
   KT_EQ(atomic_load(&stuck_saw_timer), 1);                /* fired while its owner was stuck */
   KT_CHECK(stuck_timer.ran_at - stuck_armed_at >= 0.020); /* never early */
@@ -698,11 +683,11 @@ static void timer_from_outside_on_busy_worker(void) {
   keel_job_t j;
   keel_job_init(&j, outside_long_fn, 0);
   KT_EQ(keel_sched_submit(&j), 0);
-  while (!atomic_load(&outside_in_job)) sleep_ms(1);
-  sleep_ms(200); /* no activity since: the monitor sleeps */
+  while (!atomic_load(&outside_in_job)) kt_sleep_ms(1);
+  kt_sleep_ms(200); /* no activity since: the monitor sleeps */
   double armed = kt_now();
   KT_EQ(keel_sched_after(&outside_timer.job, 20), 0); /* the only worker, in the job */
-  KT_CHECK(wait_for(all_done, NULL, 70));
+  KT_CHECK(kt_wait_for(all_done, NULL, 70));
   KT_EQ(atomic_load(&outside_timer.runs), 1);
   KT_CHECK(outside_timer.ran_at - armed >= 0.020); /* never early */
   KT_CHECK(outside_timer.ran_at - armed < 10);     /* not when the job ends (60 s) */
@@ -721,14 +706,14 @@ static void one_wakeup_per_burst(void) {
   start(n, n, 60000, 20);
   int woke_one = 0;
   for (int round = 0; round < 20; round++) {
-    KT_REQUIRE(wait_for(all_parked, &n, 10));
+    KT_REQUIRE(kt_wait_for(all_parked, &n, 10));
     keel_sched_stats_t a, b;
     keel_sched_stats(&a);
     tjob_t t;
     tjob_init(&t, 0, 0);
     KT_EQ(keel_sched_submit(&t.job), 0);
-    KT_CHECK(wait_for(all_done, NULL, 10));
-    KT_REQUIRE(wait_for(all_parked, &n, 10));
+    KT_CHECK(kt_wait_for(all_done, NULL, 10));
+    KT_REQUIRE(kt_wait_for(all_parked, &n, 10));
     keel_sched_stats(&b);
     /* Never the herd; a second wake-up only if the first one took longer
      * than the monitor's tick (1 ms) on a loaded machine. */
@@ -747,7 +732,7 @@ static void stats_counts(void) {
     tjob_init(&t[i], i, i % 3 == 0 ? KEEL_JOB_HIGH : (i % 3 == 1 ? 0 : KEEL_JOB_LOW));
     KT_EQ(keel_sched_submit(&t[i].job), 0);
   }
-  KT_CHECK(wait_for(all_done, NULL, 10));
+  KT_CHECK(kt_wait_for(all_done, NULL, 10));
   keel_sched_stats(&b);
   KT_EQ(b.submitted - a.submitted, 300);
   KT_EQ(b.run - a.run, 300);
@@ -763,7 +748,7 @@ static void stats_counts(void) {
 static atomic_int meet_in, meet_open;
 static void meet_fn(keel_job_t *j) {
   atomic_fetch_add(&meet_in, 1);
-  while (!atomic_load(&meet_open)) sleep_ms(0.2);
+  while (!atomic_load(&meet_open)) kt_sleep_ms(0.2);
   tjob_fn(j);
 }
 static bool meet_count(void *a) {
@@ -788,15 +773,15 @@ static void drain_grows_pool(void) {
   }
   KT_EQ(keel_sched_submit(&t[0].job), 0);
   int one = 1;
-  KT_REQUIRE(wait_for(meet_count, &one, 10)); /* the one worker is taken */
+  KT_REQUIRE(kt_wait_for(meet_count, &one, 10)); /* the one worker is taken */
   keel_sched_stats_t a, b;
   keel_sched_stats(&a); /* 1 or 2 threads: the monitor may have seen job 0 queued */
   for (int i = 1; i < MAX; i++) KT_EQ(keel_sched_submit(&t[i].job), 0);
   pthread_t th;
   KT_REQUIRE(pthread_create(&th, NULL, drain_thread, NULL) == 0);
   int all = MAX;
-  KT_CHECK(wait_for(meet_count, &all, 60)); /* needs MAX workers at once */
-  atomic_store(&meet_open, 1);              /* also lets a failed run end */
+  KT_CHECK(kt_wait_for(meet_count, &all, 60)); /* needs MAX workers at once */
+  atomic_store(&meet_open, 1);                 /* also lets a failed run end */
   pthread_join(th, NULL);
   KT_EQ(atomic_load(&drain_rc), 0);
   for (int i = 0; i < MAX; i++) {
@@ -823,7 +808,7 @@ static atomic_int ho_in;
 static void ho_arm_fn(keel_job_t *j) {
   int w = container_of(j, tjob_t, job)->id;
   atomic_fetch_add(&ho_in, 1);
-  while (atomic_load(&ho_in) < HO_W) sleep_ms(0.2); /* one job per worker */
+  while (atomic_load(&ho_in) < HO_W) kt_sleep_ms(0.2); /* one job per worker */
   KT_EQ(keel_sched_after(&ho_sentinel[w].job, 600000), 0);
   for (int k = 0; k < HO_T; k++) {
     int ms = 300 + 500 * k + 10 * w;
@@ -860,12 +845,12 @@ static void timers_move_on_retire(void) {
   keel_sched_stats_t a, st;
   keel_sched_stats(&a);
   for (int w = 0; w < HO_W; w++) KT_EQ(keel_sched_submit(&ho_arm[w].job), 0);
-  KT_REQUIRE(wait_for(ho_armed, NULL, 60));
-  KT_CHECK(wait_for(threads_at_min, &min, 60)); /* back to min, timers pending */
+  KT_REQUIRE(kt_wait_for(ho_armed, NULL, 60));
+  KT_CHECK(kt_wait_for(threads_at_min, &min, 60)); /* back to min, timers pending */
   keel_sched_stats(&st);
   KT_CHECK(st.spawned - a.spawned >= HO_W - 1);
   KT_CHECK(st.timers >= HO_W); /* the sentinels at least: none lost */
-  KT_CHECK(wait_for(ho_all_fired, NULL, 60));
+  KT_CHECK(kt_wait_for(ho_all_fired, NULL, 60));
   for (int w = 0; w < HO_W; w++) {
     KT_EQ(atomic_load(&ho_arm[w].runs), 1);
     for (int k = 0; k < HO_T; k++) {
@@ -921,7 +906,7 @@ static void queued_prio_counts(void) {
   keel_sched_stats(&st);
   KT_EQ(st.queued_prio[1], want[1] - 1);
   atomic_store(&gate_open, 1);
-  KT_CHECK(wait_for(all_done, NULL, 10));
+  KT_CHECK(kt_wait_for(all_done, NULL, 10));
   keel_sched_stats(&st);
   for (int p = 0; p < 3; p++) KT_EQ(st.queued_prio[p], 0);
   for (int i = 0; i < N; i++) KT_EQ(atomic_load(&t[i].runs), i == 1 ? 0 : 1);
@@ -945,7 +930,7 @@ static void client_destroy_timed(void) {
   t.job.client = c;
   KT_EQ(keel_sched_after(&t.job, 30), 0);
   KT_EQ(keel_sched_client_destroy(c), KEEL_EBUSY);
-  KT_CHECK(wait_for(runs_1, &t, 10));
+  KT_CHECK(kt_wait_for(runs_1, &t, 10));
   KT_EQ(keel_sched_client_destroy(c), 0);
 
   c = keel_sched_client_create(); /* cancelled */
@@ -1016,7 +1001,7 @@ static int child_uses_pool(keel_sched_client_t *c) {
   if (c2 == NULL) return 4;
   timed.job.client = c2;
   if (keel_sched_submit(&t.job) != 0 || keel_sched_after(&timed.job, 1) != 0) return 5;
-  if (!wait_for(ran_once, &t, 20) || !wait_for(ran_once, &timed, 20)) return 6;
+  if (!kt_wait_for(ran_once, &t, 20) || !kt_wait_for(ran_once, &timed, 20)) return 6;
   keel_sched_stats_t st;
   if (keel_sched_stats(&st) != 0 || st.submitted != 2 || st.threads < 1) return 7;
   if (keel_sched_client_destroy(c2) != 0) return 8;
@@ -1058,7 +1043,7 @@ static bool pool_settled(void *a) {
 
 static void fork_child_gets_own_pool(void) {
   start(1, 1, 1000, 20); /* one worker, held: everything else stays queued */
-  KT_REQUIRE(wait_for(pool_settled, (void *)1, 10));
+  KT_REQUIRE(kt_wait_for(pool_settled, (void *)1, 10));
   gate_close();
   keel_sched_client_t *c = keel_sched_client_create();
   KT_REQUIRE(c != NULL);
@@ -1078,24 +1063,24 @@ static void fork_child_gets_own_pool(void) {
   atomic_store(&fork_submitting, 0);
   pthread_t prod;
   KT_REQUIRE(pthread_create(&prod, NULL, fork_producer, NULL) == 0);
-  KT_REQUIRE(wait_for(int_set, &fork_submitting, 10));
+  KT_REQUIRE(kt_wait_for(int_set, &fork_submitting, 10));
   pid_t pid = fork();
   if (pid == 0) _exit(child_uses_pool(c));
   KT_EQ(wait_child(pid), 0);
   atomic_store(&fork_stop, 1);
   pthread_join(prod, NULL);
   atomic_store(&gate_open, 1);
-  for (int i = 0; i < NC; i++) KT_CHECK(wait_for(ran_once, &cj[i], 20));
+  for (int i = 0; i < NC; i++) KT_CHECK(kt_wait_for(ran_once, &cj[i], 20));
   KT_EQ(keel_sched_cancel(&timer.job), 0);
   KT_EQ(keel_sched_client_destroy(c), 0);
 
   /* From inside a job: the child's thread is a worker's. */
   start(2, 2, 1000, 20);
-  KT_REQUIRE(wait_for(pool_settled, (void *)2, 10));
+  KT_REQUIRE(kt_wait_for(pool_settled, (void *)2, 10));
   keel_job_t fj;
   keel_job_init(&fj, fork_in_job, 0);
   KT_EQ(keel_sched_submit(&fj), 0);
-  KT_CHECK(wait_for(fork_job_done, NULL, 60));
+  KT_CHECK(kt_wait_for(fork_job_done, NULL, 60));
   KT_EQ(atomic_load(&fork_in_job_status), 0);
   KT_EQ(keel_sched_shutdown(KEEL_SCHED_DRAIN), 0);
 }

@@ -25,21 +25,6 @@
 
 #define container_of(p, T, m) ((T *)(void *)((char *)(p)-offsetof(T, m)))
 
-static void sleep_ms(double ms) {
-  struct timespec ts = {(time_t)(ms / 1000), (long)((ms - (time_t)(ms / 1000) * 1000) * 1e6)};
-  nanosleep(&ts, NULL);
-}
-
-/* Polls until cond(arg) or `sec` seconds; returns cond(arg). */
-static bool wait_for(bool (*cond)(void *), void *arg, double sec) {
-  double end = kt_now() + sec;
-  while (!cond(arg)) {
-    if (kt_now() > end) return false;
-    sleep_ms(0.2);
-  }
-  return true;
-}
-
 static bool flag_set(void *a) {
   return atomic_load((atomic_int *)a) != 0;
 }
@@ -68,7 +53,7 @@ static long real_syscall(long n, long a[6]) {
 
 static void hold_for_at_most(atomic_int *release, double sec) {
   double end = kt_now() + sec;
-  while (!atomic_load(release) && kt_now() < end) sleep_ms(0.5);
+  while (!atomic_load(release) && kt_now() < end) kt_sleep_ms(0.5);
 }
 
 static void hold_until(atomic_int *release) {
@@ -138,7 +123,7 @@ static atomic_int gate_open, gate_entered;
 static void gate_fn(keel_job_t *j) {
   (void)j;
   atomic_store(&gate_entered, 1);
-  while (!atomic_load(&gate_open)) sleep_ms(0.2);
+  while (!atomic_load(&gate_open)) kt_sleep_ms(0.2);
 }
 static keel_job_t gate_job;
 static void gate_close(void) {
@@ -146,7 +131,7 @@ static void gate_close(void) {
   atomic_store(&gate_entered, 0);
   keel_job_init(&gate_job, gate_fn, KEEL_JOB_BLOCKING);
   KT_EQ(keel_sched_submit(&gate_job), 0);
-  KT_REQUIRE(wait_for(flag_set, &gate_entered, 10));
+  KT_REQUIRE(kt_wait_for(flag_set, &gate_entered, 10));
 }
 
 static bool retired_one(void *a) {
@@ -170,8 +155,8 @@ static void past_deadline_retires(void) {
   atomic_store(&hold_timeout, 1); /* before W2 exists: it cannot time out first */
   tjob_t j0;
   tjob_init(&j0, 0);
-  KT_EQ(keel_sched_submit(&j0.job), 0);              /* no worker idle: the monitor adds W2 */
-  KT_REQUIRE(wait_for(flag_set, &timeout_held, 10)); /* W2 timed out at its retire time */
+  KT_EQ(keel_sched_submit(&j0.job), 0);                 /* no worker idle: the monitor adds W2 */
+  KT_REQUIRE(kt_wait_for(flag_set, &timeout_held, 10)); /* W2 timed out at its retire time */
   /* W2 is still on the idle stack: this submit's kick pops it for J, which
    * nobody can take (W1 held, W2 held) and which is then cancelled. */
   tjob_t j;
@@ -180,7 +165,7 @@ static void past_deadline_retires(void) {
   KT_CHECK(atomic_load(&_keel_sched.nidle) == 0);
   KT_EQ(keel_sched_cancel(&j.job), 0);
   atomic_store(&timeout_release, 1);
-  KT_CHECK(wait_for(retired_one, NULL, 10));
+  KT_CHECK(kt_wait_for(retired_one, NULL, 10));
   atomic_store(&gate_open, 1);
   KT_EQ(keel_sched_shutdown(KEEL_SCHED_DRAIN), 0);
   KT_EQ(atomic_load(&j0.runs), 1);
@@ -244,7 +229,7 @@ static void no_retire_below_min(void) {
   start(1, 2, 50, 600000);
   /* W1 alone, parked: one still starting made the gate job wait and the
    * monitor add a W2 before the hook was set (which then ran j0). */
-  KT_REQUIRE(wait_for(one_parked, NULL, 10));
+  KT_REQUIRE(kt_wait_for(one_parked, NULL, 10));
   retired_before = retired_now();
   /* The hook before the gate: a BLOCKING gate job may itself make the
    * monitor add W2, which then ran j0 before the hook was set (1 run in 20). */
@@ -255,22 +240,22 @@ static void no_retire_below_min(void) {
   tjob_t j0;
   tjob_init(&j0, 0);
   KT_EQ(keel_sched_submit(&j0.job), 0); /* no worker idle: the monitor creates W2 */
-  KT_REQUIRE(wait_for(flag_set, &create_in, 10));
+  KT_REQUIRE(kt_wait_for(flag_set, &create_in, 10));
   atomic_store(&timeout_held, 0);
   atomic_store(&timeout_release, 0);
   atomic_store(&hold_timeout, 1);
   atomic_store(&gate_open, 1); /* W1 runs j0, parks until its retire deadline */
-  KT_REQUIRE(wait_for(flag_set, &timeout_held, 10));
+  KT_REQUIRE(kt_wait_for(flag_set, &timeout_held, 10));
   int waits = atomic_load(&worker_waits);
   atomic_store(&timeout_release, 1); /* its retire check, W2 still starting */
-  KT_REQUIRE(wait_for(parked_again, &waits, 10));
+  KT_REQUIRE(kt_wait_for(parked_again, &waits, 10));
   atomic_store(&create_release, 1); /* W2's creation fails */
   KT_EQ(retired_now(), 0);
   creations_ok();
   tjob_t t;
   tjob_init(&t, 0);
   KT_EQ(keel_sched_after(&t.job, 1), 0);
-  KT_CHECK(wait_for(ran_once, &t, 10));
+  KT_CHECK(kt_wait_for(ran_once, &t, 10));
   KT_EQ(atomic_load(&j0.runs), 1);
   KT_EQ(keel_sched_shutdown(KEEL_SCHED_DRAIN), 0);
 }
@@ -295,7 +280,7 @@ static void lazy_init_retried(void) {
   creations_ok();
   KT_EQ(atomic_load(&_keel_sched.state), SCHED_UNINIT);
   KT_EQ(keel_sched_submit(&t.job), 0); /* inits again */
-  KT_CHECK(wait_for(ran_once, &t, 10));
+  KT_CHECK(kt_wait_for(ran_once, &t, 10));
   /* The same for an explicit init, whose failure leaves UNINIT (or a
    * shutdown pool) as it was; and a later thread failing as the first. */
   uninit();
@@ -306,7 +291,7 @@ static void lazy_init_retried(void) {
   KT_EQ(atomic_load(&_keel_sched.state), SCHED_UNINIT);
   tjob_init(&t, 0);
   KT_EQ(keel_sched_submit(&t.job), 0);
-  KT_CHECK(wait_for(ran_once, &t, 10));
+  KT_CHECK(kt_wait_for(ran_once, &t, 10));
   KT_EQ(keel_sched_shutdown(KEEL_SCHED_DRAIN), 0);
   fail_creation(1);
   KT_EQ(keel_sched_init(&cfg), KEEL_EAGAIN);
@@ -384,7 +369,7 @@ static void destroy_from_fired_job(void) {
   atomic_store(&wake_release, 0);
   atomic_store(&hold_wake, 1);
   KT_EQ(keel_sched_after(&t, 20), 0);
-  KT_CHECK(wait_for(flag_set, &fired_ran, 10));
+  KT_CHECK(kt_wait_for(flag_set, &fired_ran, 10));
   atomic_store(&wake_release, 1);
   atomic_store(&hold_wake, 0);
   KT_EQ(atomic_load(&destroy_rc), 0);
@@ -437,11 +422,11 @@ static void batch_of_one_wakes_when_monitor_naps(void) {
   keel_job_init(&l, l_fn, KEEL_JOB_BLOCKING);
   keel_job_init(&j, j_fn, 0);
   KT_EQ(keel_sched_submit(&owner), 0);
-  KT_REQUIRE(wait_for(flag_set, &owner_in, 10));
-  KT_REQUIRE(wait_for(monitor_naps, NULL, 10));
+  KT_REQUIRE(kt_wait_for(flag_set, &owner_in, 10));
+  KT_REQUIRE(kt_wait_for(monitor_naps, NULL, 10));
   KT_EQ(keel_sched_submit(&l), 0);
   KT_EQ(keel_sched_submit(&j), 0);
-  KT_CHECK(wait_for(flag_set, &l_saw_j, 20));
+  KT_CHECK(kt_wait_for(flag_set, &l_saw_j, 20));
   atomic_store(&owner_release, 1);
   KT_EQ(keel_sched_shutdown(KEEL_SCHED_CANCEL), 0); /* cancels the timer */
 }
@@ -462,7 +447,7 @@ static bool monitor_sleeps(void *a) {
 
 static void after_from_outside_pokes(void) {
   start(1, 1, 60000, 600000);
-  KT_REQUIRE(wait_for(monitor_sleeps, NULL, 10)); /* after its 20 ms linger */
+  KT_REQUIRE(kt_wait_for(monitor_sleeps, NULL, 10)); /* after its 20 ms linger */
   tjob_t t;
   tjob_init(&t, 0);
   int before = atomic_load(&main_pokes);

@@ -23,11 +23,6 @@
 #include "harness.h"
 #include "sched/sched_int.h"
 
-static void sleep_ms(double ms) {
-  struct timespec ts = {(time_t)(ms / 1000), (long)((ms - (time_t)(ms / 1000) * 1000) * 1e6)};
-  nanosleep(&ts, NULL);
-}
-
 static atomic_int hold_aff, aff_held, aff_release;
 
 int sched_getaffinity(pid_t pid, size_t size, cpu_set_t *set) {
@@ -36,7 +31,7 @@ int sched_getaffinity(pid_t pid, size_t size, cpu_set_t *set) {
     real = (int (*)(pid_t, size_t, cpu_set_t *))dlsym(RTLD_NEXT, "sched_getaffinity");
   if (atomic_exchange(&hold_aff, 0)) {
     atomic_store(&aff_held, 1);
-    while (!atomic_load(&aff_release)) sleep_ms(0.2);
+    while (!atomic_load(&aff_release)) kt_sleep_ms(0.2);
   }
   return real(pid, size, set);
 }
@@ -65,7 +60,7 @@ static int grandchild(void) {
   keel_job_t j;
   keel_job_init(&j, ran_fn, 0);
   if (keel_sched_submit(&j) != 0) return 4;
-  for (int i = 0; i < 20000 && !atomic_load(&ran); i++) sleep_ms(1);
+  for (int i = 0; i < 20000 && !atomic_load(&ran); i++) kt_sleep_ms(1);
   if (!atomic_load(&ran)) return 5;
   if (keel_sched_shutdown(KEEL_SCHED_DRAIN) != 0) return 6;
 #endif
@@ -99,7 +94,7 @@ static int child(int which) {
   atomic_store(&hold_aff, 1);
   pthread_t a;
   if (pthread_create(&a, NULL, first_call, (void *)(uintptr_t)which) != 0) return 20;
-  while (!atomic_load(&aff_held)) sleep_ms(0.2);
+  while (!atomic_load(&aff_held)) kt_sleep_ms(0.2);
   pid_t pid = fork();
   if (pid == 0) _exit(grandchild());
   atomic_store(&aff_release, 1);
