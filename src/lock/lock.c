@@ -60,14 +60,6 @@ static unsigned own_bast_frames(const keel_lkb_t *lkb) {
   return n;
 }
 
-/* Drops one of lkb's counts (res->mu held): true if lkb is now to be freed,
- * with *last telling whether that detaches res's last lock. */
-static bool __lkb_unowe(keel_res_t *res, keel_lkb_t *lkb, bool *last) {
-  if (--lkb->basts != 0 || !lkb->released) return false;
-  *last = __keel_dir_detach(res);
-  return true;
-}
-
 void _keel_lkb_bast(keel_lkb_t *lkb, int mode) {
   keel_res_t *res = lkb->res; /* attached while basts > 0 */
   __keel_mutex_lock(&res->mu);
@@ -91,7 +83,7 @@ void _keel_lkb_bast(keel_lkb_t *lkb, int mode) {
       wake = true;
     }
   }
-  bool free_it = __lkb_unowe(res, lkb, &last);
+  bool free_it = __keel_lkb_unowe(res, lkb, &last);
   __keel_mutex_unlock(&res->mu);
   /* A waiter holds a count of its own, so wake and free_it never both hold.
    * It may see the change, free lkb and return before this wake: a
@@ -361,7 +353,7 @@ int keel_unlock(keel_lksb_t *lksb, unsigned flags) {
       __keel_mutex_lock(&res->mu);
     }
     lkb->bast_waiters--;
-    bool free_it = __lkb_unowe(res, lkb, &last);
+    bool free_it = __keel_lkb_unowe(res, lkb, &last);
     __keel_mutex_unlock(&res->mu);
     if (free_it) {
       _keel_lkb_free(lkb);

@@ -588,8 +588,7 @@ static void release_drop_lkb(keel_lkb_t *l, bool gone) {
     free_it = true;
     last = __keel_dir_detach(res);
   } else {
-    free_it = --l->basts == 0;
-    if (free_it) last = __keel_dir_detach(res);
+    free_it = __keel_lkb_unowe(res, l, &last); /* l is released: cancel_queue */
   }
   __keel_mutex_unlock(&res->mu);
   if (free_it) _keel_lkb_free(l);

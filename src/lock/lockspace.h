@@ -128,6 +128,16 @@ void _keel_ls_timer_add(keel_lockspace_t *ls, keel_lkb_t *lkb) KEEL_HIDDEN;
 /* Frees an lkb that is on no queue and was detached from its resource. */
 void _keel_lkb_free(keel_lkb_t *lkb) KEEL_HIDDEN;
 
+/* Drops one of lkb's counts in basts (res->mu held): true if lkb is now to
+ * be freed (released, nothing owed any more), with *last telling whether
+ * that detaches res's last lock. The last BAST delivery, a keel_unlock that
+ * waited, and a forced release's hold all end this way. */
+KEEL_INLINE bool __keel_lkb_unowe(keel_res_t *res, keel_lkb_t *lkb, bool *last) {
+  if (--lkb->basts != 0 || !lkb->released) return false;
+  *last = __keel_dir_detach(res);
+  return true;
+}
+
 /* keel_lock_convert with the option of replacing ast, bast and arg once the
  * conversion is accepted (keel_lock with KEEL_LOCK_CONVERT; cb NULL: keep). */
 int _keel_lock_convert(keel_lksb_t *lksb, int mode, unsigned flags,
