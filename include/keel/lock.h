@@ -220,7 +220,9 @@ KEEL_API int keel_lock_convert(keel_lksb_t *lksb, int mode, unsigned flags);
  * returns KEEL_ECANCELED). A new request that can also fail by itself (one
  * with KEEL_LOCK_TIMEOUT) frees its lkb when it fails; cancelling it from
  * another thread at that moment would race with the free, so cancel requests
- * without a timeout, or let the timeout do the cancelling. */
+ * without a timeout, or let the timeout do the cancelling. One that fails at
+ * once (KEEL_EAGAIN under KEEL_LOCK_NOQUEUE) never appears in lksb->lock: a
+ * cancel racing with it gets KEEL_ENOENT. */
 
 /* Releases the lock held in lksb (with VALBLK and a PW/EX lock: storing
  * lksb->valblk as the resource's value block) and sets lksb->lock = NULL. No

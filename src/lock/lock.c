@@ -211,16 +211,24 @@ int keel_lock(keel_lockspace_t *ls, const void *name, size_t namelen, int mode, 
     return KEEL_ESHUTDOWN;
   }
   lkb->res = res;
-  /* Published before any AST can run and look at it, and only once res is
-   * set: a canceller on another thread may pick it up from here. */
-  _keel_lksb_set_lock(lksb, lkb);
-
   keel_dispatch_t d;
   keel_dispatch_init(&d, res->ls->cbq);
   bool last = false;
   rc = __keel_res_request(res, lkb, &d);
   bool waiting = lkb->queue == KEEL_Q_WAIT;
-  if (keel_unlikely(rc != 0)) last = __keel_dir_detach(res);
+  /* Published only once the request is granted or queued: still under
+   * res->mu, so before any AST can run and look at it, and with res set. A
+   * canceller on another thread may pick it up from here; it locks res->mu
+   * after us and finds the request as it stands. Invariant: lksb->lock
+   * leads to an lkb only from the moment it is on one of res's queues. A
+   * request that fails (NOQUEUE: KEEL_EAGAIN) is never published, because
+   * we free it below without the mutex: published, a cancel or convert on
+   * another thread that read it from lksb would lock and read it after the
+   * free (keel_die "not a live lock", or a use after free). */
+  if (keel_likely(rc == 0))
+    _keel_lksb_set_lock(lksb, lkb);
+  else
+    last = __keel_dir_detach(res);
   if (waiting && ast != NULL && (flags & KEEL_LOCK_TIMEOUT)) _keel_ls_timer_add(ls, lkb);
   if (rc == 0 && waiting && ast == NULL) sleeper_enter(ls);
   __keel_mutex_unlock(&res->mu);

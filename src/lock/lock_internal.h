@@ -8,7 +8,9 @@
  *                     keeps it on its LRU until it is dropped (cache limit or
  *                     keel_lockspace_shrink) and freed after an RCU grace period.
  *   keel_lkb        - one lock; lives from keel_lock until it is unlocked or its
- *                     new request fails or is cancelled. Pointed to by lksb->lock.
+ *                     new request fails or is cancelled. Pointed to by lksb->lock
+ *                     once granted or queued: a request that fails at once is
+ *                     never published (lock.c, keel_lock).
  *
  * Naming: __keel_res_x() runs with res->mu held by the caller.
  */

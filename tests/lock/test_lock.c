@@ -3,6 +3,7 @@
  * blocking waits, BASTs, the resource cache, and the mutex. */
 #define _GNU_SOURCE
 #include <pthread.h>
+#include <sched.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -1263,6 +1264,65 @@ static void quecvt_new_request(void) {
   KT_EQ(keel_lockspace_release(ls, 0), 0);
 }
 
+/* Bug: a NOQUEUE request that failed (KEEL_EAGAIN) was published in
+ * lksb->lock during its critical section and freed just after it, so a
+ * KEEL_LOCK_CANCEL on another thread that read it there locked and read a
+ * freed lkb (keel_die "not a live lock", SEGV, or ASan's use after free). A
+ * request that fails at once is now never published. A prober thread
+ * watches lksb->lock through a loop of such failures (a sighting fails the
+ * test, with nothing dereferenced), then cancels through it (every cancel
+ * must find no lock). Before the fix the sighting came within milliseconds,
+ * also with both threads on one CPU; after it the test cannot fail by timing. */
+typedef struct noq_probe {
+  keel_lksb_t s;
+  bool cancel;
+  long stop, seen, bad, calls; /* atomic */
+} noq_probe_t;
+static void *noq_prober(void *arg) {
+  noq_probe_t *p = arg;
+  while (!__atomic_load_n(&p->stop, __ATOMIC_ACQUIRE)) {
+    if (!p->cancel) {
+      if (__atomic_load_n(&p->s.lock, __ATOMIC_ACQUIRE) != NULL)
+        __atomic_fetch_add(&p->seen, 1, __ATOMIC_RELAXED);
+    } else if (keel_unlock(&p->s, KEEL_LOCK_CANCEL) != KEEL_ENOENT) {
+      __atomic_fetch_add(&p->bad, 1, __ATOMIC_RELAXED);
+    }
+    __atomic_fetch_add(&p->calls, 1, __ATOMIC_RELAXED);
+  }
+  return NULL;
+}
+static void noqueue_failure_never_published(void) {
+  keel_lockspace_t *ls = new_ls();
+  keel_lksb_t h = {0};
+  KT_EQ(keel_lock(ls, NAME("nq"), KEEL_LOCK_EX, 0, &h, NULL, NULL, NULL), 0);
+  for (int cancel = 0; cancel < 2; cancel++) {
+    noq_probe_t p = {.cancel = cancel};
+    pthread_t t;
+    KT_REQUIRE(pthread_create(&t, NULL, noq_prober, &p) == 0);
+    while (__atomic_load_n(&p.calls, __ATOMIC_RELAXED) == 0) sched_yield();
+    double end = kt_now() + 0.75;
+    long n = 0;
+    while (kt_now() < end && __atomic_load_n(&p.seen, __ATOMIC_RELAXED) == 0) {
+      for (int k = 0; k < 64; k++, n++) {
+        KT_EQ(keel_lock(ls, NAME("nq"), KEEL_LOCK_PR, KEEL_LOCK_NOQUEUE, &p.s,
+                        k % 2 ? nop_ast : NULL, NULL, NULL),
+              KEEL_EAGAIN);
+      }
+    }
+    __atomic_store_n(&p.stop, 1, __ATOMIC_RELEASE);
+    pthread_join(t, NULL);
+    if (p.seen != 0) { /* the cancel round would use freed locks: not run */
+      kt_fail(__FILE__, __LINE__, "lksb->lock showed a failed request's lkb %ld times in %ld",
+              p.seen, n);
+      break;
+    }
+    KT_EQ(p.bad, 0);
+    KT_CHECK(n > 0 && p.s.lock == NULL);
+  }
+  KT_EQ(keel_unlock(&h, 0), 0);
+  KT_EQ(keel_lockspace_release(ls, 0), 0);
+}
+
 /* ---- keel_mutex ---- */
 
 static keel_mutex_t mtx = KEEL_MUTEX_INIT;
@@ -1353,4 +1413,5 @@ KT_MAIN(KT_CASE(compat_matrix), KT_CASE(fifo_no_barging), KT_CASE(conversion_dea
         KT_CASE(force_release_refuses_new_requests), KT_CASE(quecvt_new_request),
         KT_CASE(unlock_waits_for_every_running_bast), KT_CASE(nested_bast_unlocks_outer_lock),
         KT_CASE(force_release_during_timer_bast), KT_CASE(force_release_during_callback_storm),
-        KT_CASE(force_release_with_owed_bast), KT_CASE(force_release_cancels_timer_thread_wait))
+        KT_CASE(force_release_with_owed_bast), KT_CASE(force_release_cancels_timer_thread_wait),
+        KT_CASE(noqueue_failure_never_published))
