@@ -183,7 +183,11 @@ KEEL_API keel_lockspace_t *keel_lockspace_create(const keel_lockspace_config_t *
  * KEEL_ENOENT from a handle read before), and lksb->status may change under
  * them (read it atomically there). New requests and conversions made during
  * the release (by an AST it causes, say) get KEEL_ESHUTDOWN; it returns once
- * every callback has run. Other calls must not run concurrently with it.
+ * every callback has run. A grant AST already under way when the release
+ * starts (on the timeout thread, or queued on sched) may run after that
+ * lock's KEEL_ECANCELED notice, seeing status KEEL_ECANCELED: free callback
+ * arguments once the release has returned, not in the notice. Other calls
+ * must not run concurrently with it.
  * Calls on the released handle return KEEL_ESHUTDOWN (checked for the last
  * 1,024 released lockspaces; their 64-byte headers are kept until exit for
  * this). */
