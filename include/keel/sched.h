@@ -113,14 +113,20 @@ KEEL_API void keel_sched_config_default(keel_sched_config_t *cfg);
 
 /* Starts the pool (cfg NULL: defaults): 0, KEEL_EINVAL (max 0, min 0 or
  * min > max), KEEL_EBUSY (already running), KEEL_ENOMEM/EAGAIN (no thread),
- * KEEL_EDEADLK (from inside a job or a shutdown's on_cancel). A failed
- * init leaves the pool as it was (a lazy one is tried again by the next
- * call). Allowed again after keel_sched_shutdown. Allocates; creates threads. */
+ * KEEL_EDEADLK (from inside a job or a shutdown's on_cancel). Until it has
+ * created every thread it accepts no job or timer: other threads' submits
+ * wait for it. A failed init leaves the pool as it was (a lazy one is tried
+ * again by the next call: a submit that waited tries it itself), having
+ * accepted and cancelled nothing. Allowed again after keel_sched_shutdown.
+ * Allocates; creates threads. */
 KEEL_API int keel_sched_init(const keel_sched_config_t *cfg);
 
 /* Queues a job: 0; KEEL_EINVAL (job or job->fn NULL); KEEL_EBUSY (already
- * queued, timed or taken); KEEL_ESHUTDOWN (after shutdown; the caller keeps
- * the job). Never blocks or allocates; lock-free, any thread. */
+ * queued, timed or taken); KEEL_ESHUTDOWN (after shutdown); on any error the
+ * caller keeps the job. Never blocks or allocates; lock-free, any thread;
+ * except before the pool has started, when it starts it or waits for an
+ * init in progress, and fails as that init does (KEEL_ENOMEM, KEEL_EAGAIN;
+ * KEEL_EDEADLK in the thread running it). */
 KEEL_API int keel_sched_submit(keel_job_t *job);
 
 /* Runs fn(arg) on a worker: malloc's a small job, freed before fn runs or

@@ -9,8 +9,10 @@
  * will be gone holds one at the fork; the parent releases them; the child
  * resets the pool (sched.h says what the child gets):
  *  - RUNNING becomes UNINIT (the child's first call starts its own pool,
- *    with the parent's configuration), STOPPING becomes SHUTDOWN (submits
- *    were already failing), UNINIT and SHUTDOWN stay;
+ *    with the parent's configuration), and so does STARTING (an init in
+ *    another thread was creating threads, with that configuration, and had
+ *    accepted nothing); STOPPING becomes SHUTDOWN (submits were already
+ *    failing), UNINIT and SHUTDOWN stay;
  *  - queues, levels, worker lists, the producer registry and the
  *    statistics start empty; the parent's worker structs are freed, but for
  *    the forking thread's own if it is a worker (the job that forked is on
@@ -22,10 +24,10 @@
  *    neither run nor cancelled, and keep the state they had.
  * life_lock is not taken in prepare: a shutdown holds it while it waits for
  * jobs to end, and a job may fork. The child initialises it afresh, unless
- * the forking thread holds it (a fork from an on_cancel that init or
- * shutdown runs): that call then finishes on the child's empty pool, its
- * remaining notices being the parent's (fork_gen stops them), and releases
- * it as usual.
+ * the forking thread holds it (a fork from an on_cancel that shutdown
+ * runs; init runs none, nor any other code of the caller's): that call
+ * then finishes on the child's empty pool, its remaining notices being the
+ * parent's (fork_gen stops them), and releases it as usual.
  */
 #include "sched/sched_int.h"
 
@@ -115,9 +117,12 @@ static void fork_child(void) {
   atomic_store(&s->nspinning, 0);
   s->last_spawn_ns = 0;
   int st = atomic_load(&s->state);
-  if (st == SCHED_RUNNING) s->cfg_inherited = true;
-  if (st == SCHED_RUNNING || st == SCHED_STOPPING)
-    atomic_store(&s->state, st == SCHED_RUNNING ? SCHED_UNINIT : SCHED_SHUTDOWN);
+  if (st == SCHED_RUNNING || st == SCHED_STARTING) {
+    s->cfg_inherited = true;
+    atomic_store(&s->state, SCHED_UNINIT);
+  } else if (st == SCHED_STOPPING) {
+    atomic_store(&s->state, SCHED_SHUTDOWN);
+  }
   s->fork_gen++;
   _keel_sched_self = NULL; /* a job that forked may use the child's pool */
   pthread_mutex_unlock(&s->lock);

@@ -1,11 +1,16 @@
 /* The pool's life: init, shutdown, cancel, clients and statistics.
  *
- * States: UNINIT -> RUNNING (init, explicit or lazy) -> STOPPING (shutdown
- * started: submits fail) -> SHUTDOWN (every worker joined) -> RUNNING (a new
- * init); an init that cannot create its threads goes back to the state it
- * started from. init and shutdown are serialised by life_lock. Counters are never
- * reset (a producer can be between its count and its gate check at any
- * time), so statistics count since the process started.
+ * States: UNINIT -> STARTING (init, explicit or lazy, creating its threads)
+ * -> RUNNING -> STOPPING (shutdown started: submits fail) -> SHUTDOWN (every
+ * worker joined) -> STARTING (a new init). STARTING accepts no job or timer:
+ * a submit or keel_sched_after that sees it waits for the init on life_lock.
+ * So an init that cannot create its threads has nothing to cancel, and goes
+ * from STARTING straight back to the state it started from; a submit racing
+ * it never sees STOPPING (KEEL_ESHUTDOWN, though nobody shut the pool down)
+ * and then tries the lazy init itself. init and shutdown are serialised by
+ * life_lock. Counters are never reset (a producer can be between its count
+ * and its gate check at any time), so statistics count since the process
+ * started.
  */
 #define _GNU_SOURCE
 #include <sched.h>
@@ -92,18 +97,27 @@ static void reset(const keel_sched_config_t *cfg) {
   s->ncpu = _keel_os_ncpu();
 }
 
-static void stop(int how);
-
 /* Set while this thread holds life_lock (init, lazy or not, and shutdown):
- * an on_cancel callback that either runs (a shutdown's, or a failed init's
- * stop() cancelling timers armed meanwhile) and that calls init or
- * shutdown would otherwise wait on life_lock, which its own thread holds. */
+ * an on_cancel callback that a shutdown runs, or a call from the init
+ * thread while it creates threads (a test's creation hook), would otherwise
+ * wait on life_lock, which its own thread holds. */
 static __thread bool in_life;
 
-/* Starts the pool; caller holds life_lock. A failure leaves the state as
- * it found it (UNINIT or SHUTDOWN) once stop() has undone the start: a
- * thread that could not be created is no shutdown, and from UNINIT the next
- * submit, after or stats tries the lazy init again. */
+/* Undoes a start whose threads could not all be created; caller holds
+ * life_lock. The state goes back to what init found (UNINIT: the next
+ * submit, after or stats tries the lazy init again; SHUTDOWN: submits keep
+ * failing, as they did before this init) before the workers are told to
+ * exit: a worker that sees either state while alive leaves (park.c). No
+ * STOPPING is published, no gate closed and nothing cancelled: STARTING
+ * accepted nothing. The monitor, created last, does not exist here. */
+static void unstart(int st) {
+  atomic_store(&_keel_sched.state, st);
+  _keel_sched_wake_all(); /* after the store: see _keel_sched_park */
+  _keel_sched_join_workers();
+}
+
+/* Starts the pool; caller holds life_lock. A failure leaves the state as it
+ * found it (unstart): a thread that could not be created is no shutdown. */
 static int init_locked(const keel_sched_config_t *user) {
   sched_t *s = &_keel_sched;
   int st = atomic_load(&s->state);
@@ -118,15 +132,18 @@ static int init_locked(const keel_sched_config_t *user) {
     return KEEL_EINVAL;
   reset(&cfg);
   _keel_sched_gate_init();
-  atomic_store(&s->state, SCHED_RUNNING);
+  atomic_store(&s->state, SCHED_STARTING);
   int rc = 0;
   for (unsigned i = 0; i < cfg.min_threads && rc == 0; i++) rc = _keel_sched_spawn();
   if (rc == 0) rc = _keel_sched_monitor_start();
   if (rc != 0) {
-    stop(KEEL_SCHED_CANCEL);
-    atomic_store(&s->state, st);
+    unstart(st);
+    return rc;
   }
-  return rc;
+  /* Every worker is listed and started: RUNNING implies a timer owner for
+   * keel_sched_after (retiring keeps min started). */
+  atomic_store(&s->state, SCHED_RUNNING);
+  return 0;
 }
 
 int keel_sched_init(const keel_sched_config_t *cfg) {
@@ -140,8 +157,9 @@ int keel_sched_init(const keel_sched_config_t *cfg) {
   return rc;
 }
 
-/* The submitting thread may run other threads' on_cancel callbacks here
- * (timers armed on the pool while it started), hence in_life as in init. */
+/* Starts the pool, or waits for an init in progress (STARTING), on first
+ * use. Under life_lock the state is never STARTING or STOPPING: those last
+ * only while another thread holds it. */
 int _keel_sched_lazy_init(void) {
   sched_t *s = &_keel_sched;
   if (in_life) return KEEL_EDEADLK;

@@ -179,7 +179,11 @@ static uint64_t park_deadline(sched_worker_t *w, bool stopping) {
 /* Called with nothing to do. Returns false when the worker must exit. */
 bool _keel_sched_park(sched_worker_t *w) {
   sched_t *s = &_keel_sched;
-  bool stopping = atomic_load(&s->state) == SCHED_STOPPING;
+  int st = atomic_load(&s->state);
+  /* Seen by a live worker only when an init that could not create all its
+   * threads undoes its start, having accepted nothing (lifecycle.c). */
+  if (st == SCHED_UNINIT || st == SCHED_SHUTDOWN) return false;
+  bool stopping = st == SCHED_STOPPING;
   /* Work left for a cancelling shutdown to collect is not w's to take. */
   bool cancelling = stopping && keel_load_relaxed(&s->how) == KEEL_SCHED_CANCEL;
   if (stopping && atomic_load(&s->gate_closed)) {
@@ -193,10 +197,11 @@ bool _keel_sched_park(sched_worker_t *w) {
   }
   park_push(w);
   uint64_t deadline = park_deadline(w, stopping);
-  /* A shutdown that began after the load above either found w on the idle
-   * stack (its wake_all takes idle_lock after storing STOPPING) or is seen
-   * here; without this re-check w could sleep through it forever. */
-  bool changed = !stopping && atomic_load(&s->state) != SCHED_RUNNING;
+  /* A shutdown (or a failed init's undo) that began after the load above
+   * either found w on the idle stack (its wake_all takes idle_lock after
+   * storing the state) or is seen here; without this re-check w could
+   * sleep through it forever. STOPPING lasts while workers live. */
+  bool changed = atomic_load(&s->state) != st;
   if (changed || (!cancelling && _keel_sched_work_visible())) {
     park_pop(w);
     return true;

@@ -46,7 +46,10 @@
 
 enum { JOB_IDLE, JOB_QUEUED, JOB_LOCAL, JOB_TIMER, JOB_TAKEN, JOB_CANCELLING };
 enum { PRIO_HIGH, PRIO_NORMAL, PRIO_LOW, PRIO_COUNT };
-enum { SCHED_UNINIT, SCHED_RUNNING, SCHED_STOPPING, SCHED_SHUTDOWN };
+/* Pool states (lifecycle.c). STARTING: an init is creating its threads and
+ * accepts nothing yet (submits wait for it on life_lock), so one that fails
+ * has nothing to cancel and goes straight back to the state it found. */
+enum { SCHED_UNINIT, SCHED_STARTING, SCHED_RUNNING, SCHED_STOPPING, SCHED_SHUTDOWN };
 
 /* A fairness domain. Invariant (dispatch mutex): in_ring[p] iff on level
  * p's ring; on it iff it has jobs of level p waiting (q[p] non-empty), except

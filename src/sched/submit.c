@@ -44,9 +44,11 @@ KEEL_NOINLINE void _keel_sched_kick(void) {
     _keel_sched_poke();
 }
 
+/* Not RUNNING: the lazy init starts the pool, or waits for the init in
+ * progress (STARTING) and starts it itself if that one failed. */
 static KEEL_NOINLINE int submit_slow(keel_job_t *job) {
   int st = atomic_load(&_keel_sched.state);
-  if (st == SCHED_UNINIT) {
+  if (st == SCHED_UNINIT || st == SCHED_STARTING) {
     int rc = _keel_sched_lazy_init();
     if (rc != 0 && rc != KEEL_EBUSY) return rc;
     return keel_sched_submit(job);

@@ -181,12 +181,10 @@ int _keel_sched_timer_cancel(keel_job_t *job) {
 }
 
 /* The worker whose heap takes a new timer, or NULL if sched.workers is
- * empty. It can be while RUNNING: init publishes RUNNING before its first
- * spawn puts a worker on the list, and a spawn whose pthread_create fails
- * takes its worker off again before init's stop() leaves RUNNING. Storing
- * RUNNING after the first spawn would not close the second window (nor could
- * that spawn pass __may_spawn, which wants RUNNING), so the empty list is
- * handled here, where it is read, and keel_sched_after waits for the init. */
+ * empty, which it never is while RUNNING: init publishes RUNNING only once
+ * its min >= 1 workers are listed and started (they spawn in STARTING, when
+ * keel_sched_after waits for the init instead of arming), and a worker
+ * retires only while more than min have started. */
 static sched_worker_t *timer_owner(void) {
   sched_t *s = &_keel_sched;
   if (_keel_sched_self != NULL) return _keel_sched_self;
@@ -206,7 +204,8 @@ static int arm(keel_job_t *job, uint64_t deadline, sched_worker_t **owner, bool 
                                    __ATOMIC_ACQUIRE))
     return KEEL_EBUSY;
   sched_worker_t *w = timer_owner();
-  if (w == NULL) {
+  KEEL_ASSERT(w != NULL);
+  if (keel_unlikely(w == NULL)) {
     _keel_job_set_state(job, JOB_IDLE); /* not armed: still the caller's */
     return KEEL_EAGAIN;
   }
@@ -233,7 +232,8 @@ int keel_sched_after(keel_job_t *job, uint64_t ms) {
   if (job == NULL || job->fn == NULL) return KEEL_EINVAL;
   if (ms == 0) return keel_sched_submit(job);
   _keel_sched_atfork_once(); /* before life_lock (a lazy init) and sched.lock */
-  if (atomic_load(&_keel_sched.state) == SCHED_UNINIT) {
+  int st = atomic_load(&_keel_sched.state);
+  if (st == SCHED_UNINIT || st == SCHED_STARTING) { /* start it, or wait for its init */
     int rc = _keel_sched_lazy_init();
     if (rc != 0 && rc != KEEL_EBUSY) return rc;
   }
@@ -245,29 +245,12 @@ int keel_sched_after(keel_job_t *job, uint64_t ms) {
   uint64_t deadline = keel_clock_ns() + ms * 1000000u;
   sched_worker_t *w = NULL;
   bool earliest = false;
-  int rc;
-  bool life = false;
   pthread_mutex_lock(&_keel_sched.lock);
-  rc = arm(job, deadline, &w, &earliest);
-  if (rc == KEEL_EAGAIN && !_keel_sched_in_life()) {
-    /* RUNNING with no worker listed: only while an init, which holds
-     * life_lock, is between its state store and its first spawn, or about
-     * to stop after a failed one. Arm again under life_lock, once no init
-     * is in progress: then an empty list would be a pool below min (which
-     * try_retire prevents), so KEEL_EAGAIN rather than a spin. The init
-     * thread itself (a hook or on_cancel it runs) cannot wait for itself
-     * and gets KEEL_EAGAIN at once. */
-    pthread_mutex_unlock(&_keel_sched.lock);
-    pthread_mutex_lock(&_keel_sched.life_lock);
-    life = true;
-    pthread_mutex_lock(&_keel_sched.lock);
-    rc = arm(job, deadline, &w, &earliest);
-  }
+  int rc = arm(job, deadline, &w, &earliest);
   /* Under the lock: once it is released, w may retire (handing the timer
    * on) and be freed. */
   if (rc == 0 && earliest && w != _keel_sched_self) _keel_sched_kick_worker(w);
   pthread_mutex_unlock(&_keel_sched.lock);
-  if (life) pthread_mutex_unlock(&_keel_sched.life_lock);
   if (rc != 0) return rc;
   /* Should the owner's job run long, the monitor is the one who fires this
    * timer on time, so it must not sleep without deadline. The owner is

@@ -199,16 +199,17 @@ void _keel_sched_worker_free(sched_worker_t *w) {
   free(w);
 }
 
-/* Whether a new worker may start; caller holds sched.lock. While draining,
- * only until nothing is pending: after the gate closed, pending never grows
- * again, and workers exit only once they see it at 0 (under sched.lock), so
- * a worker added here is on sched.workers before shutdown's join loop can
- * find that list empty, and none is added after. */
+/* Whether a new worker may start; caller holds sched.lock. While starting
+ * (init's spawns; the monitor, created last, grows only a RUNNING pool) and
+ * running; while draining, only until nothing is pending: after the gate
+ * closed, pending never grows again, and workers exit only once they see it
+ * at 0 (under sched.lock), so a worker added here is on sched.workers before
+ * shutdown's join loop can find that list empty, and none is added after. */
 static bool __may_spawn(void) {
   sched_t *s = &_keel_sched;
   if (keel_load_relaxed(&s->nthreads) >= (int)s->cfg.max_threads) return false;
   int st = atomic_load(&s->state);
-  if (st == SCHED_RUNNING) return true;
+  if (st == SCHED_RUNNING || st == SCHED_STARTING) return true;
   if (st != SCHED_STOPPING || keel_load_relaxed(&s->how) != KEEL_SCHED_DRAIN) return false;
   return !atomic_load(&s->gate_closed) || _keel_sched_pending() > 0;
 }

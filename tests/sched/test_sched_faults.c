@@ -301,26 +301,27 @@ static void lazy_init_retried(void) {
   KT_EQ(keel_sched_shutdown(KEEL_SCHED_DRAIN), 0);
 }
 
-/* Review bug 3: init publishes RUNNING before it creates its threads, so a
- * timer can be armed meanwhile; when a creation then fails, init's stop()
- * cancels that timer and runs its on_cancel in the init thread, which holds
- * life_lock. An on_cancel calling keel_sched_shutdown or keel_sched_init
- * deadlocked there instead of getting KEEL_EDEADLK (in_life was set by
- * shutdown only). Here the hook arms the timer just before the failure. */
-static keel_job_t life_timer;
-static atomic_int life_rc, life_calls_init;
+/* Review bug 3: init published RUNNING before it created its threads, so a
+ * timer could be armed meanwhile; when a creation then failed, init's stop()
+ * cancelled that timer and ran its on_cancel in the init thread, which
+ * holds life_lock, and an on_cancel calling keel_sched_shutdown or
+ * keel_sched_init deadlocked there instead of getting KEEL_EDEADLK. Since
+ * review bug E (failed_init_is_no_shutdown) an init accepts nothing until
+ * its threads exist, so a failed one runs no on_cancel at all; what is left
+ * to pin is the init thread itself calling keel while it creates threads
+ * (here from the creation hook): KEEL_EDEADLK at once, not a wait for
+ * itself, and nothing accepted. */
+static keel_job_t life_timer, life_job;
+static atomic_int life_after_rc, life_submit_rc, life_init_rc, life_shutdown_rc;
 
-static void life_cancel(keel_job_t *j) {
-  (void)j;
-  atomic_store(&life_rc, atomic_load(&life_calls_init) ? keel_sched_init(NULL)
-                                                       : keel_sched_shutdown(KEEL_SCHED_CANCEL));
-}
-
-static int arm_then_fail_second(void) {
+static int call_then_fail_second(void) {
   if (atomic_fetch_add(&creates, 1) + 1 != 2) return 0;
   keel_job_init(&life_timer, tjob_fn, 0);
-  life_timer.on_cancel = life_cancel;
-  KT_EQ(keel_sched_after(&life_timer, 600000), 0);
+  keel_job_init(&life_job, tjob_fn, 0);
+  atomic_store(&life_after_rc, keel_sched_after(&life_timer, 600000));
+  atomic_store(&life_submit_rc, keel_sched_submit(&life_job));
+  atomic_store(&life_init_rc, keel_sched_init(NULL));
+  atomic_store(&life_shutdown_rc, keel_sched_shutdown(KEEL_SCHED_CANCEL));
   return EAGAIN;
 }
 
@@ -328,17 +329,114 @@ static void on_cancel_of_failed_init(void) {
   keel_sched_config_t cfg = {2, 2, 1000, 20};
   for (int lazy = 0; lazy < 2; lazy++) {
     uninit();
-    atomic_store(&life_rc, 1);
-    atomic_store(&life_calls_init, lazy);
     atomic_store(&creates, 0);
-    __atomic_store_n(&_keel_sched_create_hook, arm_then_fail_second, __ATOMIC_RELEASE);
+    __atomic_store_n(&_keel_sched_create_hook, call_then_fail_second, __ATOMIC_RELEASE);
     tjob_t t;
     tjob_init(&t, 0);
     KT_EQ(lazy ? keel_sched_submit(&t.job) : keel_sched_init(&cfg), KEEL_EAGAIN);
     creations_ok();
-    KT_EQ(atomic_load(&life_rc), KEEL_EDEADLK);
+    KT_EQ(atomic_load(&life_after_rc), KEEL_EDEADLK);
+    KT_EQ(atomic_load(&life_submit_rc), KEEL_EDEADLK);
+    KT_EQ(atomic_load(&life_init_rc), KEEL_EDEADLK);
+    KT_EQ(atomic_load(&life_shutdown_rc), KEEL_EDEADLK);
+    KT_EQ(atomic_load(&_keel_sched.state), SCHED_UNINIT);
+    KT_EQ(_keel_job_state(&life_timer), JOB_IDLE); /* still the caller's */
+    KT_EQ(_keel_job_state(&life_job), JOB_IDLE);
   }
   KT_EQ(keel_sched_init(&cfg), 0); /* nothing left held */
+  KT_EQ(keel_sched_shutdown(KEEL_SCHED_DRAIN), 0);
+}
+
+/* Third review, bug E (repro e_failed_init_eshutdown): a failed lazy init
+ * that nobody shut down made a concurrent submit fail with KEEL_ESHUTDOWN
+ * (it read STOPPING, which init's stop() published while undoing the
+ * start), and jobs accepted while init was creating its threads (the state
+ * was RUNNING from its start) were then cancelled. The first creation
+ * fails here. From the creation hook the init thread submits K, lets B
+ * submit and waits until B has returned or sleeps on life_lock; K's
+ * on_cancel, should a failed init cancel K, lets C submit during the undo.
+ * Neither may be told KEEL_ESHUTDOWN; a job accepted must run, not be
+ * cancelled; one refused stays the caller's. B, waiting for the failed
+ * init, then starts the pool itself. */
+typedef struct racer {
+  tjob_t t;
+  atomic_int go, done, rc;
+  pthread_t thread;
+} racer_t;
+static racer_t racer_b, racer_c;
+static tjob_t init_k;
+static atomic_int init_k_rc;
+
+static void *racer_main(void *a) {
+  racer_t *r = a;
+  if (kt_wait_for(flag_set, &r->go, 30)) atomic_store(&r->rc, keel_sched_submit(&r->t.job));
+  atomic_store(&r->done, 1);
+  return NULL;
+}
+
+/* Someone sleeps on life_lock: glibc's lock word of a normal mutex is 2
+ * once a waiter has gone to sleep (it is 1 while merely held). */
+static bool life_lock_waited_on(void) {
+  return __atomic_load_n(&_keel_sched.life_lock.__data.__lock, __ATOMIC_RELAXED) == 2;
+}
+
+static void init_k_cancel(keel_job_t *j) { /* runs only if the failed init cancels K */
+  tjob_cancel(j);
+  atomic_store(&racer_c.go, 1);
+  kt_wait_for(flag_set, &racer_c.done, 10);
+}
+
+static int submit_then_fail_first(void) {
+  if (atomic_fetch_add(&creates, 1) != 0) return 0;
+  tjob_init(&init_k, 0);
+  init_k.job.on_cancel = init_k_cancel;
+  atomic_store(&init_k_rc, keel_sched_submit(&init_k.job));
+  atomic_store(&racer_b.go, 1);
+  double end = kt_now() + 10;
+  while (!atomic_load(&racer_b.done) && !life_lock_waited_on() && kt_now() < end) kt_sleep_ms(0.2);
+  return EAGAIN;
+}
+
+static bool settled(void *a) {
+  tjob_t *t = a;
+  return atomic_load(&t->runs) + atomic_load(&t->cancels) > 0;
+}
+
+/* A job whose submit returned rc: run once and never cancelled if accepted,
+ * untouched if not. */
+static void check_owner(tjob_t *t, int rc) {
+  if (rc == 0) KT_CHECK(kt_wait_for(settled, t, 10));
+  KT_EQ(atomic_load(&t->runs), rc == 0);
+  KT_EQ(atomic_load(&t->cancels), 0);
+}
+
+static void failed_init_is_no_shutdown(void) {
+  uninit();
+  racer_t *racers[] = {&racer_b, &racer_c};
+  for (int i = 0; i < 2; i++) {
+    racer_t *r = racers[i];
+    tjob_init(&r->t, 0);
+    atomic_store(&r->go, 0);
+    atomic_store(&r->done, 0);
+    atomic_store(&r->rc, 1);
+    KT_REQUIRE(pthread_create(&r->thread, NULL, racer_main, r) == 0);
+  }
+  atomic_store(&init_k_rc, 1);
+  atomic_store(&creates, 0);
+  __atomic_store_n(&_keel_sched_create_hook, submit_then_fail_first, __ATOMIC_RELEASE);
+  tjob_t first;
+  tjob_init(&first, 0);
+  KT_EQ(keel_sched_submit(&first.job), KEEL_EAGAIN); /* its own init failed */
+  atomic_store(&racer_c.go, 1);
+  for (int i = 0; i < 2; i++) pthread_join(racers[i]->thread, NULL);
+  creations_ok();
+  KT_EQ(atomic_load(&init_k_rc), KEEL_EDEADLK); /* the init thread, waiting for itself */
+  KT_EQ(atomic_load(&racer_b.rc), 0);           /* B's own init, after the failed one */
+  KT_EQ(atomic_load(&racer_c.rc), 0);
+  check_owner(&init_k, atomic_load(&init_k_rc));
+  check_owner(&racer_b.t, atomic_load(&racer_b.rc));
+  check_owner(&racer_c.t, atomic_load(&racer_c.rc));
+  check_owner(&first, KEEL_EAGAIN);
   KT_EQ(keel_sched_shutdown(KEEL_SCHED_DRAIN), 0);
 }
 
@@ -458,5 +556,6 @@ static void after_from_outside_pokes(void) {
 }
 
 KT_MAIN(KT_CASE(past_deadline_retires), KT_CASE(no_retire_below_min), KT_CASE(lazy_init_retried),
-        KT_CASE(on_cancel_of_failed_init), KT_CASE(destroy_from_fired_job),
-        KT_CASE(batch_of_one_wakes_when_monitor_naps), KT_CASE(after_from_outside_pokes))
+        KT_CASE(on_cancel_of_failed_init), KT_CASE(failed_init_is_no_shutdown),
+        KT_CASE(destroy_from_fired_job), KT_CASE(batch_of_one_wakes_when_monitor_naps),
+        KT_CASE(after_from_outside_pokes))
