@@ -47,7 +47,9 @@
  * parent's jobs, queued, timed or running, stay the parent's: their copies
  * in the child are never run or cancelled (do not submit, cancel or wait
  * for them there). Clients are the child's to use and destroy. A child
- * forked inside a job ends when that job returns (exec or _exit first).
+ * forked inside a job ends when that job returns, and one forked inside an
+ * on_cancel on keel's monitor thread when that returns (exec or _exit
+ * first); the child delivers none of the parent's other notices.
  */
 #ifndef KEEL_SCHED_H
 #define KEEL_SCHED_H
@@ -138,7 +140,9 @@ KEEL_API int keel_sched_run(void (*fn)(void *arg), void *arg, unsigned flags);
 /* Submits the job after `ms` milliseconds (never earlier; ms 0 submits now).
  * The timer lives in the heap of the calling worker, or of a worker picked
  * round-robin. Takes a mutex; may allocate to grow that heap (KEEL_ENOMEM).
- * Same errors as keel_sched_submit. */
+ * Same errors as keel_sched_submit. Should the picked worker's thread fail
+ * to start and no other worker have memory to take the timer, it is
+ * cancelled with notice on keel's monitor thread. */
 KEEL_API int keel_sched_after(keel_job_t *job, uint64_t ms);
 
 /* Cancels a queued or timed job: its on_cancel runs in the calling thread

@@ -203,9 +203,10 @@ void _keel_sched_notify_cancel(keel_job_t *job) {
   if (cb != NULL) cb(job);
 }
 
-/* Stops if this thread forks from an on_cancel: in the child, the rest of
+/* Notifies every job on `list` (CANCELLING, linked through _l), in order.
+ * Stops if this thread forks from an on_cancel: in the child, the rest of
  * `list` are the parent's jobs (fork.c). */
-static void notify_all(struct cds_list_head *list) {
+void _keel_sched_notify_all(struct cds_list_head *list) {
   unsigned gen = _keel_sched.fork_gen;
   while (!cds_list_empty(list) && _keel_sched.fork_gen == gen) {
     struct cds_list_head *l = list->next;
@@ -259,7 +260,7 @@ static void stop(int how) {
   _keel_sched_gate_close();         /* no submit is half done after this */
   atomic_store(&s->gate_closed, 1); /* release: the counts are final */
   if (how == KEEL_SCHED_CANCEL) collect_queued(&notices);
-  notify_all(&notices); /* outside the lock: callbacks may call keel */
+  _keel_sched_notify_all(&notices); /* outside the lock: callbacks may call keel */
   /* A drain keeps the monitor, which grows the pool while queued jobs wait
    * behind blocked workers (it may sleep with work waiting: poke it). */
   if (how == KEEL_SCHED_CANCEL)

@@ -153,11 +153,17 @@ static bool go_inf(void) {
 static void *monitor_main(void *arg) {
   (void)arg;
   sched_t *s = &_keel_sched;
+  unsigned gen = s->fork_gen; /* written only in a fork child, before it has threads */
   for (;;) {
     if (atomic_load(&s->mon_mode) == MON_EXIT) break;
     _keel_sched_join_zombies();
     uint64_t now = keel_clock_ns();
     uint64_t wait = tick(now);
+    /* An on_cancel that tick's spawn ran (timers of a worker that could not
+     * be created) forked, and this is the child: this thread is no monitor
+     * of the child's pool (that one, if the child starts a pool, is a new
+     * thread), so it ends, as a worker whose job forked does (worker.c). */
+    if (keel_unlikely(s->fork_gen != gen)) return NULL;
     if (wait == UINT64_MAX && now - s->mon_busy_ns < MON_LINGER_NS) wait = MON_TICK_NS;
     if (wait == UINT64_MAX) {
       if (go_inf()) keel_futex_wait_until(&s->mon_mode, MON_INF, UINT64_MAX);

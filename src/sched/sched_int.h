@@ -179,7 +179,8 @@ typedef struct sched {
   keel_atomic(int64_t) cancelled[PRIO_COUNT]; /* notices, by priority */
   keel_sched_config_t cfg;
   bool cfg_inherited; /* a fork child's: its lazy init uses cfg, not the defaults */
-  unsigned fork_gen;  /* forks this process is the child of (fork.c; read by notify_all) */
+  unsigned fork_gen;  /* forks this process is the child of (fork.c; read by notify_all
+                       * and the monitor) */
   int ncpu;
   /* Parked workers, LIFO so the coldest ones time out and retire. */
   pthread_mutex_t idle_lock KEEL_CACHE_ALIGNED;
@@ -257,6 +258,7 @@ void _keel_sched_reset_queues(void) KEEL_HIDDEN;
 bool _keel_sched_in_life(void) KEEL_HIDDEN; /* this thread holds life_lock */
 int64_t _keel_sched_pending(void) KEEL_HIDDEN;
 void _keel_sched_notify_cancel(keel_job_t *job) KEEL_HIDDEN;
+void _keel_sched_notify_all(struct cds_list_head *list) KEEL_HIDDEN;
 
 /* Producer side (submit.c). */
 void _keel_sched_enqueue(keel_job_t *job, bool fast, unsigned shard) KEEL_HIDDEN;

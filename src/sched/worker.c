@@ -217,7 +217,9 @@ static bool __may_spawn(void) {
 /* A worker whose thread could not be created, already off sched.workers,
  * may own timers (keel_sched_after picks owners from that list): they go to
  * a started worker, or, with none (or no memory), onto `out` to be cancelled
- * with notice once the caller releases sched.lock, which it holds. */
+ * with notice once the caller releases sched.lock, which it holds. While
+ * RUNNING a started worker always exists (STARTING arms no timer), so only
+ * a failed hand-over (ENOMEM) gets here on the monitor's spawns. */
 static void __orphan_timers(sched_worker_t *w, struct cds_list_head *out) {
   if (atomic_load(&w->next_deadline) == UINT64_MAX) return;
   sched_worker_t *h;
@@ -271,12 +273,11 @@ int _keel_sched_spawn(void) {
   }
   pthread_mutex_unlock(&s->lock);
   if (rc != 0) {
-    while (!cds_list_empty(&orphans)) {
-      struct cds_list_head *l = orphans.next;
-      cds_list_del(l);
-      _keel_sched_notify_cancel(_keel_link_job(l));
-    }
-    _keel_sched_worker_free(w);
+    /* An on_cancel may fork: in the child the rest are the parent's timers,
+     * never notified there (review repro b_fork_orphans: the child ran the
+     * parent's callbacks, then failed stop()'s pending == 0 assertion). */
+    _keel_sched_notify_all(&orphans);
+    _keel_sched_worker_free(w); /* in a child, its copy: on no list there */
   }
   return -rc;
 }
