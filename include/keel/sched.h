@@ -48,8 +48,11 @@
  * in the child are never run or cancelled (do not submit, cancel or wait
  * for them there). Clients are the child's to use and destroy. A child
  * forked inside a job ends when that job returns, and one forked inside an
- * on_cancel on keel's monitor thread when that returns (exec or _exit
- * first); the child delivers none of the parent's other notices.
+ * on_cancel on keel's monitor thread when that returns (it delivers none of
+ * the parent's other notices): its own pool, if it started one, is shut
+ * down with KEEL_SCHED_DRAIN, then the thread that ran the callback calls
+ * exit(0), so atexit handlers run and any thread of the child's own ends
+ * too. To end otherwise, exec or _exit before returning.
  */
 #ifndef KEEL_SCHED_H
 #define KEEL_SCHED_H

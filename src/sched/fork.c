@@ -16,7 +16,7 @@
  *  - queues, levels, worker lists, the producer registry and the
  *    statistics start empty; the parent's worker structs are freed, but for
  *    the forking thread's own if it is a worker (the job that forked is on
- *    its stack, and that thread ends when the job returns: see worker.c);
+ *    its stack; the child ends when that job returns: _keel_sched_forked_exit);
  *  - clients that held the parent's jobs (on a level's ring, owning a timer,
  *    or with a fired timer on its way) are emptied, so the child can use and
  *    destroy them; a client job behind a half-linked enqueue stays counted;
@@ -29,6 +29,8 @@
  * then finishes on the child's empty pool, its remaining notices being the
  * parent's (fork_gen stops them), and releases it as usual.
  */
+#include <stdlib.h>
+
 #include "sched/sched_int.h"
 
 #define DEFAULT_CLIENT (&_keel_sched_default_client)
@@ -127,6 +129,20 @@ static void fork_child(void) {
   _keel_sched_self = NULL; /* a job that forked may use the child's pool */
   pthread_mutex_unlock(&s->lock);
   if (!_keel_sched_in_life()) pthread_mutex_init(&s->life_lock, NULL);
+}
+
+/* The child's end, in its copy of a worker whose job forked (once that job
+ * has returned) or of the monitor whose on_cancel did. That thread's start
+ * routine is a copy of the parent's loop with nothing of the child's left
+ * to do; returning from it ended the child only if it was the child's last
+ * thread, and a pool the child had started kept it alive for good (review
+ * repro g_child_lingers). So the child's own pool, if any, drains and is
+ * joined (this thread is none of its workers and holds no life_lock: no
+ * KEEL_EDEADLK), then exit(0), which glibc also calls when a process's last
+ * thread returns: atexit handlers run, as sched.h says. */
+void _keel_sched_forked_exit(void) {
+  keel_sched_shutdown(KEEL_SCHED_DRAIN);
+  exit(0);
 }
 
 static void fork_handlers(void) {

@@ -162,8 +162,8 @@ static void *monitor_main(void *arg) {
     /* An on_cancel that tick's spawn ran (timers of a worker that could not
      * be created) forked, and this is the child: this thread is no monitor
      * of the child's pool (that one, if the child starts a pool, is a new
-     * thread), so it ends, as a worker whose job forked does (worker.c). */
-    if (keel_unlikely(s->fork_gen != gen)) return NULL;
+     * thread), so it ends the child, as a worker whose job forked does. */
+    if (keel_unlikely(s->fork_gen != gen)) _keel_sched_forked_exit();
     if (wait == UINT64_MAX && now - s->mon_busy_ns < MON_LINGER_NS) wait = MON_TICK_NS;
     if (wait == UINT64_MAX) {
       if (go_inf()) keel_futex_wait_until(&s->mon_mode, MON_INF, UINT64_MAX);

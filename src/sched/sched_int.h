@@ -283,6 +283,9 @@ void _keel_sched_gate_atfork_prepare(void) KEEL_HIDDEN;
 void _keel_sched_gate_atfork_parent(void) KEEL_HIDDEN;
 void _keel_sched_gate_atfork_child(void) KEEL_HIDDEN;
 void _keel_sched_atfork_once(void) KEEL_HIDDEN; /* registers fork.c's handlers */
+/* Ends a fork child in the thread that was the parent's worker or monitor
+ * (fork.c). */
+KEEL_NORETURN void _keel_sched_forked_exit(void) KEEL_HIDDEN;
 
 /* Opens the gate for one submit: 0, or KEEL_EAGAIN (no exit hook). */
 KEEL_INLINE int _keel_sched_gate_enter(sched_producer_t *me) {

@@ -53,7 +53,8 @@ static void run_one(sched_worker_t *w, keel_job_t *job) {
  * if it will run (what keel_sched_cancel's KEEL_EBUSY tells its caller).
  * False if a job forked and this is the child (fork.c cleared
  * _keel_sched_self): the rest of the batch is the parent's to run, and this
- * thread, no worker of the child's pool, ends (one TLS load per job). */
+ * thread, no worker of the child's pool, ends the child (one TLS load per
+ * job). */
 static bool run_batch(sched_worker_t *w, unsigned n) {
   for (unsigned i = 0; i < n; i++) {
     run_one(w, w->batch[i]);
@@ -170,7 +171,10 @@ static void *worker_main(void *arg) {
       if (keel_unlikely(keel_load_relaxed(&w->next_deadline) != UINT64_MAX) &&
           keel_load_relaxed(&s->mon_mode) == MON_INF)
         _keel_sched_poke();
-      if (!run_batch(w, n)) return NULL;
+      if (keel_unlikely(!run_batch(w, n))) {
+        _keel_sched_worker_free(w); /* the parent's, kept for the job (fork.c) */
+        _keel_sched_forked_exit();
+      }
       continue;
     }
     if (stuck) {
