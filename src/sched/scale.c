@@ -129,11 +129,50 @@ static uint64_t tick(uint64_t now) {
   return UINT64_MAX;
 }
 
-/* Goes to MON_INF unless exiting; false if a poke is due after all (a
- * producer that read MON_TICK skipped its poke: the seq_cst store here and
- * its append are ordered, so one of us sees the other). */
+void (*_keel_sched_sleep_hook)(void);
+
+/* Whether a worker that owns timers is not parked; caller holds sched.lock.
+ * keel_sched_after arms and a retiring worker hands timers on under that
+ * lock, and only the owner itself (firing its last one) empties a heap
+ * without it, so a deadline read here as none cannot hide a new timer. An
+ * owner seen parked takes sched.lock for its next batch (take) after the
+ * caller releases it, so it then reads the caller's MON_INF and pokes.
+ * `parked` is idle_lock's: one take of it per owner, none in a pool
+ * without timers. */
+static bool __awake_timer_owner(void) {
+  sched_t *s = &_keel_sched;
+  sched_worker_t *w;
+  cds_list_for_each_entry(w, &s->workers, link) {
+    if (atomic_load(&w->next_deadline) == UINT64_MAX) continue;
+    pthread_mutex_lock(&s->idle_lock);
+    bool parked = w->parked;
+    pthread_mutex_unlock(&s->idle_lock);
+    if (!parked) return true;
+  }
+  return false;
+}
+
+/* Goes to MON_INF unless exiting; false if the monitor must look again.
+ *
+ * Invariant while in MON_INF: no backlog, no zombie, and every worker that
+ * owns timers is parked (it sleeps until its own deadline) or will read
+ * MON_INF before its next batch and poke (worker_main). The tick looked
+ * before the CAS below, so a producer, a worker leaving work behind or
+ * keel_sched_after may have read MON_TICK since and skipped its poke. Each
+ * read the mode after its step: a producer after its append (a full
+ * barrier, against this seq_cst CAS), a worker after its take (leaving
+ * work behind, or going into jobs with timers) and keel_sched_after after
+ * its arm, both under sched.lock. The re-check takes that lock after the
+ * CAS, so it sees the step, or the step's later mode load sees MON_INF and
+ * pokes. A timer owner found awake (a timer armed on a worker inside a
+ * job, or an owner woken for work since the look: review repro
+ * d2_after_lost_poke, a 10 ms timer fired when its owner's 1500 ms job
+ * ended) counts as activity, as a poke would: the monitor lingers anew,
+ * and sees the owner in its job (then naps, to fire its timers) or parked. */
 static bool go_inf(void) {
   sched_t *s = &_keel_sched;
+  void (*hook)(void) = __atomic_load_n(&_keel_sched_sleep_hook, __ATOMIC_ACQUIRE);
+  if (keel_unlikely(hook != NULL)) hook();
   uint32_t m = atomic_load(&s->mon_mode);
   if (m == MON_EXIT || !atomic_compare_exchange_strong(&s->mon_mode, &m, MON_INF)) return false;
   pthread_mutex_lock(&s->lock);
@@ -141,8 +180,10 @@ static bool go_inf(void) {
    * batch of one skipped its poke if it read MON_TICK, and may be in a long
    * job now; the tick's second look wakes a parked one for it. */
   bool again = backlog() || !cds_list_empty(&s->zombies);
+  bool owner = !again && __awake_timer_owner();
   pthread_mutex_unlock(&s->lock);
-  if (again) {
+  if (owner) s->mon_busy_ns = keel_clock_ns();
+  if (again || owner) {
     uint32_t inf = MON_INF;
     atomic_compare_exchange_strong(&s->mon_mode, &inf, MON_TICK);
     return false;

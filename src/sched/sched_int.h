@@ -360,5 +360,9 @@ int __keel_sched_timers_hand_over(sched_worker_t *w, sched_worker_t *heir) KEEL_
 int _keel_sched_monitor_start(void) KEEL_HIDDEN;
 void _keel_sched_monitor_stop(void) KEEL_HIDDEN;
 void _keel_sched_poke(void) KEEL_HIDDEN;
+/* Tests set it to hold the monitor between its last look and its MON_INF
+ * store (go_inf); NULL outside tests: one load each time the monitor goes
+ * to sleep without deadline. */
+extern void (*_keel_sched_sleep_hook)(void) KEEL_HIDDEN;
 
 #endif /* KEEL_SCHED_INT_H */

@@ -253,15 +253,16 @@ int keel_sched_after(keel_job_t *job, uint64_t ms) {
   pthread_mutex_unlock(&_keel_sched.lock);
   if (rc != 0) return rc;
   /* Should the owner's job run long, the monitor is the one who fires this
-   * timer on time, so it must not sleep without deadline. The owner is
-   * inside a job (the caller's), or another thread's pick, which may be
-   * about to enter one: it reads next_deadline before a batch and only then
-   * publishes its odd seq, so a seq read here and that deadline read can
-   * miss each other (a 10 ms timer fired after a 601 ms job). Hence a poke
-   * whoever the owner: the monitor then lingers MON_LINGER_NS, in which
-   * the owner's odd seq shows it in a job with timers (the monitor keeps
-   * ticking), and after which the owner's own pre-batch check sees the
-   * deadline. The poke is one CAS unless the monitor is in MON_INF. */
+   * timer on time, so it must not sleep without deadline while the owner
+   * is awake. The owner is inside a job (the caller's), or another thread's
+   * pick, which may be about to enter one: it reads next_deadline before a
+   * batch and only then publishes its odd seq, so a seq read here and that
+   * deadline read can miss each other (a 10 ms timer fired after a 601 ms
+   * job). Hence a poke from MON_INF whoever the owner (one load otherwise).
+   * A monitor on its way there re-checks for an owner not parked after its
+   * MON_INF store, under sched.lock, which the arm held (go_inf, scale.c):
+   * it sees the timer, or this load sees MON_INF. Either way the monitor
+   * lingers, then sees the owner in a job with timers (and naps) or parked. */
   if (keel_load_relaxed(&_keel_sched.mon_mode) == MON_INF) _keel_sched_poke();
   return 0;
 }

@@ -167,7 +167,9 @@ static void *worker_main(void *arg) {
       /* A worker that owns timers is going into jobs: should one run long,
        * the monitor fires them, so it must not be asleep for good. One load
        * per batch; the poke only from MON_INF (the monitor lingers
-       * MON_LINGER_NS after activity, so a busy pool rarely pays it). */
+       * MON_LINGER_NS after activity, so a busy pool rarely pays it). Read
+       * after take's sched.lock: a monitor that found this worker parked
+       * under that lock (go_inf) had stored MON_INF before. */
       if (keel_unlikely(keel_load_relaxed(&w->next_deadline) != UINT64_MAX) &&
           keel_load_relaxed(&s->mon_mode) == MON_INF)
         _keel_sched_poke();

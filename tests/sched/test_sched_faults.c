@@ -20,6 +20,7 @@
 
 #include <keel/sched.h>
 
+#include "base/clock.h"
 #include "harness.h"
 #include "sched/sched_int.h"
 
@@ -555,7 +556,97 @@ static void after_from_outside_pokes(void) {
   KT_EQ(keel_sched_shutdown(KEEL_SCHED_DRAIN), 0);
 }
 
+/* Third review, bug 1: a timer armed while the monitor was between its
+ * last linger tick (which looked before the timer existed) and its MON_INF
+ * store: keel_sched_after read MON_TICK and skipped its poke, go_inf
+ * re-checked backlog and zombies but not timers, and the monitor slept for
+ * good; the owner, inside a long job, fired the 10 ms timer when that job
+ * ended (1500 ms in the review's repro d2_after_lost_poke). The monitor is
+ * held at that point (_keel_sched_sleep_hook) while the timer is armed,
+ * from the owner's own job and from outside on that worker. The owner's
+ * job lasts until the timer has run, 5 s at most; 500 ms is the bound. */
+static atomic_int sleep_hold, sleep_held, sleep_release;
+static void hold_before_sleep(void) {
+  if (!atomic_exchange(&sleep_hold, 0)) return;
+  atomic_store(&sleep_held, 1);
+  hold_until(&sleep_release);
+}
+
+static keel_job_t late_timer;
+static atomic_int late_ran, late_from_job, late_owner_in;
+static sched_worker_t *_Atomic late_owner;
+static _Atomic uint64_t late_armed_ns, late_ran_ns;
+
+static void late_fn(keel_job_t *j) {
+  (void)j;
+  atomic_store(&late_ran_ns, keel_clock_ns());
+  atomic_store(&late_ran, 1);
+}
+
+static void late_arm(void) {
+  keel_job_init(&late_timer, late_fn, 0);
+  atomic_store(&late_armed_ns, keel_clock_ns());
+  KT_EQ(keel_sched_after(&late_timer, 10), 0);
+}
+
+static void late_owner_fn(keel_job_t *j) {
+  (void)j;
+  atomic_store(&late_owner, _keel_sched_self);
+  atomic_store(&late_owner_in, 1);
+  if (atomic_load(&late_from_job)) {
+    hold_until(&sleep_held);
+    late_arm(); /* on this worker */
+    atomic_store(&sleep_release, 1);
+  }
+  hold_for_at_most(&late_ran, 5);
+}
+
+static void timer_armed_as_monitor_sleeps(void) {
+  for (int from_job = 1; from_job >= 0; from_job--) {
+    start(2, 2, 60000, 20);
+    atomic_store(&late_from_job, from_job);
+    atomic_store(&late_ran, 0);
+    atomic_store(&late_owner_in, 0);
+    atomic_store(&sleep_held, 0);
+    atomic_store(&sleep_release, 0);
+    keel_job_t owner;
+    keel_job_init(&owner, late_owner_fn, 0);
+    KT_EQ(keel_sched_submit(&owner), 0);
+    KT_REQUIRE(kt_wait_for(flag_set, &late_owner_in, 10));
+    /* The next time the monitor is about to sleep for good: once the job's
+     * start is MON_LINGER_NS behind it. It may be asleep already (the pool
+     * was quiet since init, and a parked worker took the job): poked. */
+    atomic_store(&sleep_hold, 1);
+    __atomic_store_n(&_keel_sched_sleep_hook, hold_before_sleep, __ATOMIC_RELEASE);
+    _keel_sched_poke();
+    KT_REQUIRE(kt_wait_for(flag_set, &sleep_held, 10));
+    tjob_t probe;
+    tjob_init(&probe, 0);
+    if (!from_job) {
+      /* Owners from outside go round-robin: a probe for the other worker
+       * (parked: it sleeps until its own deadline), then ours. */
+      KT_EQ(keel_sched_after(&probe.job, 600000), 0);
+      if (probe.job._l[0] == atomic_load(&late_owner)) {
+        KT_EQ(keel_sched_cancel(&probe.job), 0);
+        tjob_init(&probe, 0);
+        KT_EQ(keel_sched_after(&probe.job, 600000), 0);
+      }
+      late_arm();
+      KT_CHECK(late_timer._l[0] == atomic_load(&late_owner));
+      atomic_store(&sleep_release, 1);
+    }
+    KT_CHECK(kt_wait_for(flag_set, &late_ran, 10));
+    uint64_t late_ms = (atomic_load(&late_ran_ns) - atomic_load(&late_armed_ns)) / 1000000u;
+    if (late_ms >= 500)
+      kt_fail(__FILE__, __LINE__, "from %s: 10 ms timer ran after %" PRIu64 " ms",
+              from_job ? "its owner's job" : "outside", late_ms);
+    __atomic_store_n(&_keel_sched_sleep_hook, NULL, __ATOMIC_RELEASE);
+    KT_EQ(keel_sched_shutdown(KEEL_SCHED_DRAIN), 0);
+    if (!from_job) KT_EQ(atomic_load(&probe.cancels), 1);
+  }
+}
+
 KT_MAIN(KT_CASE(past_deadline_retires), KT_CASE(no_retire_below_min), KT_CASE(lazy_init_retried),
         KT_CASE(on_cancel_of_failed_init), KT_CASE(failed_init_is_no_shutdown),
         KT_CASE(destroy_from_fired_job), KT_CASE(batch_of_one_wakes_when_monitor_naps),
-        KT_CASE(after_from_outside_pokes))
+        KT_CASE(after_from_outside_pokes), KT_CASE(timer_armed_as_monitor_sleeps))
