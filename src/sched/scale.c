@@ -11,21 +11,23 @@
  * worker has been joined; _keel_sched_spawn refuses once nothing is pending).
  *
  * It also wakes a parked worker when work has waited a tick while one was
- * parked (workers chain-wake a sibling only when they fill a batch, or when
- * the monitor naps, MON_NAP, and would not look for up to block_ms/2).
+ * parked (workers chain-wake a sibling only when they fill a batch; one
+ * that leaves work behind while the monitor naps, MON_NAP, and would not
+ * look for up to block_ms/2, ends the nap instead: _keel_sched_unnap).
  *
  * While jobs wait the monitor ticks: every millisecond when it could grow,
  * else every block_ms/2 to spot long jobs and to fire the due timers of
- * workers stuck in them. Once nothing waits it lingers, ticking each
- * millisecond (MON_TICK_NS), until MON_LINGER_NS have passed since the last
- * tick that saw work waiting, a job start or end, or a worker waking or
- * spinning (a long job alone does not keep it up: its worker's seq stays
- * put); then it sleeps on its futex with no deadline (MON_INF). From there
- * the producer that makes the queue non-empty with no worker parked, a
- * worker that leaves work behind, and a timer armed on a worker inside a job
- * poke it (one CAS and FUTEX_WAKE, only from MON_INF). No signals:
- * GlusterFS's pool woke its leader with SIGALRM, which every thread in the
- * process could receive.
+ * workers stuck in them (so too while a worker that owns timers is inside
+ * a job, once the pool has been quiet MON_LINGER_NS). Once nothing waits it
+ * lingers, ticking each millisecond (MON_TICK_NS), until MON_LINGER_NS have
+ * passed since the last tick that saw work waiting, a job start or end, or
+ * a worker waking or spinning (a long job alone does not keep it up: its
+ * worker's seq stays put); then it sleeps on its futex with no deadline
+ * (MON_INF). From there the producer that makes the queue non-empty with no
+ * worker parked, a worker that leaves work behind, and a timer armed on a
+ * worker inside a job poke it (one CAS and FUTEX_WAKE, only from MON_INF).
+ * No signals: GlusterFS's pool woke its leader with SIGALRM, which every
+ * thread in the process could receive.
  *
  * Why it lingers: A worker that takes a batch of one and leaves work behind
  * pokes the monitor before it runs its job, a FUTEX_WAKE on the job's path;
@@ -47,6 +49,20 @@ void _keel_sched_poke(void) {
   sched_t *s = &_keel_sched;
   uint32_t inf = MON_INF;
   if (atomic_compare_exchange_strong(&s->mon_mode, &inf, MON_POKED))
+    keel_futex_wake(&s->mon_mode, 1);
+}
+
+/* Ends a nap early (MON_NAP -> MON_POKED), for work left behind with a
+ * worker parked. The tick it causes sees that activity, so the monitor
+ * ticks each millisecond until the pool has been quiet MON_LINGER_NS, and
+ * takes this poke once per quiet-to-busy change: the nap of a pool where
+ * jobs wait with no worker parked (`waiting` in tick) is never ended here,
+ * nidle being 0. A worker that read MON_NAP and finds MON_INF here is
+ * covered by go_inf's re-check of the backlog, as a producer is. */
+void _keel_sched_unnap(void) {
+  sched_t *s = &_keel_sched;
+  uint32_t nap = MON_NAP;
+  if (atomic_compare_exchange_strong(&s->mon_mode, &nap, MON_POKED))
     keel_futex_wake(&s->mon_mode, 1);
 }
 
@@ -125,7 +141,16 @@ static uint64_t tick(uint64_t now) {
     _keel_sched_spawn();
   }
   if (grow) return SPAWN_INTERVAL_NS;
-  if (waiting || timers) return block_ns / 2 > SPAWN_INTERVAL_NS ? block_ns / 2 : SPAWN_INTERVAL_NS;
+  uint64_t nap = block_ns / 2 > SPAWN_INTERVAL_NS ? block_ns / 2 : SPAWN_INTERVAL_NS;
+  if (waiting) return nap;
+  /* Timers alone (an owner inside a job) keep the monitor from sleeping,
+   * never from lingering: a busy pool's monitor ticks as with no timers,
+   * and naps once the pool has been quiet MON_LINGER_NS. Napping through
+   * busy periods made every take that left work behind wake a parked
+   * sibling (worker.c): 3.1-3.2 wake-ups per burst of 4 instead of 2.0
+   * (review repro f_nap_wakes: 6 workers, a burst of 4 each millisecond,
+   * one timer owner in a long job). */
+  if (timers) return now - s->mon_busy_ns < MON_LINGER_NS ? MON_TICK_NS : nap;
   return UINT64_MAX;
 }
 
@@ -210,8 +235,9 @@ static void *monitor_main(void *arg) {
       if (go_inf()) keel_futex_wait_until(&s->mon_mode, MON_INF, UINT64_MAX);
       continue;
     }
-    /* Only the monitor and stop() write the mode outside MON_INF: the CAS
-     * fails only on MON_EXIT. */
+    /* Outside MON_INF only the monitor, stop() and _keel_sched_unnap
+     * (MON_NAP -> MON_POKED) write the mode: the CAS fails on MON_EXIT, or
+     * on an unnap since the load (then look again). */
     uint32_t mode = wait > MON_TICK_NS ? MON_NAP : MON_TICK, m = atomic_load(&s->mon_mode);
     if (m == MON_EXIT || !atomic_compare_exchange_strong(&s->mon_mode, &m, mode)) continue;
     keel_futex_wait_until(&s->mon_mode, mode, now + wait);

@@ -212,7 +212,8 @@ extern struct keel_sched_client _keel_sched_default_client KEEL_HIDDEN;
 
 /* Monitor modes: sleeping with no deadline, poked awake, ticking (next
  * look within MON_TICK_NS), napping (ticking, its next look further away:
- * block_ms/2 while only long jobs or timers need it), told to exit. */
+ * block_ms/2 while only long jobs or timers need it; a worker that leaves
+ * work behind with one parked ends it), told to exit. */
 enum { MON_INF, MON_POKED, MON_TICK, MON_NAP, MON_EXIT };
 
 KEEL_INLINE unsigned _keel_job_prio(const keel_job_t *job) {
@@ -360,6 +361,7 @@ int __keel_sched_timers_hand_over(sched_worker_t *w, sched_worker_t *heir) KEEL_
 int _keel_sched_monitor_start(void) KEEL_HIDDEN;
 void _keel_sched_monitor_stop(void) KEEL_HIDDEN;
 void _keel_sched_poke(void) KEEL_HIDDEN;
+void _keel_sched_unnap(void) KEEL_HIDDEN;
 /* Tests set it to hold the monitor between its last look and its MON_INF
  * store (go_inf); NULL outside tests: one load each time the monitor goes
  * to sleep without deadline. */
