@@ -11,9 +11,11 @@
  * worker has been joined; _keel_sched_spawn refuses once nothing is pending).
  *
  * It also wakes a parked worker when work has waited a tick while one was
- * parked (workers chain-wake a sibling only when they fill a batch; one
- * that leaves work behind while the monitor naps, MON_NAP, and would not
- * look for up to block_ms/2, ends the nap instead: _keel_sched_unnap).
+ * parked (workers chain-wake a sibling only when they fill a batch, or
+ * when the monitor naps and would not look for up to block_ms/2: one that
+ * leaves work behind then wakes a parked sibling if jobs were waiting on a
+ * full pool, MON_FULL, and ends a nap kept only for timers, MON_NAP, so
+ * that the monitor ticks through the burst: _keel_sched_unnap).
  *
  * While jobs wait the monitor ticks: every millisecond when it could grow,
  * else every block_ms/2 to spot long jobs and to fire the due timers of
@@ -52,13 +54,15 @@ void _keel_sched_poke(void) {
     keel_futex_wake(&s->mon_mode, 1);
 }
 
-/* Ends a nap early (MON_NAP -> MON_POKED), for work left behind with a
- * worker parked. The tick it causes sees that activity, so the monitor
- * ticks each millisecond until the pool has been quiet MON_LINGER_NS, and
- * takes this poke once per quiet-to-busy change: the nap of a pool where
- * jobs wait with no worker parked (`waiting` in tick) is never ended here,
- * nidle being 0. A worker that read MON_NAP and finds MON_INF here is
- * covered by go_inf's re-check of the backlog, as a producer is. */
+/* Ends a nap kept for timers (MON_NAP -> MON_POKED), for work left behind
+ * with a worker parked. The tick it causes sees that activity, so the
+ * monitor ticks each millisecond until the pool has been quiet
+ * MON_LINGER_NS, and takes this poke once per quiet-to-busy change. The nap
+ * of a pool where jobs wait and it cannot grow (MON_FULL) is not ended
+ * here: there the worker wakes a parked sibling itself, at once, rather
+ * than have the monitor do it a tick or two later. A worker that read
+ * MON_NAP and finds MON_INF here is covered by go_inf's re-check of the
+ * backlog, as a producer is. */
 void _keel_sched_unnap(void) {
   sched_t *s = &_keel_sched;
   uint32_t nap = MON_NAP;
@@ -142,6 +146,7 @@ static uint64_t tick(uint64_t now) {
   }
   if (grow) return SPAWN_INTERVAL_NS;
   uint64_t nap = block_ns / 2 > SPAWN_INTERVAL_NS ? block_ns / 2 : SPAWN_INTERVAL_NS;
+  s->mon_full = waiting;
   if (waiting) return nap;
   /* Timers alone (an owner inside a job) keep the monitor from sleeping,
    * never from lingering: a busy pool's monitor ticks as with no timers,
@@ -238,7 +243,8 @@ static void *monitor_main(void *arg) {
     /* Outside MON_INF only the monitor, stop() and _keel_sched_unnap
      * (MON_NAP -> MON_POKED) write the mode: the CAS fails on MON_EXIT, or
      * on an unnap since the load (then look again). */
-    uint32_t mode = wait > MON_TICK_NS ? MON_NAP : MON_TICK, m = atomic_load(&s->mon_mode);
+    uint32_t mode = wait <= MON_TICK_NS ? MON_TICK : s->mon_full ? MON_FULL : MON_NAP;
+    uint32_t m = atomic_load(&s->mon_mode);
     if (m == MON_EXIT || !atomic_compare_exchange_strong(&s->mon_mode, &m, mode)) continue;
     keel_futex_wait_until(&s->mon_mode, mode, now + wait);
   }

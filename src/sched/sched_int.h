@@ -200,6 +200,7 @@ typedef struct sched {
   bool monitor_started;
   uint64_t last_spawn_ns;
   bool mon_saw_work;    /* the last tick saw work waiting with a worker parked */
+  bool mon_full;        /* monitor only: the last tick napped for jobs waiting (MON_FULL) */
   uint64_t mon_busy_ns; /* monitor only: last tick that saw work, a job start or end, or a
                          * worker waking or spinning */
   pthread_mutex_t life_lock;
@@ -211,10 +212,12 @@ extern __thread sched_worker_t *_keel_sched_self KEEL_HIDDEN;
 extern struct keel_sched_client _keel_sched_default_client KEEL_HIDDEN;
 
 /* Monitor modes: sleeping with no deadline, poked awake, ticking (next
- * look within MON_TICK_NS), napping (ticking, its next look further away:
- * block_ms/2 while only long jobs or timers need it; a worker that leaves
- * work behind with one parked ends it), told to exit. */
-enum { MON_INF, MON_POKED, MON_TICK, MON_NAP, MON_EXIT };
+ * look within MON_TICK_NS), napping (its next look block_ms/2 away) while
+ * only timers of a worker inside a job need it (MON_NAP: a worker that
+ * leaves work behind with one parked ends it) or while jobs wait on a pool
+ * that cannot grow (MON_FULL: such a worker wakes a parked sibling itself),
+ * told to exit. */
+enum { MON_INF, MON_POKED, MON_TICK, MON_NAP, MON_FULL, MON_EXIT };
 
 KEEL_INLINE unsigned _keel_job_prio(const keel_job_t *job) {
   return (job->flags & KEEL_JOB_HIGH) ? PRIO_HIGH

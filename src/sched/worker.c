@@ -101,16 +101,18 @@ static unsigned take(sched_worker_t *w, bool *stuck) {
    * jobs behind it (p99 at 8 paced producers: 127 us with a wake after
    * every take, vs the mutex pool's 77 us), since the monitor, ticking each
    * millisecond, wakes a parked worker for work left waiting. When it naps
-   * (MON_NAP: its next look up to block_ms/2 away) and a worker is parked,
-   * a batch of one ends the nap, or the work left behind would wait that
-   * long should this worker's job run long; the monitor then ticks through
-   * the busy period (scale.c), so this is once per quiet-to-busy change.
-   * Waking a parked sibling here instead cost one wake-up per such take
-   * while the monitor napped: 3.1-3.2 per burst of 4, not 2.0 (review repro
-   * f_nap_wakes). */
+   * (its next look up to block_ms/2 away) with a worker parked, the work
+   * left behind would wait that long should this worker's job run long:
+   * - MON_FULL (jobs were waiting on a pool that cannot grow): wake a
+   *   parked sibling, the one the monitor would wake a tick later;
+   * - MON_NAP (only timers of a worker inside a job keep it up): end the
+   *   nap; the monitor then ticks through the busy period (scale.c), so
+   *   this is once per quiet-to-busy change. Waking a sibling there cost one
+   *   wake-up per such take for as long as the nap lasted: 3.1-3.2 per
+   *   burst of 4, not 2.0 (review repro f_nap_wakes). */
   if (more) {
     uint32_t mode = keel_load_relaxed(&s->mon_mode);
-    if (n >= 2 && n == max && atomic_load(&s->nidle) > 0)
+    if (((n >= 2 && n == max) || mode == MON_FULL) && atomic_load(&s->nidle) > 0)
       _keel_sched_wake_one();
     else if (mode == MON_INF)
       _keel_sched_poke();

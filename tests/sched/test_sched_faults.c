@@ -530,8 +530,18 @@ static bool monitor_naps(void *a) {
   return atomic_load(&_keel_sched.mon_mode) == MON_NAP;
 }
 
+static bool n_asleep(void *a);
+
+/* Every worker parked before the owner's job is queued: a tick that saw work
+ * waiting with none parked (workers still spinning after init) would nap
+ * for that instead (MON_FULL, block_ms/2 = 300 s here), not for the timer. */
+static void start_parked(unsigned n) {
+  start(n, n, 60000, 600000);
+  KT_REQUIRE(kt_wait_for(n_asleep, (void *)(uintptr_t)n, 10));
+}
+
 static void batch_of_one_wakes_when_monitor_naps(void) {
-  start(3, 3, 60000, 600000);
+  start_parked(3);
   keel_job_t owner, l, j;
   keel_job_init(&owner, owner_fn, 0);
   keel_job_init(&l, l_fn, KEEL_JOB_BLOCKING);
@@ -691,7 +701,7 @@ static bool both_ran(void *a) {
 
 static void nap_burst_wakes_one(void) {
   enum { BURSTS = 20 };
-  start(4, 4, 60000, 600000);
+  start_parked(4);
   atomic_store(&owner_in, 0);
   atomic_store(&owner_release, 0);
   keel_job_t owner;
