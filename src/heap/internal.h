@@ -331,6 +331,9 @@ void _keel_large_release_unlock(void) KEEL_HIDDEN;
 /* Test hook: called by the collector between taking mappings out of the
  * cache and unmapping them. */
 extern void (*_keel_large_collect_pause)(void) KEEL_HIDDEN;
+/* Test hook: called by a realloc that moved a large block, just after
+ * mremap unmapped the old range (where another thread may map now). */
+extern void (*_keel_large_remap_moved)(void *old) KEEL_HIDDEN;
 size_t _keel_large_collect(bool force) KEEL_HIDDEN;
 bool _keel_large_pending(void) KEEL_HIDDEN;
 /* Blocks aligned to more than 2 MiB (not in the segment map): frees p and

@@ -61,6 +61,7 @@ static pthread_mutex_t large_lock = PTHREAD_MUTEX_INITIALIZER;
  * munmaps; fork waits for them. */
 static pthread_mutex_t release_lock = PTHREAD_MUTEX_INITIALIZER;
 void (*_keel_large_collect_pause)(void);
+void (*_keel_large_remap_moved)(void *old);
 static cache_slot_t cache[CACHE_SLOTS];
 static unsigned cache_n;
 static size_t cache_bytes;
@@ -87,18 +88,27 @@ static size_t page_up(size_t n) {
 }
 
 /* Resizes a mapping, moving it (page tables only) if it cannot grow in
- * place; keeps the segment map in step. NULL if the address space is full. */
+ * place; keeps the segment map in step. NULL if the address space is full.
+ * The old base's bit is cleared before the move, while the range is still
+ * ours (as release() does before munmap): the moment mremap unmaps it,
+ * another thread's fresh mapping may land there and set the same bit, and
+ * a clear after the move wiped that bit, so the other block's free died
+ * with "invalid pointer" (found by review). A failed move leaves the
+ * mapping where it was, so its bit goes back; no one else can have mapped
+ * the still-mapped range meanwhile. */
 static keel_segment_t *remap(keel_segment_t *seg, size_t old, size_t size) {
   if (size == old) return seg;
-  if (_keel_os_remap(seg, old, size, NULL) == seg) return seg;
+  if (_keel_os_remap(seg, old, size, NULL) == seg) return seg; /* the base stays: its bit too */
   void *to = _keel_os_reserve(size, KEEL_SEGMENT_SIZE);
   if (to == NULL) return NULL;
+  _keel_segmap_set(seg, false);
   if (_keel_os_remap(seg, old, size, to) != to) {
+    _keel_segmap_set(seg, true);
     _keel_os_release(to, size);
     return NULL;
   }
+  if (keel_unlikely(_keel_large_remap_moved != NULL)) _keel_large_remap_moved(seg);
   _keel_segmap_set(to, true);
-  _keel_segmap_set(seg, false);
   return to;
 }
 

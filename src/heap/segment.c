@@ -64,6 +64,10 @@ void _keel_segments_child_reset(void) {
   pthread_mutex_init(&seg_lock, NULL);
 }
 
+/* Ordering: a bit is set only once its range is mapped and cleared only
+ * while it is still mapped (before munmap, before mremap moves it away).
+ * Between the two the 4 MiB unit can be no one else's, so a set or clear
+ * never touches the bit of another thread's mapping at the same base. */
 void _keel_segmap_set(void *seg, bool on) {
   uintptr_t u = (uintptr_t)seg >> KEEL_SEGMENT_SHIFT;
   uint64_t bit = (uint64_t)1 << (u & 63);

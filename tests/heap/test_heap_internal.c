@@ -375,6 +375,75 @@ static void test_large(void) {
   keel_heap_collect(true);
 }
 
+/* Regression (found by review): a large realloc that moved its block
+ * cleared the old base's segment-map bit after mremap had unmapped the old
+ * range; another thread's fresh mapping could land there in between, and
+ * the late clear wiped its bit, so that block's free died with "invalid
+ * pointer". The hook plays that thread: it maps the old base and sets its
+ * bit as a new large block would, at the moment mremap has unmapped it. A
+ * move that fails must leave the block's own bit set. */
+static void *rm_old;
+static bool rm_mapped;
+
+static void rm_moved(void *old) {
+  rm_old = old;
+  void *m = mmap(old, 4096, PROT_READ | PROT_WRITE,
+                 MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED_NOREPLACE, -1, 0);
+  rm_mapped = m == old;
+  if (rm_mapped) _keel_segmap_set(old, true);
+}
+
+/* A large block whose mapping cannot grow in place: a page is mapped right
+ * after it (if something is there already, that blocks it as well). Returns
+ * the guard page, or MAP_FAILED. */
+static void *rm_block(size_t size, uint8_t **p) {
+  *p = keel_malloc(size);
+  if (*p == NULL) return MAP_FAILED;
+  keel_segment_t *seg = _keel_segment_of(*p);
+  void *end = (uint8_t *)seg + seg->mapped;
+  void *g = mmap(end, 4096, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED_NOREPLACE, -1, 0);
+  return g == end ? g : MAP_FAILED;
+}
+
+static void test_large_remap_segmap(void) {
+  const size_t mib = (size_t)1 << 20;
+  uint8_t *p;
+  void *guard = rm_block(mib, &p);
+  KT_REQUIRE(p != NULL);
+  memset(p, 0x3c, mib);
+  keel_segment_t *seg = _keel_segment_of(p);
+  rm_old = NULL;
+  _keel_large_remap_moved = rm_moved;
+  uint8_t *q = keel_realloc(p, 48 * mib);
+  _keel_large_remap_moved = NULL;
+  KT_REQUIRE(q != NULL);
+  KT_REQUIRE(rm_old == seg && rm_mapped); /* it moved, and "another thread" took the base */
+  KT_CHECK(_keel_segmap_has(seg));        /* the late clear wiped this */
+  KT_CHECK(_keel_segmap_has(_keel_segment_of(q)));
+  KT_CHECK(q[0] == 0x3c && q[mib - 1] == 0x3c);
+  _keel_segmap_set(seg, false); /* "the other thread" unmaps its block */
+  munmap(seg, 4096);
+  keel_free(q);
+  if (guard != MAP_FAILED) munmap(guard, 4096);
+
+  /* The move fails (injected: the in-place try and the reservation pass,
+   * the mremap that moves fails): the block stays put, with its bit. */
+  guard = rm_block(mib, &p);
+  KT_REQUIRE(p != NULL);
+  seg = _keel_segment_of(p);
+  size_t hits = _keel_os_fault_hits();
+  _keel_os_fault_set(2);
+  errno = 0;
+  q = keel_realloc(p, 48 * mib);
+  _keel_os_fault_set(-1);
+  KT_CHECK(q == NULL && errno == ENOMEM);
+  KT_CHECK(_keel_os_fault_hits() == hits + 1);
+  KT_CHECK(_keel_segmap_has(seg));
+  KT_CHECK(keel_usable_size(p) >= mib);
+  keel_free(p); /* died "invalid pointer" had the bit stayed clear */
+  if (guard != MAP_FAILED) munmap(guard, 4096);
+}
+
 /* The large cache keeps spares: while it holds fewer than four mappings, a
  * request none of them fits gets a fresh mapping and the cached ones stay
  * (growing one would fault its new part in, and leave the cache without a
@@ -931,7 +1000,7 @@ KT_MAIN(KT_CASE(test_class_steps), KT_CASE(test_class_info), KT_CASE(test_page_v
         KT_CASE(test_abandon_and_collect), KT_CASE(test_idle_owner_full_pages),
         KT_CASE(test_collector_unfulled_page), KT_CASE(test_purge_forced),
         KT_CASE(test_purge_partial), KT_CASE(test_purge_background), KT_CASE(test_large),
-        KT_CASE(test_large_spares), KT_CASE(test_aligned), KT_CASE(test_enomem),
-        KT_CASE(test_enomem_injected), KT_CASE(test_enomem_new_thread),
+        KT_CASE(test_large_remap_segmap), KT_CASE(test_large_spares), KT_CASE(test_aligned),
+        KT_CASE(test_enomem), KT_CASE(test_enomem_injected), KT_CASE(test_enomem_new_thread),
         KT_CASE(test_cross_thread_stress), KT_CASE(test_bad_input), KT_CASE(test_fork),
         KT_CASE(test_fork_during_purge), KT_CASE(test_fork_during_large_collect))
