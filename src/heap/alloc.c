@@ -26,11 +26,10 @@ size_t _keel_usable_size(const void *p, const char *call) {
     _keel_die_double_free(call, (void *)p); /* a large block freed and not reused yet */
   }
   if (seg->kind != KEEL_SEG_SMALL) _keel_die_invalid(call, p);
+  /* A carved block: the page's never-carved tail holds block boundaries
+   * too, and realloc returned such a pointer as a live block. */
   keel_page_t *page = _keel_page_of(seg, p);
-  if (page->bsize == 0 || (const uint8_t *)p < page->start ||
-      !_keel_page_is_block_offset(page, (size_t)((const uint8_t *)p - page->start))) {
-    _keel_die_invalid(call, p);
-  }
+  if (!_keel_page_has_block(page, p)) _keel_die_invalid(call, p);
   return page->bsize;
 }
 

@@ -3,21 +3,25 @@
  *
  * Cost (x86-64, gcc 12 -O2, libkeel-malloc.so; counted in the disassembly
  * and checked with `valgrind --tool=callgrind` on a loop of malloc(8..1024,
- * 256 random sizes)/free pairs: 23 instructions per malloc call including
- * the amortised refills and slow paths, 47 per free call):
+ * 256 random sizes)/free pairs: 22 instructions per malloc call including
+ * the amortised refills and slow paths, 51 per free call, 3 of them the
+ * keep-the-current-page test that every free of such a loop reaches):
  *   malloc: 20 instructions: TLS load (2), size test (2), class table (4),
  *           current page and emptiness test (4), pop + decode (3), prefetch
  *           of the next block (1), clear the handed-out block's link (1),
  *           used++ (1), allocs counter (one unlocked add, 1), return (1).
  *           An empty `free` with blocks on `local_free` takes those in 6
  *           more (ping-pong loops).
- *   free:   44 instructions: segment mask + segment-map bit test (foreign
+ *   free:   48 instructions: segment mask + segment-map bit test (foreign
  *           pointers, 13), page lookup (6), TLS load, owner and flags tests
- *           (7), block offset test (one multiply: interior pointers, 6),
- *           double-free test on the block's link (6), push + encode (4),
+ *           (8), carved-block test (offset, then one multiply giving the
+ *           block index and the boundary test, the index bounded by
+ *           capacity: interior pointers, the never-carved tail, 9),
+ *           double-free test on the block's link (6), push + encode (3),
  *           used-- test (2), return. What is left above 25 is the checking
  *           the issue asks for: the segment map (invalid pointers), the
- *           offset test (interior pointers) and the link test (double free).
+ *           carved-block test (interior and never-carved pointers) and the
+ *           link test (double free).
  * In libkeel.so the TLS load is a TLS-descriptor call (about 4 more).
  *
  * Where the time goes when blocks are cold (a server freeing objects it
@@ -111,7 +115,7 @@ KEEL_INLINE void _keel_free_fast(void *p, const char *call) {
     size_t off = (size_t)((uint8_t *)p - page->start);
     if (keel_likely(owner == heap &&
                     keel_load_acquire(&page->flags) == 0 && /* pairs with a collector's unfull */
-                    _keel_page_in_span(page, off) && _keel_page_is_block_offset(page, off))) {
+                    _keel_page_is_carved(page, off))) {
       /* Double free: a block on any list of its page (free, local_free,
        * thread_free) has a link that decodes into its own segment; the slow
        * path confirms by walking the lists. The first word is read and then

@@ -514,7 +514,7 @@ static keel_page_t *__find_page(keel_heap_t *heap, unsigned cls) {
     next = page->next;
     __keel_page_collect_lists(page);
     if (!_keel_list_empty(page->free)) goto found;
-    if (page->capacity < page->reserved) {
+    if (keel_load_relaxed(&page->capacity) < page->reserved) {
       if (uncarved == NULL) uncarved = page;
       continue;
     }
@@ -736,10 +736,12 @@ static shared_shard_t *shard_of(const keel_page_t *page) {
   return NULL;
 }
 
-/* A free of a block this thread's heap does not own. A shared heap's block
- * is freed as its owner, under the shard's mutex: onto local_free, with the
- * double-free checks an owner makes (the mutex is what allocation takes
- * anyway for these sizes). Any other goes on the page's thread_free. */
+/* A free of a block this thread's heap does not own; the caller checked
+ * that it is a carved block of the page (_keel_page_has_block). A shared
+ * heap's block is freed as its owner, under the shard's mutex: onto
+ * local_free, with the double-free checks an owner makes (the mutex is what
+ * allocation takes anyway for these sizes). Any other goes on the page's
+ * thread_free. */
 static void free_foreign(keel_page_t *page, keel_block_t *b, const char *call) {
   shared_shard_t *sh = shard_of(page);
   if (sh == NULL) {
@@ -748,10 +750,6 @@ static void free_foreign(keel_page_t *page, keel_block_t *b, const char *call) {
   }
   pthread_mutex_lock(&sh->lock);
   keel_heap_t *heap = keel_load_relaxed(&sh->heap);
-  if ((size_t)((uint8_t *)b - page->start) >= (size_t)page->capacity * page->bsize) {
-    pthread_mutex_unlock(&sh->lock);
-    _keel_die_invalid(call, b);
-  }
   if (_keel_block_maybe_free(page, b) && _keel_page_has_free_block(page, b)) {
     pthread_mutex_unlock(&sh->lock);
     _keel_die_double_free(call, b);
@@ -785,11 +783,11 @@ void _keel_check_not_free(keel_page_t *page, void *p, const char *call) {
 }
 
 void _keel_free_other(keel_page_t *page, void *p, const char *call) {
-  size_t off = (size_t)((uint8_t *)p - page->start);
-  /* bsize 0: a large block, a header, a free span: the generic path sorts
-   * them out (and dies for the invalid ones). */
-  if (page->bsize == 0 || !_keel_page_in_span(page, off) ||
-      !_keel_page_is_block_offset(page, off)) {
+  /* Not a carved block (bsize 0: a large block, a header, a free span; or
+   * an interior or never-carved pointer): the generic path sorts them out
+   * and dies for the invalid ones. Other threads' capacity is read racily:
+   * see keel_page_t. */
+  if (!_keel_page_has_block(page, p)) {
     _keel_free_generic(p, call);
     return;
   }
@@ -812,17 +810,16 @@ void _keel_free_generic(void *p, const char *call) {
     _keel_die_invalid(call, p);
   }
   keel_page_t *page = _keel_page_of(seg, p);
-  size_t off = (size_t)((uint8_t *)p - page->start);
-  if (page->bsize == 0 || (uint8_t *)p < page->start || !_keel_page_is_block_offset(page, off)) {
-    _keel_die_invalid(call, p);
-  }
+  /* Also for another thread's page: a block past its carved end would go on
+   * its thread_free and be handed out twice (capacity read racily: see
+   * keel_page_t). */
+  if (!_keel_page_has_block(page, p)) _keel_die_invalid(call, p);
   keel_block_t *b = p;
   keel_heap_t *heap = _keel_heap_tls;
   if (keel_load_relaxed(&page->heap) != heap) {
     free_foreign(page, b, call);
     return;
   }
-  if (off >= (size_t)page->capacity * page->bsize) _keel_die_invalid(call, p);
   if (keel_load_relaxed(&page->flags) != 0 && keel_load_relaxed(&heap->delayed) != NULL) {
     /* A full page: a remote free of one of its blocks went to this heap's
      * delayed list, where its link is a plain pointer the test below cannot

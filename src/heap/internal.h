@@ -104,14 +104,21 @@ typedef struct keel_page {
   uint32_t used;              /* owner: blocks handed out and not back on free/local_free */
   keel_atomic(uint8_t) flags; /* KEEL_PAGE_IN_FULL: written by the owner under its heap lock */
   uint8_t cls;                /* size class */
-  uint8_t slices;             /* span length in slices */
-  uint8_t abandoned;          /* on the abandoned list (segment lock) */
+  /* Blocks carved so far (lazily, a few KiB at a time): the free paths'
+   * bound on a pointer (_keel_page_is_carved), so it sits in this line.
+   * Written by the owner (or lock holder) only; other threads read it
+   * racily, which is safe because it only grows while the page lives: a
+   * block a freer got from the program was carved before it was handed
+   * out, so any value read covers it. 16 bits: a page holds at most 8192
+   * blocks (64 KiB of 8-byte ones), and thread_free counts them in 16. */
+  keel_atomic(uint16_t) capacity;
   /* Second line: slow paths and remote frees. */
   keel_atomic(uintptr_t) thread_free; /* blocks freed by other threads (see above) */
   struct keel_page *next, *prev;      /* in the owner's queue / full list, or abandoned */
-  uint32_t capacity;                  /* blocks carved so far (lazily, a few KiB at a time) */
   uint32_t reserved;                  /* blocks that fit in the page */
   uint32_t bsize;                     /* block size; 0 while the span is not a page */
+  uint8_t slices;                     /* span length in slices */
+  uint8_t abandoned;                  /* on the abandoned list (segment lock) */
   keel_atomic(uint32_t) samples;      /* requests sampled into `requested` (slow paths) */
   /* Statistics (`allocs` above, and these), written by the owner with
    * relaxed load+store (no atomic add), read by keel_heap_stats under the
@@ -129,7 +136,7 @@ typedef struct keel_page {
 } KEEL_CACHE_ALIGNED keel_page_t;
 
 _Static_assert(sizeof(keel_page_t) == 128, "page descriptor is indexed by shift");
-_Static_assert(__builtin_offsetof(keel_page_t, abandoned) < 64, "fast-path fields share a line");
+_Static_assert(__builtin_offsetof(keel_page_t, capacity) < 64, "fast-path fields share a line");
 
 enum { KEEL_SEG_SMALL = 0x5e6a11, KEEL_SEG_LARGE = 0x5e61a6e, KEEL_SEG_LARGE_CACHED = 0x5e6ca4e };
 
@@ -439,28 +446,29 @@ KEEL_INLINE bool _keel_block_maybe_free(const keel_page_t *page, const keel_bloc
   return (((uintptr_t)_keel_decode(page, b->next) ^ (uintptr_t)b) >> KEEL_SEGMENT_SHIFT) == 0;
 }
 
-/* True when off is a multiple of the page's block size (Lemire's test,
- * valid for off and bsize below 2^32). */
-KEEL_INLINE bool _keel_page_is_block_offset(const keel_page_t *page, size_t off) {
-  return off * page->div_magic < page->div_magic;
+/* Whether offset `off` from page->start is a block the page has carved:
+ * on a block boundary, with an index below capacity. Both come from one
+ * multiply (_keel_page_block_index), and both fields are in the first line.
+ * The index bound rejects what the boundary test alone let through: the
+ * never-carved tail of the page (freed there, a block went on a list and
+ * was handed out twice), a stale pointer past the page's end (the slice map
+ * sends every slice of a retired large span to the page now at its first
+ * slice), and a pointer below start: its offset wraps above 2^64 - 4 MiB,
+ * beyond the 2^32 the boundary test is exact for, but its index is at least
+ * off / bsize > 2^45. A span that is not a page has div_magic 0: nothing
+ * passes. Reads capacity: the owner's, or racily (see keel_page_t). */
+KEEL_INLINE bool _keel_page_is_carved(const keel_page_t *page, size_t off) {
+  size_t idx;
+  bool boundary = _keel_page_block_index(page, off, &idx);
+  /* `&`, not `&&`: gcc 12 then lays the free fast path out straight; with
+   * `&&` it put the slow-path jump inside it (a taken branch per free). */
+  return (idx < keel_load_relaxed(&page->capacity)) & boundary;
 }
 
-/* Whether offset `off` from page->start (a pointer below start wraps to a
- * huge one) lies within the page's span. The slice map sends every slice of
- * a retired large span to whatever page now starts at its first slice, so a
- * stale pointer far past that page's end can still be a multiple of its
- * block size: without this bound a second free of it was accepted. */
-KEEL_INLINE bool _keel_page_in_span(const keel_page_t *page, size_t off) {
-  return off < ((size_t)page->slices << KEEL_SLICE_SHIFT);
-}
-
-/* Whether p is a block the page has carved: a page in use (bsize 0 marks a
- * free span or a large block's header), on a block boundary, below the
- * carved end. Reads capacity: the owner's, or a racy hint for others. */
+/* _keel_page_is_carved for a pointer, on a page in use (bsize 0 marks a
+ * free span or a large block's header). */
 KEEL_INLINE bool _keel_page_has_block(const keel_page_t *page, const void *p) {
-  size_t off = (size_t)((const uint8_t *)p - page->start);
-  return page->bsize != 0 && (const uint8_t *)p >= page->start &&
-         off < (size_t)page->capacity * page->bsize && _keel_page_is_block_offset(page, off);
+  return page->bsize != 0 && _keel_page_is_carved(page, (size_t)((const uint8_t *)p - page->start));
 }
 
 #endif /* KEEL_HEAP_INTERNAL_H */

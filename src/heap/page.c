@@ -42,7 +42,8 @@ void _keel_page_init(keel_page_t *page, unsigned cls, keel_heap_t *heap) {
   KEEL_TRACK_RESET(page->start, (size_t)page->slices << KEEL_SLICE_SHIFT);
   KEEL_ASSERT(page->bsize == bsize && page->cls == cls); /* set under the segment lock */
   page->reserved = (uint32_t)(((size_t)page->slices << KEEL_SLICE_SHIFT) / bsize);
-  page->capacity = 0;
+  KEEL_ASSERT(page->reserved <= UINT16_MAX); /* 8192 at most: capacity is 16 bits */
+  keel_store_relaxed(&page->capacity, 0);
   page->used = 0;
   page->remote_in = 0;
   page->div_magic = UINT64_MAX / bsize + 1;
@@ -59,19 +60,20 @@ void _keel_page_init(keel_page_t *page, unsigned cls, keel_heap_t *heap) {
 /* Carves up to 4 KiB of new blocks (at least one) onto the empty free list,
  * in address order so consecutive allocations are adjacent. */
 static void page_extend(keel_page_t *page) {
-  uint32_t n = page->reserved - page->capacity;
+  uint32_t capacity = keel_load_relaxed(&page->capacity);
+  uint32_t n = page->reserved - capacity;
   uint32_t step = 4096 / page->bsize;
   if (step == 0) step = 1;
   if (n > step) n = step;
   if (n == 0) return;
-  uint8_t *first = page->start + (size_t)page->capacity * page->bsize;
+  uint8_t *first = page->start + (size_t)capacity * page->bsize;
   uint8_t *b = first;
   for (uint32_t i = 1; i < n; i++, b += page->bsize) {
     ((keel_block_t *)b)->next = _keel_encode(page, b + page->bsize);
   }
   ((keel_block_t *)b)->next = _keel_encode(page, _keel_list_end(page));
   page->free = (keel_block_t *)first;
-  page->capacity += n;
+  keel_store_relaxed(&page->capacity, (uint16_t)(capacity + n));
 }
 
 /* Appends list `head` (terminated by the list end) to page->free. */
@@ -194,11 +196,8 @@ bool _keel_page_has_free_block_remote(keel_page_t *page, keel_block_t *b) {
  * carved part of the page; -1 if not. */
 static long list_count(const keel_page_t *page, keel_block_t *list) {
   long n = 0;
-  size_t carved = (size_t)page->capacity * page->bsize;
   while (!_keel_list_empty(list)) {
-    size_t off = (size_t)((uint8_t *)list - page->start);
-    if ((uint8_t *)list < page->start || off >= carved || !_keel_page_is_block_offset(page, off) ||
-        n > (long)page->capacity) {
+    if (!_keel_page_has_block(page, list) || n > (long)keel_load_relaxed(&page->capacity)) {
       return -1;
     }
     n++;
@@ -209,7 +208,8 @@ static long list_count(const keel_page_t *page, keel_block_t *list) {
 }
 
 bool _keel_page_validate(const keel_page_t *page) {
-  if (page->bsize != _keel_class_size[page->cls] || page->capacity > page->reserved) return false;
+  uint32_t capacity = keel_load_relaxed(&page->capacity);
+  if (page->bsize != _keel_class_size[page->cls] || capacity > page->reserved) return false;
   if ((size_t)page->reserved * page->bsize > ((size_t)page->slices << KEEL_SLICE_SHIFT))
     return false;
   if ((page->key >> 63) == 0) return false;
@@ -218,6 +218,5 @@ bool _keel_page_validate(const keel_page_t *page) {
   long nthread = KEEL_TF_PTR(w) == NULL ? 0 : list_count(page, KEEL_TF_PTR(w));
   if (nfree < 0 || nlocal < 0 || nthread < 0 || nthread != (long)KEEL_TF_COUNT(w)) return false;
   /* used counts blocks on thread_free until the owner collects them. */
-  return (size_t)nfree + (size_t)nlocal + page->used == page->capacity &&
-         (size_t)nthread <= page->used;
+  return (size_t)nfree + (size_t)nlocal + page->used == capacity && (size_t)nthread <= page->used;
 }

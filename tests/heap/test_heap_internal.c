@@ -830,6 +830,64 @@ static void do_realloc_interior(void *arg) {
   keel_realloc(p + 16, 200);
 }
 
+/* Regression (found by review): a block boundary past its page's carved
+ * end (capacity * bsize) passed the checks of the owner's free fast path,
+ * of a remote free, of realloc and of usable_size: the "block" went on a
+ * list of its page and was later handed out twice (freed remotely, it also
+ * made the page's used count underflow). Two such boundaries: in the
+ * never-carved tail of a page (1 KiB blocks, carved 4 at a time), and after
+ * the last whole block (4352-byte blocks: 15 fill 65,280 bytes of 64 KiB). */
+static void *uncarved_tail(void) {
+  for (int i = 0; i < 100000; i++) {
+    uint8_t *p = keel_malloc(1024);
+    keel_page_t *page = page_of(p);
+    uint16_t capacity = keel_load_relaxed(&page->capacity);
+    if (capacity < page->reserved) return page->start + (size_t)capacity * page->bsize;
+  }
+  return NULL;
+}
+
+static void *past_last_block(void) {
+  keel_page_t *page = page_of(keel_malloc(4108));
+  return page->start + (size_t)page->reserved * page->bsize;
+}
+
+static void do_free_uncarved(void *arg) {
+  (void)arg;
+  keel_free(uncarved_tail());
+}
+
+static void do_free_uncarved_remote(void *arg) {
+  (void)arg;
+  void *p = uncarved_tail();
+  batch_t one = {.v = &p, .n = 1, .size = 1024};
+  pthread_t t;
+  if (pthread_create(&t, NULL, free_batch, &one) == 0) pthread_join(t, NULL);
+}
+
+static void do_realloc_uncarved(void *arg) {
+  (void)arg;
+  keel_realloc(uncarved_tail(), 1000); /* would stay in place */
+}
+
+static void do_usable_size_uncarved(void *arg) {
+  (void)arg;
+  (void)keel_usable_size(uncarved_tail());
+}
+
+static void do_free_past_last_block(void *arg) {
+  (void)arg;
+  keel_free(past_last_block());
+}
+
+static void do_free_past_last_block_remote(void *arg) {
+  (void)arg;
+  void *p = past_last_block();
+  batch_t one = {.v = &p, .n = 1, .size = 4108};
+  pthread_t t;
+  if (pthread_create(&t, NULL, free_batch, &one) == 0) pthread_join(t, NULL);
+}
+
 KEEL_UNUSED static void do_use_after_free(void *arg) {
   (void)arg;
   volatile char *p = keel_malloc(64);
@@ -850,6 +908,12 @@ static void test_bad_input(void) {
   KT_EXPECT_ABORT(do_free_mmap, NULL, "keel: free: invalid pointer 0x");
   KT_EXPECT_ABORT(do_free_large_interior, NULL, "keel: free: invalid pointer 0x");
   KT_EXPECT_ABORT(do_realloc_interior, NULL, "invalid pointer 0x");
+  KT_EXPECT_ABORT(do_free_uncarved, NULL, "keel: free: invalid pointer 0x");
+  KT_EXPECT_ABORT(do_free_uncarved_remote, NULL, "keel: free: invalid pointer 0x");
+  KT_EXPECT_ABORT(do_realloc_uncarved, NULL, "keel: free: invalid pointer 0x");
+  KT_EXPECT_ABORT(do_usable_size_uncarved, NULL, "keel: usable_size: invalid pointer 0x");
+  KT_EXPECT_ABORT(do_free_past_last_block, NULL, "keel: free: invalid pointer 0x");
+  KT_EXPECT_ABORT(do_free_past_last_block_remote, NULL, "keel: free: invalid pointer 0x");
 #if defined(KEEL_ASAN)
   /* Freed blocks are poisoned (track.h); ASAN_OPTIONS=abort_on_error=1. */
   KT_EXPECT_ABORT(do_use_after_free, NULL, "use-after-poison");

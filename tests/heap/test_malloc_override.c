@@ -456,6 +456,10 @@ static void realloc_child(void *p) {
   (void)q;
 }
 
+static void usable_size_child(void *p) {
+  (void)malloc_usable_size(p);
+}
+
 static void expect_invalid(void (*fn)(void *), void *p) {
   char expect[64];
   snprintf(expect, sizeof(expect), "invalid pointer %p", p);
@@ -478,6 +482,17 @@ static void invalid_free_aborts(void) {
   expect_invalid(realloc_child, ht_launder(stack));
   expect_invalid(realloc_child, m + 4096);
   munmap(m, MiB);
+  /* Regression (found by review): a block boundary after the last whole
+   * block of p's page (4352-byte blocks: 15 fill 65,280 bytes of its
+   * 64 KiB) was taken by free, realloc and malloc_usable_size as a block,
+   * and handed out twice after the free. */
+  uint8_t *tail = (uint8_t *)((uintptr_t)p & ~(uintptr_t)(64 * KiB - 1)) + 15 * 4352;
+  KT_CHECK(malloc_usable_size(p) == 4352);
+  snprintf(expect, sizeof(expect), "keel: free: invalid pointer %p", (void *)tail);
+  KT_EXPECT_ABORT(free_child, tail, expect);
+  KT_EXPECT_ABORT(realloc_child, tail, expect);
+  snprintf(expect, sizeof(expect), "keel: malloc_usable_size: invalid pointer %p", (void *)tail);
+  KT_EXPECT_ABORT(usable_size_child, tail, expect);
   free(p);
 }
 
