@@ -761,14 +761,37 @@ static void free_foreign(keel_page_t *page, keel_block_t *b, const char *call) {
   _keel_purge_schedule(); /* with no lock held: it may create the purge thread */
 }
 
+/* For the owner of p's page, before the link test: a remote free of a
+ * block of a full page goes to the owner heap's delayed list, where its
+ * link is a plain pointer that test cannot recognise. Drained, such a block
+ * is on a list of its page, where the test finds it; and if it was the
+ * page's last block in use, the page is gone, and so p was freed (a live
+ * block keeps its page). Shared heaps' delayed lists stay empty: their
+ * blocks are freed as their owner (free_foreign). */
+static void check_not_delayed(keel_heap_t *heap, keel_page_t *page, void *p, const char *call) {
+  if (keel_load_relaxed(&page->flags) == 0 || keel_load_relaxed(&heap->delayed) == NULL) return;
+  owner_enter(heap);
+  __drain_delayed(heap, true);
+  owner_exit(heap);
+  if (keel_load_relaxed(&page->heap) != heap || !_keel_page_has_block(page, p))
+    _keel_die_double_free(call, p);
+  _keel_purge_schedule(); /* the drain may have freed pages; no heap lock is held */
+}
+
 void _keel_check_not_free(keel_page_t *page, void *p, const char *call) {
-  /* The owner reads its page's lists (a shared heap's, under its mutex);
-   * another thread's page gets the racy walk a remote free makes, since
-   * realloc may return the block in place, where no free of ours follows
-   * to find it (a block freed by its owner came back to life). */
+  /* The owner reads its page's lists (a shared heap's, under its mutex),
+   * after draining its delayed list as its free does; another thread's
+   * page gets the racy walk a remote free makes, since realloc may return
+   * the block in place, where no free of ours follows to find it (a block
+   * freed by its owner, or by another thread while its page was full, came
+   * back to life). A block of another thread's page that waits on that
+   * thread's delayed list is not seen here: we cannot read another heap's
+   * list (it may be unmapped), and the owner's drain notices only once the
+   * block's first word is written (a second remote free rewrites it). */
   shared_shard_t *sh = NULL;
   keel_block_t *b = p;
-  if (keel_load_relaxed(&page->heap) != _keel_heap_tls) {
+  keel_heap_t *heap = _keel_heap_tls;
+  if (keel_load_relaxed(&page->heap) != heap) {
     if ((sh = shard_of(page)) == NULL) {
       if (keel_unlikely(_keel_block_maybe_free(page, b)) &&
           _keel_page_has_free_block_remote(page, b))
@@ -776,6 +799,8 @@ void _keel_check_not_free(keel_page_t *page, void *p, const char *call) {
       return;
     }
     pthread_mutex_lock(&sh->lock);
+  } else {
+    check_not_delayed(heap, page, p, call);
   }
   bool freed = _keel_block_maybe_free(page, b) && _keel_page_has_free_block(page, b);
   if (sh != NULL) pthread_mutex_unlock(&sh->lock);
@@ -820,18 +845,7 @@ void _keel_free_generic(void *p, const char *call) {
     free_foreign(page, b, call);
     return;
   }
-  if (keel_load_relaxed(&page->flags) != 0 && keel_load_relaxed(&heap->delayed) != NULL) {
-    /* A full page: a remote free of one of its blocks went to this heap's
-     * delayed list, where its link is a plain pointer the test below cannot
-     * recognise. Drained, such a block is on a list of its page; and if it
-     * was the page's last block in use, the page is gone and so this free
-     * is a double one (a live block keeps its page). */
-    owner_enter(heap);
-    __drain_delayed(heap, true);
-    owner_exit(heap);
-    if (keel_load_relaxed(&page->heap) != heap || !_keel_page_has_block(page, p))
-      _keel_die_double_free(call, p);
-  }
+  check_not_delayed(heap, page, p, call);
   /* On a list of the page: its first word decodes to a link into this
    * segment, confirmed by a walk. */
   if (_keel_block_maybe_free(page, b) && _keel_page_has_free_block(page, b)) {

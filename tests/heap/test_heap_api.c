@@ -1048,6 +1048,32 @@ static void double_free_through_delayed_list(void) {
   keel_free(full_blocks);
 }
 
+/* Regression (found by review): realloc by the owner of a block another
+ * thread freed while its page was full (so the free waits on the owner's
+ * delayed list, linked by a plain pointer). realloc's check for a freed
+ * block did not drain that list, as free does, and a shrink that stays in
+ * place returned the freed block live; the owner's next drain put it back
+ * on its page's free list, to be handed out a second time. */
+static void delayed_remote_then_realloc_child(void *p) {
+  free_by_thread(p);
+  void *q = keel_realloc(ht_launder(p), 60); /* 64-byte block: stays in place */
+  (void)q;
+}
+
+static void realloc_of_block_on_delayed_list_aborts(void) {
+  full_blocks = keel_malloc(4096 * sizeof(void *));
+  KT_REQUIRE(full_blocks != NULL);
+  void *p = keel_malloc(64);
+  KT_REQUIRE(p != NULL);
+  fill_page_of(64, p);
+  char expect[64];
+  snprintf(expect, sizeof(expect), "keel: realloc: double free of %p", p);
+  KT_EXPECT_ABORT(delayed_remote_then_realloc_child, p, expect);
+  keel_free(p);
+  for (size_t j = 0; j < full_n; j++) keel_free(full_blocks[j]);
+  keel_free(full_blocks);
+}
+
 /* A 100 KB block's span is retired once freed; a new small page then starts
  * at its first slice, and the slice map sends the stale pointer's slice to
  * that page, where it is a multiple of the block size but past the page's
@@ -1176,7 +1202,7 @@ KT_MAIN(KT_CASE(malloc_zero_unique), KT_CASE(free_null), KT_CASE(malloc_alignmen
         KT_CASE(bad_free_stack_address), KT_CASE(bad_free_interior_pointer),
         KT_CASE(bad_free_foreign_mmap), KT_CASE(bad_realloc_invalid_pointer),
         KT_CASE(double_free_small), KT_CASE(double_free_across_threads),
-        KT_CASE(double_free_through_delayed_list), KT_CASE(double_free_large),
-        KT_CASE(double_free_stale_span), KT_CASE(aligned_alloc_size_zero),
-        KT_CASE(realloc_freed_from_other_thread_aborts), KT_CASE(realloc_after_free_aborts),
-        KT_CASE(realloc_in_place_of_freed_block_aborts))
+        KT_CASE(double_free_through_delayed_list), KT_CASE(realloc_of_block_on_delayed_list_aborts),
+        KT_CASE(double_free_large), KT_CASE(double_free_stale_span),
+        KT_CASE(aligned_alloc_size_zero), KT_CASE(realloc_freed_from_other_thread_aborts),
+        KT_CASE(realloc_after_free_aborts), KT_CASE(realloc_in_place_of_freed_block_aborts))
