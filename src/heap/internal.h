@@ -360,7 +360,9 @@ void _keel_purge_schedule(void) KEEL_HIDDEN;
 /* Records that something waits for a delayed purge (a freed span, a cached
  * large mapping, an abandoned page, a delayed list): only then does
  * _keel_purge_schedule start the thread, so a process that never frees
- * memory back never gets one. Any lock may be held. */
+ * memory back never gets one. With heap_purge_ms=0 too: abandoned pages and
+ * idle owners' delayed lists have no one else to return them. Any lock may
+ * be held. */
 void _keel_purge_note_work(void) KEEL_HIDDEN;
 void _keel_purge_fork_child(void) KEEL_HIDDEN;
 extern keel_atomic(size_t) _keel_purged_bytes KEEL_HIDDEN;
