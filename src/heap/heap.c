@@ -31,7 +31,9 @@
  * abandoned pages once their last block comes back. The heap struct goes on
  * a small free list for the next thread (beyond 8 it is unmapped), so
  * 10,000 short-lived threads use a handful of heaps and no more pages than
- * the live ones need.
+ * the live ones need. What the thread allocates after its hook ran (in a
+ * later pthread-key destructor) comes from the shared heaps: a heap made
+ * then would never be handed back.
  *
  * Double free: every list of a page (free, local_free, thread_free) links
  * its blocks with links encoded by the page key, so a block on one of them
@@ -384,10 +386,15 @@ static void __drain_delayed(keel_heap_t *heap, bool owner) {
 
 static void heap_thread_exit(void *arg);
 
-/* Set once this thread's exit hook ran. A thread that only frees (a consumer) gets a heap for its counters on its
- * first free (free_remote): one shared atomic counter per class would bounce between
- * every consumer's cache. Not after its exit hook ran (the heap would never
- * be handed back). */
+/* Set once this thread's exit hook ran. From then on the thread never gets
+ * a heap again: one made later (by a pthread-key destructor or another
+ * module's exit hook that allocates or frees) would re-arm the hook, which
+ * glibc's last destructor round never runs, so the heap and its pages would
+ * never be handed back. Such a thread allocates from the shared heaps
+ * (malloc_thread) and frees as a stranger. Before that, a thread that only
+ * frees (a consumer) gets a heap for its counters on its first free
+ * (counting_heap): one shared atomic counter per class would bounce between
+ * every consumer's cache. */
 static KEEL_TLS bool tls_exited;
 
 static keel_heap_t *heap_get(void) {
@@ -568,11 +575,6 @@ static void *malloc_class(keel_heap_t *heap, unsigned cls, size_t size) {
   return _keel_page_pop(page);
 }
 
-static keel_heap_t *heap_or_init(keel_heap_t *heap) {
-  if (keel_likely(heap != &_keel_empty_heap)) return heap;
-  return _keel_heap_init_thread();
-}
-
 /* ---- the shared heap ----
  * Classes above KEEL_SHARED_MIN (8 KiB, where pages grow from 64 KiB to
  * 256 KiB and 1 MiB) come from a few heaps shared by all threads (4 shards,
@@ -640,27 +642,34 @@ static void shared_collect(bool force) {
   }
 }
 
+/* A block of class cls for the calling thread, whose heap is `heap`: its
+ * first allocation makes the heap, unless its exit hook has run already
+ * (tls_exited: a late allocation goes to the shared heaps, see there). Only
+ * the malloc slow paths come here, so the extra test costs the fast path
+ * nothing. */
+static void *malloc_thread(keel_heap_t *heap, unsigned cls, size_t size) {
+  if (keel_unlikely(heap == &_keel_empty_heap)) {
+    if (tls_exited) return malloc_shared(cls, size);
+    if ((heap = _keel_heap_init_thread()) == NULL) {
+      errno = ENOMEM;
+      return NULL;
+    }
+  }
+  return malloc_class(heap, cls, size);
+}
+
 void *_keel_malloc_generic(keel_heap_t *heap, size_t size) {
   if (size > KEEL_LARGE_MAX) return _keel_large_alloc(size, 0, false);
   unsigned cls = _keel_class_of(size);
   if (_keel_class_size[cls] > KEEL_SHARED_MIN) return malloc_shared(cls, size);
-  if ((heap = heap_or_init(heap)) == NULL) {
-    errno = ENOMEM;
-    return NULL;
-  }
-  void *p = malloc_class(heap, cls, size);
+  void *p = malloc_thread(heap, cls, size);
   _keel_purge_schedule(); /* pages may have been freed draining the delayed list */
   return p;
 }
 
 void *_keel_malloc_in_class(unsigned cls, size_t size) {
   if (_keel_class_size[cls] > KEEL_SHARED_MIN) return malloc_shared(cls, size);
-  keel_heap_t *heap = heap_or_init(_keel_heap_tls);
-  if (heap == NULL) {
-    errno = ENOMEM;
-    return NULL;
-  }
-  return malloc_class(heap, cls, size);
+  return malloc_thread(_keel_heap_tls, cls, size);
 }
 
 /* ---- free slow path ---- */
