@@ -75,10 +75,10 @@ typedef struct keel_heap_class_stats {
 typedef struct keel_heap_stats {
   size_t mapped_bytes;    /* address space mapped from the OS and not released */
   size_t committed_bytes; /* of that, committed (not purged or decommitted) */
-  size_t live_bytes;      /* usable bytes of live blocks, all sizes */
+  size_t live_bytes;      /* usable bytes of live blocks, all sizes (keel_usable_size) */
   size_t requested_bytes; /* bytes asked for by live blocks */
   size_t large_live;      /* live blocks above the large threshold (mapped directly) */
-  size_t large_bytes;     /* their mapped bytes */
+  size_t large_bytes;     /* their mapped bytes: header page and alignment gap included */
   size_t purged_bytes;    /* total returned to the OS since start */
   size_t threads;         /* thread heaps alive */
   size_t abandoned_pages; /* pages of exited threads not yet adopted or freed */

@@ -348,6 +348,9 @@ bool _keel_large_pending(void) KEEL_HIDDEN;
 bool _keel_huge_free(void *p) KEEL_HIDDEN;
 size_t _keel_huge_usable(const void *p) KEEL_HIDDEN;
 void _keel_large_totals(size_t *live, size_t *bytes, size_t *cached, size_t *requested) KEEL_HIDDEN;
+/* The usable bytes of live large blocks: their mapped bytes (`bytes` above)
+ * less header pages and alignment gaps. */
+size_t _keel_large_usable(void) KEEL_HIDDEN;
 void _keel_large_lock(void) KEEL_HIDDEN;
 void _keel_large_unlock(void) KEEL_HIDDEN;
 void _keel_large_child_reset(void) KEEL_HIDDEN;

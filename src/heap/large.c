@@ -66,6 +66,11 @@ static cache_slot_t cache[CACHE_SLOTS];
 static unsigned cache_n;
 static size_t cache_bytes;
 static keel_atomic(size_t) live_count, live_bytes, live_requested, cached_bytes_pub;
+/* Of live_bytes (mapped), the bytes before each block: the header page and
+ * any alignment gap, so that live_bytes - live_hdr_bytes is what the blocks
+ * can use (keel_usable_size), which keel_heap_stats reports as live. Set at
+ * allocation; realloc keeps a block's offset, so it leaves this alone. */
+static keel_atomic(size_t) live_hdr_bytes;
 
 void _keel_large_lock(void) {
   pthread_mutex_lock(&large_lock);
@@ -194,6 +199,7 @@ static void *huge_alloc(size_t size, size_t align) {
   pthread_mutex_unlock(&large_lock);
   keel_fetch_add_relaxed(&live_count, 1);
   keel_fetch_add_relaxed(&live_bytes, mapped);
+  keel_fetch_add_relaxed(&live_hdr_bytes, align);
   keel_fetch_add_relaxed(&live_requested, size);
   return h->user;
 }
@@ -217,6 +223,7 @@ bool _keel_huge_free(void *p) {
   if (h == NULL) return false;
   keel_fetch_sub_relaxed(&live_count, 1);
   keel_fetch_sub_relaxed(&live_bytes, h->mapped);
+  keel_fetch_sub_relaxed(&live_hdr_bytes, (size_t)((uint8_t *)h->user - (uint8_t *)h));
   keel_fetch_sub_relaxed(&live_requested, h->size);
   _keel_os_release(h, h->mapped);
   return true;
@@ -273,6 +280,7 @@ void *_keel_large_alloc(size_t size, size_t align, bool zero) {
   if (zero && !fresh) memset(p, 0, size);
   keel_fetch_add_relaxed(&live_count, 1);
   keel_fetch_add_relaxed(&live_bytes, need);
+  keel_fetch_add_relaxed(&live_hdr_bytes, off);
   keel_fetch_add_relaxed(&live_requested, size);
   return p;
 }
@@ -280,6 +288,7 @@ void *_keel_large_alloc(size_t size, size_t align, bool zero) {
 void _keel_large_free(keel_segment_t *seg) {
   keel_fetch_sub_relaxed(&live_count, 1);
   keel_fetch_sub_relaxed(&live_bytes, seg->mapped);
+  keel_fetch_sub_relaxed(&live_hdr_bytes, seg->user_off);
   keel_fetch_sub_relaxed(&live_requested, seg->req);
   seg->kind = KEEL_SEG_LARGE_CACHED;
   bool cached = false;
@@ -361,4 +370,9 @@ void _keel_large_totals(size_t *live, size_t *bytes, size_t *cached, size_t *req
   *bytes = keel_load_relaxed(&live_bytes);
   *cached = keel_load_relaxed(&cached_bytes_pub);
   *requested = keel_load_relaxed(&live_requested);
+}
+
+size_t _keel_large_usable(void) {
+  size_t bytes = keel_load_relaxed(&live_bytes), hdr = keel_load_relaxed(&live_hdr_bytes);
+  return bytes > hdr ? bytes - hdr : 0; /* read one by one while others run */
 }

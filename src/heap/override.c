@@ -145,8 +145,13 @@ KEEL_EXPORT struct mallinfo2 mallinfo2(void) {
   mi.arena = st.mapped_bytes - st.large_bytes; /* heap segments */
   mi.hblks = st.large_live;
   mi.hblkhd = st.large_bytes;
-  mi.uordblks = st.live_bytes;
-  mi.fordblks = st.committed_bytes > st.live_bytes ? st.committed_bytes - st.live_bytes : 0;
+  mi.uordblks = st.live_bytes; /* usable bytes, large blocks' included */
+  /* Free: committed and in no live block. A live large mapping is in use
+   * whole, its header page and alignment gap too, so it is taken out at
+   * its mapped size, not at the usable size uordblks counts. */
+  size_t in_use = st.large_bytes;
+  for (size_t c = 0; c < st.n_classes; c++) in_use += st.classes[c].usable_bytes;
+  mi.fordblks = st.committed_bytes > in_use ? st.committed_bytes - in_use : 0;
   mi.keepcost = 0;
   return mi;
 }

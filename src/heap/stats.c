@@ -70,7 +70,10 @@ KEEL_API void keel_heap_stats(keel_heap_stats_t *st) {
   _keel_large_totals(&large_live, &large_bytes, &large_cached, &large_req);
   st->large_live = large_live;
   st->large_bytes = large_bytes;
-  st->live_bytes += large_bytes;
+  /* Usable bytes, as for a class (and keel_usable_size): not the mapping's
+   * header page or alignment gap, which large_bytes and the mapped and
+   * committed totals do count. */
+  st->live_bytes += _keel_large_usable();
   st->requested_bytes += large_req;
   st->mapped_bytes = seg.mapped + large_bytes + large_cached;
   st->committed_bytes = seg.committed + large_bytes + large_cached;

@@ -821,6 +821,44 @@ static void stats_track_large_blocks(void) {
   free(s0);
 }
 
+/* Regression (live_bytes counted large blocks as mapped): live_bytes is
+ * "usable bytes of live blocks", yet for a large block it added the whole
+ * mapping, header page and alignment gap included (2 MiB-aligned 300 KiB:
+ * 2,404,352 bytes where keel_usable_size says 307,200). Now each large
+ * block adds its usable size; large_bytes stays the mapped size. */
+static void stats_large_live_bytes_are_usable(void) {
+  keel_heap_stats_t *s0 = calloc(2, sizeof(*s0)), *s1 = s0 + 1;
+  enum { N = 4 };
+  const struct {
+    size_t align, size;
+  } cases[N] = {
+      {0, 8 * MiB + 5},                  /* plain: the header page only */
+      {2 * MiB, 300 * KiB},              /* aligned in a segment: a 2 MiB gap */
+      {8 * MiB, 100},                    /* aligned above half a segment: its own list */
+      {64 * KiB, large_threshold() + 1}, /* aligned, just above the classes */
+  };
+  void *p[N];
+  size_t usable = 0;
+  keel_heap_stats(s0);
+  for (size_t i = 0; i < N; i++) {
+    p[i] = cases[i].align == 0 ? keel_malloc(cases[i].size)
+                               : keel_aligned_alloc(cases[i].align, cases[i].size);
+    KT_REQUIRE(p[i] != NULL);
+    KT_CHECK(keel_usable_size(p[i]) >= cases[i].size);
+    usable += keel_usable_size(p[i]);
+    keel_heap_stats(s1);
+    KT_EQ(s1->live_bytes - s0->live_bytes, usable);
+  }
+  KT_EQ(s1->large_live - s0->large_live, N);
+  KT_CHECK(s1->large_bytes - s0->large_bytes > usable + 2 * MiB); /* mapped: gaps included */
+  KT_CHECK(s1->requested_bytes <= s1->live_bytes);
+  for (size_t i = 0; i < N; i++) keel_free(p[i]);
+  keel_heap_stats(s1);
+  KT_EQ(s1->live_bytes, s0->live_bytes);
+  KT_EQ(s1->large_bytes, s0->large_bytes);
+  free(s0);
+}
+
 static void print_stats_lists_classes_in_use(void) {
   load_classes();
   enum { N = 777 };
@@ -1256,12 +1294,13 @@ KT_MAIN(KT_CASE(malloc_zero_unique), KT_CASE(free_null), KT_CASE(malloc_alignmen
         KT_CASE(realloc_large_grow_shrink), KT_CASE(realloc_large_grow_with_neighbour),
         KT_CASE(free_sized_matches), KT_CASE(free_sized_too_large_aborts_in_debug),
         KT_CASE(stats_track_small_blocks), KT_CASE(stats_track_large_blocks),
-        KT_CASE(print_stats_lists_classes_in_use), KT_CASE(collect_returns_rss_small),
-        KT_CASE(collect_returns_rss_large), KT_CASE(purge_after_delay),
-        KT_CASE(bad_free_stack_address), KT_CASE(bad_free_interior_pointer),
-        KT_CASE(bad_free_foreign_mmap), KT_CASE(bad_realloc_invalid_pointer),
-        KT_CASE(double_free_small), KT_CASE(double_free_across_threads),
-        KT_CASE(double_free_through_delayed_list), KT_CASE(realloc_of_block_on_delayed_list_aborts),
-        KT_CASE(double_free_large), KT_CASE(double_free_stale_span),
-        KT_CASE(aligned_alloc_size_zero), KT_CASE(realloc_freed_from_other_thread_aborts),
-        KT_CASE(realloc_after_free_aborts), KT_CASE(realloc_in_place_of_freed_block_aborts))
+        KT_CASE(stats_large_live_bytes_are_usable), KT_CASE(print_stats_lists_classes_in_use),
+        KT_CASE(collect_returns_rss_small), KT_CASE(collect_returns_rss_large),
+        KT_CASE(purge_after_delay), KT_CASE(bad_free_stack_address),
+        KT_CASE(bad_free_interior_pointer), KT_CASE(bad_free_foreign_mmap),
+        KT_CASE(bad_realloc_invalid_pointer), KT_CASE(double_free_small),
+        KT_CASE(double_free_across_threads), KT_CASE(double_free_through_delayed_list),
+        KT_CASE(realloc_of_block_on_delayed_list_aborts), KT_CASE(double_free_large),
+        KT_CASE(double_free_stale_span), KT_CASE(aligned_alloc_size_zero),
+        KT_CASE(realloc_freed_from_other_thread_aborts), KT_CASE(realloc_after_free_aborts),
+        KT_CASE(realloc_in_place_of_freed_block_aborts))

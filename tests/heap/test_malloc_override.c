@@ -374,6 +374,25 @@ static void mallinfo2_reports_keel(void) {
   KT_CHECK(c.uordblks + c.hblkhd + (size_t)N * 4000 <= in_b);
 }
 
+/* Regression (live_bytes, and so uordblks, counted large mappings whole):
+ * a large block is in use by its usable size (malloc_usable_size), while
+ * hblkhd keeps the mapped size and fordblks does not count the mapping's
+ * header page or alignment gap as free. */
+static void mallinfo2_large_block_usable(void) {
+  struct mallinfo2 a = mallinfo2();
+  void *p = NULL;
+  KT_REQUIRE(posix_memalign(&p, (size_t)2 << 20, (size_t)300 << 10) == 0);
+  struct mallinfo2 b = mallinfo2();
+  KT_EQ(b.uordblks - a.uordblks, malloc_usable_size(p));
+  KT_EQ(b.hblks - a.hblks, 1);
+  KT_CHECK(b.hblkhd - a.hblkhd > ((size_t)2 << 20) + malloc_usable_size(p) - 1);
+  KT_CHECK(b.fordblks <= a.fordblks); /* a fresh or a cached mapping: never more free */
+  free(p);
+  struct mallinfo2 c = mallinfo2();
+  KT_EQ(c.uordblks, a.uordblks);
+  KT_EQ(c.hblkhd, a.hblkhd);
+}
+
 static void malloc_trim_returns_memory(void) {
   enum { N = 16384 };
   void **p = malloc(N * sizeof(void *));
@@ -641,6 +660,7 @@ static const kt_case_t cases[] = {
     KT_CASE(memalign_rounds_alignment_up_like_glibc),
     KT_CASE(overflow_is_enomem),
     KT_CASE(mallinfo2_reports_keel),
+    KT_CASE(mallinfo2_large_block_usable),
     KT_CASE(malloc_trim_returns_memory),
     KT_CASE(malloc_stats_and_mallopt),
     KT_CASE(malloc_info_reports_keel),
