@@ -30,9 +30,10 @@
  *
  * Misuse aborts with one line on stderr: freeing into the wrong pool
  * ("keel: keel_pool_free: 0x... does not belong to pool 'dict'"), a double
- * free ("keel: keel_pool_free: double free of 0x... in pool 'dict'"), or any
- * use of a destroyed pool. Each object carries a 16-byte header for these
- * checks (more for alignments above 16).
+ * free ("keel: keel_pool_free: double free of 0x... in pool 'dict'"), any
+ * use of a destroyed pool, or a NULL pool ("keel: keel_pool_alloc: NULL
+ * pool"). Each object carries a 16-byte header for these checks (more for
+ * alignments above 16).
  */
 #ifndef KEEL_POOL_H
 #define KEEL_POOL_H
@@ -244,9 +245,11 @@ static inline bool keel_pool_inline_push(struct keel_pool_sub_fast *sp, struct k
 }
 
 #ifdef KEEL_POOL_INLINE
+/* A NULL pool goes to the library's function before anything is read
+ * through it: that one aborts naming the call, not with a SIGSEGV. */
 static inline void *keel_pool_inline_alloc(keel_pool_t *pool) {
   const struct keel_pool_fast *pf = (const struct keel_pool_fast *)(const void *)pool;
-  if (__builtin_expect(pf->flags == 0 && pf->id < KEEL_POOL_FAST_SLOTS, 1)) {
+  if (__builtin_expect(pool != NULL && pf->flags == 0 && pf->id < KEEL_POOL_FAST_SLOTS, 1)) {
     struct keel_pool_sub_fast *sp = keel_pool_slots_v1[pf->id];
     if (__builtin_expect(sp != NULL, 1)) {
       struct keel_pool_objhdr *h = keel_pool_inline_pop(sp, false);
@@ -261,7 +264,8 @@ static inline void *keel_pool_inline_alloc(keel_pool_t *pool) {
 
 static inline void keel_pool_inline_free(keel_pool_t *pool, void *obj) {
   const struct keel_pool_fast *pf = (const struct keel_pool_fast *)(const void *)pool;
-  if (__builtin_expect(obj != NULL && pf->flags == 0 && pf->id < KEEL_POOL_FAST_SLOTS, 1)) {
+  if (__builtin_expect(
+          obj != NULL && pool != NULL && pf->flags == 0 && pf->id < KEEL_POOL_FAST_SLOTS, 1)) {
     struct keel_pool_objhdr *h = (struct keel_pool_objhdr *)obj - 1;
     struct keel_pool_sub_fast *sp = keel_pool_slots_v1[pf->id];
     /* The tag check (wrong pool, double free) before anything is written;

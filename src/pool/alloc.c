@@ -63,6 +63,7 @@ static void *pool_heap_alloc(keel_pool_t *p) {
 
 static KEEL_NOINLINE void *pool_alloc_generic(keel_pool_t *p, bool zero) {
   static const char *const call[2] = {"keel_pool_alloc", "keel_pool_zalloc"};
+  if (keel_unlikely(p == NULL)) _keel_pool_check_live(p, call[zero]); /* dies: "NULL pool" */
   /* Pools with hooks, debug checks or the fallback fence still pop without
    * a lock; only the per-object extras below are added. */
   pool_hdr_t *h = p->f.flags != 0 ? pool_pop_fast(p, p->f.flags & POOL_F_FENCE) : NULL;
@@ -98,9 +99,16 @@ static KEEL_NOINLINE void *pool_alloc_generic(keel_pool_t *p, bool zero) {
 }
 
 /* Parenthesised names: the definitions stand even where keel/pool.h's
- * KEEL_POOL_INLINE macros are in force. */
+ * KEEL_POOL_INLINE macros are in force.
+ *
+ * A NULL pool is tested for before the first load through it, so that it
+ * reaches the generic path and dies there naming the call ("NULL pool", as
+ * keel_pool_stats and keel_pool_destroy say) rather than with a SIGSEGV.
+ * Every fast-path load goes through the pool (its flags, its id for the
+ * slot), so no ordering of them can stand in for the test: it is one
+ * compare and a never-taken branch. */
 void *(keel_pool_alloc)(keel_pool_t *p) {
-  if (keel_likely(p->f.flags == 0)) {
+  if (keel_likely(p != NULL && p->f.flags == 0)) {
     pool_hdr_t *h = pool_pop_fast(p, false);
     if (keel_likely(h != NULL)) {
       h->tag = (uintptr_t)p;
@@ -111,7 +119,7 @@ void *(keel_pool_alloc)(keel_pool_t *p) {
 }
 
 void *keel_pool_zalloc(keel_pool_t *p) {
-  if (keel_likely(p->f.flags == 0)) {
+  if (keel_likely(p != NULL && p->f.flags == 0)) {
     pool_hdr_t *h = pool_pop_fast(p, false);
     if (keel_likely(h != NULL)) {
       h->tag = (uintptr_t)p;
@@ -166,7 +174,7 @@ static KEEL_NOINLINE void pool_free_generic(keel_pool_t *p, void *obj) {
 void(keel_pool_free)(keel_pool_t *p, void *obj) {
   if (keel_unlikely(obj == NULL)) return;
   pool_hdr_t *h = pool_hdr(obj);
-  pool_sub_t *sp = pool_sub_get(p);
+  pool_sub_t *sp = keel_likely(p != NULL) ? pool_sub_get(p) : NULL; /* NULL: generic, dies */
   if (keel_likely(sp != NULL && h->tag == (uintptr_t)p && p->f.flags == 0)) {
     h->tag = (uintptr_t)p | POOL_TAG_FREE;
     if (keel_likely(keel_pool_inline_push(&sp->f, h, false))) return;

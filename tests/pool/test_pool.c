@@ -320,6 +320,57 @@ static void corrupt_header_child(void *arg) {
   keel_pool_sweep(dict);
 }
 
+/* Regression (a NULL pool crashed the fast paths): keel_pool_alloc(NULL)
+ * and keel_pool_free(NULL, obj) read the pool before any check and died of
+ * SIGSEGV, where keel_pool_stats and keel_pool_destroy said "NULL pool".
+ * Every call now aborts naming itself, the inline fast paths (this file is
+ * also built with KEEL_POOL_INLINE) included. */
+static void null_pool_child(void *arg) {
+  keel_pool_t *dict = keel_pool_create("dict", 128, 0, NULL);
+  void *o = keel_pool_alloc(dict);
+  /* Not a pool object: its header's tag is 0, the address of a NULL pool. */
+  static uintptr_t fake[4];
+  keel_pool_stats_t st;
+  switch ((int)(intptr_t)arg) {
+    case 0:
+      keel_pool_alloc(NULL);
+      break;
+    case 1:
+      keel_pool_zalloc(NULL);
+      break;
+    case 2:
+      keel_pool_free(NULL, o);
+      break;
+    case 3:
+      keel_pool_free(NULL, &fake[2]);
+      break;
+    case 4:
+      keel_pool_sweep(NULL);
+      break;
+    case 5:
+      keel_pool_stats(NULL, &st);
+      break;
+    default:
+      keel_pool_destroy(NULL);
+      break;
+  }
+}
+
+static void null_pool_aborts(void) {
+  /* No sweeper in the children (see bad_input_aborts). */
+  keel_store_relaxed(&_keel_pool_sweeper_manual, 1);
+  static const char *const calls[] = {"keel_pool_alloc",  "keel_pool_zalloc", "keel_pool_free",
+                                      "keel_pool_free",   "keel_pool_sweep",  "keel_pool_stats",
+                                      "keel_pool_destroy"};
+  for (int i = 0; i < 7; i++) {
+    char want[128];
+    snprintf(want, sizeof(want), "keel: %s: NULL pool", calls[i]);
+    KT_CHECK(
+        kt_expect_abort(__FILE__, __LINE__, null_pool_child, (void *)(intptr_t)i, want, NULL, 0));
+  }
+  keel_store_relaxed(&_keel_pool_sweeper_manual, 0);
+}
+
 static void bad_input_aborts(void) {
   char out[512];
   /* The children must not start the sweeper: TSan cannot follow a thread
@@ -718,7 +769,8 @@ static void idle_threads_keep_no_pages(void) {
 
 KT_MAIN(KT_CASE(state_machine), KT_CASE(owner_services_pending_sweep),
         KT_CASE(reclaim_keeps_pending_sweep), KT_CASE(hooks_and_zalloc), KT_CASE(alignment),
-        KT_CASE(bad_create), KT_CASE(bad_input_aborts), KT_CASE(destroy_busy),
-        KT_CASE(thread_exit_releases), KT_CASE(reclaim), KT_CASE(print_stats),
-        KT_CASE(create_destroy_churn), KT_CASE(destroy_clears_live_threads_slots),
-        KT_CASE(idle_returns_to_zero), KT_CASE(out_of_memory), KT_CASE(idle_threads_keep_no_pages))
+        KT_CASE(bad_create), KT_CASE(bad_input_aborts), KT_CASE(null_pool_aborts),
+        KT_CASE(destroy_busy), KT_CASE(thread_exit_releases), KT_CASE(reclaim),
+        KT_CASE(print_stats), KT_CASE(create_destroy_churn),
+        KT_CASE(destroy_clears_live_threads_slots), KT_CASE(idle_returns_to_zero),
+        KT_CASE(out_of_memory), KT_CASE(idle_threads_keep_no_pages))
