@@ -160,6 +160,7 @@ static uint64_t tick(uint64_t now) {
 }
 
 void (*_keel_sched_sleep_hook)(void);
+void (*_keel_sched_tick_hook)(uint64_t wait);
 
 /* Whether a worker that owns timers is not parked; caller holds sched.lock.
  * keel_sched_after arms and a retiring worker hands timers on under that
@@ -221,12 +222,33 @@ static bool go_inf(void) {
   return true;
 }
 
+/* After publishing a nap (MON_NAP or MON_FULL), whether to look again
+ * instead: work waits and a worker is parked. The tick looked before the
+ * nap was stored, so a worker that left work behind since then read the
+ * mode before this store (MON_TICK: it left the parked sibling to the
+ * monitor's next tick, which the nap puts up to block_ms/2 away). Its take
+ * holds sched.lock and it reads the mode after: either this look under the
+ * same lock sees its work, or it reads the nap and acts on it (take). */
+static bool __nap_again(void) {
+  sched_t *s = &_keel_sched;
+  pthread_mutex_lock(&s->lock);
+  bool again = backlog() && atomic_load(&s->nidle) > 0;
+  pthread_mutex_unlock(&s->lock);
+  return again;
+}
+
 static void *monitor_main(void *arg) {
   (void)arg;
   sched_t *s = &_keel_sched;
   unsigned gen = s->fork_gen; /* written only in a fork child, before it has threads */
   for (;;) {
     if (atomic_load(&s->mon_mode) == MON_EXIT) break;
+    /* A poke or an unnap before this look is taken by it: clear it, so that
+     * one arriving after the look is still there below (review of this
+     * stop: the nap's CAS swallowed an unnap made between the look and it,
+     * and the work left behind waited a whole nap with a worker parked). */
+    uint32_t poked = MON_POKED;
+    atomic_compare_exchange_strong(&s->mon_mode, &poked, MON_TICK);
     _keel_sched_join_zombies();
     uint64_t now = keel_clock_ns();
     uint64_t wait = tick(now);
@@ -235,17 +257,26 @@ static void *monitor_main(void *arg) {
      * of the child's pool (that one, if the child starts a pool, is a new
      * thread), so it ends the child, as a worker whose job forked does. */
     if (keel_unlikely(s->fork_gen != gen)) _keel_sched_forked_exit();
+    void (*hook)(uint64_t) = __atomic_load_n(&_keel_sched_tick_hook, __ATOMIC_ACQUIRE);
+    if (keel_unlikely(hook != NULL)) hook(wait);
     if (wait == UINT64_MAX && now - s->mon_busy_ns < MON_LINGER_NS) wait = MON_TICK_NS;
     if (wait == UINT64_MAX) {
       if (go_inf()) keel_futex_wait_until(&s->mon_mode, MON_INF, UINT64_MAX);
       continue;
     }
     /* Outside MON_INF only the monitor, stop() and _keel_sched_unnap
-     * (MON_NAP -> MON_POKED) write the mode: the CAS fails on MON_EXIT, or
-     * on an unnap since the load (then look again). */
+     * (MON_NAP -> MON_POKED) write the mode. MON_POKED here came after this
+     * look (cleared above): look again. The CAS fails on MON_EXIT, or on an
+     * unnap since the load (look again too). */
     uint32_t mode = wait <= MON_TICK_NS ? MON_TICK : s->mon_full ? MON_FULL : MON_NAP;
     uint32_t m = atomic_load(&s->mon_mode);
-    if (m == MON_EXIT || !atomic_compare_exchange_strong(&s->mon_mode, &m, mode)) continue;
+    if (m == MON_EXIT || m == MON_POKED || !atomic_compare_exchange_strong(&s->mon_mode, &m, mode))
+      continue;
+    if (mode != MON_TICK && __nap_again()) {
+      uint32_t nap = mode;
+      atomic_compare_exchange_strong(&s->mon_mode, &nap, MON_TICK);
+      continue;
+    }
     keel_futex_wait_until(&s->mon_mode, mode, now + wait);
   }
   return NULL;

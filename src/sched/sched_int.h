@@ -369,5 +369,8 @@ void _keel_sched_unnap(void) KEEL_HIDDEN;
  * store (go_inf); NULL outside tests: one load each time the monitor goes
  * to sleep without deadline. */
 extern void (*_keel_sched_sleep_hook)(void) KEEL_HIDDEN;
+/* Tests set it to hold the monitor between a look (`wait`: what it asked)
+ * and its sleep; NULL outside tests: one load per look. */
+extern void (*_keel_sched_tick_hook)(uint64_t wait) KEEL_HIDDEN;
 
 #endif /* KEEL_SCHED_INT_H */

@@ -737,8 +737,74 @@ static void nap_burst_wakes_one(void) {
   KT_EQ(keel_sched_shutdown(KEEL_SCHED_CANCEL), 0); /* cancels the timer */
 }
 
+/* Review of this stop: a take that left work behind with a worker parked
+ * and read MON_NAP ended the nap (MON_POKED) while the monitor was between
+ * its look and its sleep; the monitor then stored its nap over MON_POKED
+ * and the work waited the whole nap (block_ms/2: 1 s here) with a worker
+ * parked. The monitor is held there (_keel_sched_tick_hook) while j1 and j2
+ * are queued: j1's worker leaves j2 behind and ends the nap, or reads the
+ * mode before the nap is stored; either way j2 must start well before the
+ * nap would have ended. */
+static atomic_int nap_hook_armed, nap_held, nap_release, nap_long_release, nap_j1_release;
+static _Atomic uint64_t nap_j2_ns;
+static keel_job_t nap_timer;
+
+static void nap_hold_hook(uint64_t wait) {
+  if (wait <= 1000000u || !atomic_exchange(&nap_hook_armed, 0)) return;
+  atomic_store(&nap_held, 1);
+  hold_until(&nap_release);
+}
+
+static void nap_long_fn(keel_job_t *j) {
+  (void)j;
+  keel_job_init(&nap_timer, tjob_fn, 0);
+  KT_EQ(keel_sched_after(&nap_timer, 100000), 0); /* on this worker: the monitor naps for it */
+  hold_for_at_most(&nap_long_release, 30);
+}
+
+static void nap_j1_fn(keel_job_t *j) {
+  (void)j;
+  hold_for_at_most(&nap_j1_release, 30);
+}
+
+static void nap_j2_fn(keel_job_t *j) {
+  (void)j;
+  atomic_store(&nap_j2_ns, keel_clock_ns());
+}
+
+static bool j2_ran(void *a) {
+  (void)a;
+  return atomic_load(&nap_j2_ns) != 0;
+}
+
+static void unnap_between_look_and_nap(void) {
+  start(3, 3, 100000, 2000);
+  KT_REQUIRE(kt_wait_for(n_asleep, (void *)(uintptr_t)3, 10));
+  keel_job_t lj, j1, j2;
+  keel_job_init(&lj, nap_long_fn, 0);
+  keel_job_init(&j1, nap_j1_fn, 0);
+  keel_job_init(&j2, nap_j2_fn, 0);
+  KT_EQ(keel_sched_submit(&lj), 0);
+  KT_REQUIRE(kt_wait_for(monitor_naps, NULL, 10));
+  __atomic_store_n(&_keel_sched_tick_hook, nap_hold_hook, __ATOMIC_RELEASE);
+  atomic_store(&nap_hook_armed, 1);
+  KT_REQUIRE(kt_wait_for(flag_set, &nap_held, 10)); /* the nap ran out: the next look is held */
+  uint64_t t0 = keel_clock_ns();
+  KT_EQ(keel_sched_submit(&j1), 0);
+  KT_EQ(keel_sched_submit(&j2), 0);
+  kt_sleep_ms(20); /* j1's worker takes j1 and leaves j2 behind */
+  atomic_store(&nap_release, 1);
+  KT_REQUIRE(kt_wait_for(j2_ran, NULL, 10));
+  uint64_t ms = (atomic_load(&nap_j2_ns) - t0) / 1000000u;
+  if (ms >= 500) kt_fail(__FILE__, __LINE__, "j2 started %" PRIu64 " ms after its submit", ms);
+  __atomic_store_n(&_keel_sched_tick_hook, NULL, __ATOMIC_RELEASE);
+  atomic_store(&nap_j1_release, 1);
+  atomic_store(&nap_long_release, 1);
+  KT_EQ(keel_sched_shutdown(KEEL_SCHED_CANCEL), 0); /* cancels the timer */
+}
+
 KT_MAIN(KT_CASE(past_deadline_retires), KT_CASE(no_retire_below_min), KT_CASE(lazy_init_retried),
         KT_CASE(on_cancel_of_failed_init), KT_CASE(failed_init_is_no_shutdown),
         KT_CASE(destroy_from_fired_job), KT_CASE(batch_of_one_wakes_when_monitor_naps),
         KT_CASE(after_from_outside_pokes), KT_CASE(timer_armed_as_monitor_sleeps),
-        KT_CASE(nap_burst_wakes_one))
+        KT_CASE(nap_burst_wakes_one), KT_CASE(unnap_between_look_and_nap))
