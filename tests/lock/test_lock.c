@@ -1016,10 +1016,15 @@ typedef struct relock {
   keel_lockspace_t *ls;
   keel_lksb_t s, again;
   int rc;
+  atomic_int once;
 } relock_t;
+/* With KEEL_LOCKSPACE_SCHED the grant AST may still be queued when the
+ * release cancels the lock: it runs on a worker while the release writes
+ * the status, and may see KEEL_ECANCELED too (lock.h: read it atomically). */
 static void relock_ast(void *arg) {
   relock_t *r = arg;
-  if (r->s.status == KEEL_ECANCELED)
+  if (__atomic_load_n(&r->s.status, __ATOMIC_ACQUIRE) == KEEL_ECANCELED &&
+      !atomic_exchange(&r->once, 1))
     r->rc = keel_lock(r->ls, NAME("again"), KEEL_LOCK_EX, 0, &r->again, NULL, NULL, NULL);
 }
 static void force_release_refuses_new_requests(void) {
