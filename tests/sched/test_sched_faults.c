@@ -22,13 +22,8 @@
 
 #include "base/clock.h"
 #include "harness.h"
+#include "sched_test.h"
 #include "sched/sched_int.h"
-
-#define container_of(p, T, m) ((T *)(void *)((char *)(p)-offsetof(T, m)))
-
-static bool flag_set(void *a) {
-  return atomic_load((atomic_int *)a) != 0;
-}
 
 /* ---- syscall interposition ------------------------------------------- */
 
@@ -105,31 +100,6 @@ long syscall(long n, ...) {
   }
   errno = err;
   return rc;
-}
-
-static void start(unsigned min, unsigned max, unsigned idle_ms, unsigned block_ms) {
-  keel_sched_shutdown(KEEL_SCHED_DRAIN);
-  keel_sched_config_t cfg = {min, max, idle_ms, block_ms};
-  KT_EQ(keel_sched_init(&cfg), 0);
-}
-
-typedef struct tjob {
-  keel_job_t job;
-  atomic_int runs, cancels;
-} tjob_t;
-
-static void tjob_fn(keel_job_t *j) {
-  atomic_fetch_add(&container_of(j, tjob_t, job)->runs, 1);
-}
-
-static void tjob_cancel(keel_job_t *j) {
-  atomic_fetch_add(&container_of(j, tjob_t, job)->cancels, 1);
-}
-
-static void tjob_init(tjob_t *t, unsigned flags) {
-  memset(t, 0, sizeof(*t));
-  keel_job_init(&t->job, tjob_fn, flags);
-  t->job.on_cancel = tjob_cancel;
 }
 
 /* A KEEL_JOB_BLOCKING job that holds its worker until released (blocking:

@@ -24,9 +24,8 @@
 #include <keel/sched.h>
 
 #include "harness.h"
+#include "sched_test.h"
 #include "sched/sched_int.h"
-
-#define container_of(p, T, m) ((T *)(void *)((char *)(p)-offsetof(T, m)))
 
 /* ---- realloc interposition -------------------------------------------- */
 
@@ -49,37 +48,8 @@ void *realloc(void *p, size_t n) {
 
 /* ---- helpers ------------------------------------------------------------ */
 
-static bool flag_set(void *a) {
-  return atomic_load((atomic_int *)a) != 0;
-}
-
-typedef struct tjob {
-  keel_job_t job;
-  atomic_int runs, cancels;
-} tjob_t;
-
-static void tjob_fn(keel_job_t *j) {
-  atomic_fetch_add(&container_of(j, tjob_t, job)->runs, 1);
-}
-
-static void tjob_cancel(keel_job_t *j) {
-  atomic_fetch_add(&container_of(j, tjob_t, job)->cancels, 1);
-}
-
-static void tjob_init(tjob_t *t, unsigned flags) {
-  memset(t, 0, sizeof(*t));
-  keel_job_init(&t->job, tjob_fn, flags);
-  t->job.on_cancel = tjob_cancel;
-}
-
 static bool ran_once(void *a) {
   return atomic_load(&((tjob_t *)a)->runs) == 1;
-}
-
-static void start(unsigned min, unsigned max, unsigned idle_ms, unsigned block_ms) {
-  keel_sched_shutdown(KEEL_SCHED_DRAIN);
-  keel_sched_config_t cfg = {min, max, idle_ms, block_ms};
-  KT_EQ(keel_sched_init(&cfg), 0);
 }
 
 /* Waits up to `sec` for the child; kills it if it is still alive then.
