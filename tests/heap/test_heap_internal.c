@@ -930,12 +930,16 @@ static void do_free_uncarved(void *arg) {
   keel_free(uncarved_tail());
 }
 
-static void do_free_uncarved_remote(void *arg) {
-  (void)arg;
-  void *p = uncarved_tail();
-  batch_t one = {.v = &p, .n = 1, .size = 1024};
+/* Frees p on a thread of its own: the remote free path. */
+static void free_on_other_thread(void *p, size_t size) {
+  batch_t one = {.v = &p, .n = 1, .size = size};
   pthread_t t;
   if (pthread_create(&t, NULL, free_batch, &one) == 0) pthread_join(t, NULL);
+}
+
+static void do_free_uncarved_remote(void *arg) {
+  (void)arg;
+  free_on_other_thread(uncarved_tail(), 1024);
 }
 
 static void do_realloc_uncarved(void *arg) {
@@ -955,10 +959,7 @@ static void do_free_past_last_block(void *arg) {
 
 static void do_free_past_last_block_remote(void *arg) {
   (void)arg;
-  void *p = past_last_block();
-  batch_t one = {.v = &p, .n = 1, .size = 4108};
-  pthread_t t;
-  if (pthread_create(&t, NULL, free_batch, &one) == 0) pthread_join(t, NULL);
+  free_on_other_thread(past_last_block(), 4108);
 }
 
 KEEL_UNUSED static void do_use_after_free(void *arg) {
