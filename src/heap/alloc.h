@@ -10,8 +10,8 @@
  *           current page and emptiness test (4), pop + decode (3), prefetch
  *           of the next block (1), clear the handed-out block's link (1),
  *           used++ (1), allocs counter (one unlocked add, 1), return (1).
- *           An empty `free` with blocks on `local_free` takes those in 6
- *           more (ping-pong loops).
+ *           An empty `free` with blocks on `local_free` (left there by
+ *           slow-path frees) takes those in 6 more.
  *   free:   48 instructions: segment mask + segment-map bit test (foreign
  *           pointers, 13), page lookup (6), TLS load, owner and flags tests
  *           (8), carved-block test (offset, then one multiply giving the
@@ -101,8 +101,8 @@ KEEL_INLINE void *_keel_malloc_fast(size_t size) {
 
 KEEL_INLINE void _keel_push_local(keel_page_t *page, keel_block_t *b) {
   KEEL_TRACK_FREE(b, page->bsize);
-  b->next = _keel_encode(page, page->local_free);
-  page->local_free = b;
+  b->next = _keel_encode(page, page->free);
+  page->free = b;
 }
 
 KEEL_INLINE void _keel_free_fast(void *p, const char *call) {

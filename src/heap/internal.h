@@ -95,7 +95,7 @@ typedef struct keel_page {
   /* First cache line: everything the malloc and free fast paths touch
    * (descriptors are 64-byte aligned), so each touches one line of it. */
   keel_block_t *free;       /* owner: blocks to hand out; empty when (ptr & SEGMENT_MASK) == 0 */
-  keel_block_t *local_free; /* owner: blocks the owner freed since the last collect */
+  keel_block_t *local_free; /* owner: blocks its slow-path frees left since the last collect */
   uintptr_t key;            /* encodes this page's links; random, bit 63 set */
   uint64_t div_magic;       /* ceil(2^64 / bsize): off % bsize == 0 iff off * magic < magic */
   uint8_t *start;           /* first block */

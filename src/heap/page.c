@@ -1,15 +1,25 @@
 /* Pages: block carving, collecting freed blocks, free-list validation.
  *
- * A page keeps three lists (see keel_page_t in internal.h): `free`, which the
- * malloc fast path pops; `local_free`, which the owner's free fast path
- * pushes; `thread_free`, which other threads push with one CAS. Keeping the
- * owner's frees off `free` means the fast path never has to look at two
- * lists, and gives the slow path a regular point (free runs dry) to collect
- * the other two — mimalloc's "free list sharding".
+ * A page keeps three lists (see keel_page_t in internal.h): `free`, which
+ * the malloc fast path pops and the owner's free fast path pushes, LIFO, so
+ * the block just freed is the next one handed out while it is still in
+ * cache (tcmalloc's thread cache does the same); `local_free`, where the
+ * owner's slow-path frees go (a full page, a block from the delayed list);
+ * `thread_free`, which other threads push with one CAS and the owner
+ * collects when `free` runs dry. mimalloc keeps the owner's frees off
+ * `free` too ("free list sharding") to get that regular collection point;
+ * here an empty `free` is the point, and pushing on `free` made a hot
+ * malloc/free pair of 8..1024 bytes 5% cheaper (16% with the rotation
+ * below).
  *
  * Carving is lazy: when all three lists are empty the owner carves up to
  * 4 KiB worth of new blocks (at least one). A page that is never filled never
  * touches its tail, which is what keeps a 131072 x 4108 B load at 1.07x RSS.
+ * Each carve links its blocks in address order but starts the list at a
+ * block picked by the page's key, wrapping round: a page's first block sits
+ * at a 64 KiB-aligned address, so without it the hot block of every class
+ * in a loop over many sizes falls in the same L1 set and a couple of L2
+ * sets (Zen 4: 8.3 -> 7.1 ns per pair with the LIFO push above).
  */
 #include <string.h>
 
@@ -58,7 +68,8 @@ void _keel_page_init(keel_page_t *page, unsigned cls, keel_heap_t *heap) {
 }
 
 /* Carves up to 4 KiB of new blocks (at least one) onto the empty free list,
- * in address order so consecutive allocations are adjacent. */
+ * in address order so consecutive allocations are adjacent, from block r on
+ * and then 0..r-1 (the set spreading of the file comment). */
 static void page_extend(keel_page_t *page) {
   uint32_t capacity = keel_load_relaxed(&page->capacity);
   uint32_t n = page->reserved - capacity;
@@ -67,12 +78,19 @@ static void page_extend(keel_page_t *page) {
   if (n > step) n = step;
   if (n == 0) return;
   uint8_t *first = page->start + (size_t)capacity * page->bsize;
-  uint8_t *b = first;
-  for (uint32_t i = 1; i < n; i++, b += page->bsize) {
+  uint32_t r = (uint32_t)((page->key >> 32) % n);
+  uint8_t *last = first + (size_t)(n - 1) * page->bsize;
+  for (uint8_t *b = first; b < last; b += page->bsize) {
     ((keel_block_t *)b)->next = _keel_encode(page, b + page->bsize);
   }
-  ((keel_block_t *)b)->next = _keel_encode(page, _keel_list_end(page));
-  page->free = (keel_block_t *)first;
+  uint8_t *head = first + (size_t)r * page->bsize;
+  if (r == 0) {
+    ((keel_block_t *)last)->next = _keel_encode(page, _keel_list_end(page));
+  } else {
+    ((keel_block_t *)last)->next = _keel_encode(page, first);
+    ((keel_block_t *)(head - page->bsize))->next = _keel_encode(page, _keel_list_end(page));
+  }
+  page->free = (keel_block_t *)head;
   keel_store_relaxed(&page->capacity, (uint16_t)(capacity + n));
 }
 
