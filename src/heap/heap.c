@@ -453,6 +453,7 @@ static void __heap_abandon_pages(keel_heap_t *heap) {
   }
   __drain_delayed(heap, true);
   KEEL_ASSERT(keel_load_relaxed(&heap->delayed) == NULL);
+  keel_page_t *empty = NULL, *live = NULL;
   for (unsigned c = 0; c <= _keel_class_count; c++) {
     keel_page_queue_t *q = c < _keel_class_count ? &heap->queue[c] : &heap->full;
     keel_page_t *page;
@@ -462,14 +463,19 @@ static void __heap_abandon_pages(keel_heap_t *heap) {
       __keel_page_collect_thread_free(page);
       keel_store_relaxed(&page->flags, 0);
       if (page->used == 0) {
-        _keel_page_free(page);
+        page->next = empty;
+        empty = page;
       } else {
         keel_store_release(&page->heap, NULL);
-        _keel_page_abandon(page);
+        page->next = live;
+        live = page;
       }
     }
     if (c < _keel_class_count) heap->direct[c] = &_keel_empty_page;
   }
+  /* One segment-lock hold for all of them, not two per class: short-lived
+   * threads on many cores queued on that lock. */
+  _keel_pages_retire(empty, live);
 }
 
 static void heap_thread_exit(void *arg) {

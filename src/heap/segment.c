@@ -39,7 +39,11 @@ keel_atomic(uint64_t) _keel_segmap[KEEL_SEGMAP_WORDS];
 #define HEADER_MASK (((uint64_t)1 << KEEL_HEADER_SLICES) - 1)
 _Static_assert(sizeof(keel_segment_t) <= KEEL_HEADER_SLICES * KEEL_SLICE_SIZE, "header fits");
 
-static pthread_mutex_t seg_lock = PTHREAD_MUTEX_INITIALIZER;
+/* Adaptive (a bounded spin before the futex wait): holds are a few list
+ * operations, and with short-lived threads on 16 cores the lock is taken
+ * by every thread start and exit; sleeping on it cost more sys time than
+ * the threads' own creation. */
+static pthread_mutex_t seg_lock = PTHREAD_ADAPTIVE_MUTEX_INITIALIZER_NP;
 static keel_segment_t *segments; /* every small segment, most recently created first */
 static size_t n_segments;
 static keel_page_queue_t abandoned[KEEL_CLASS_COUNT_MAX];
@@ -61,7 +65,7 @@ void _keel_segments_unlock(void) {
   pthread_mutex_unlock(&seg_lock);
 }
 void _keel_segments_child_reset(void) {
-  pthread_mutex_init(&seg_lock, NULL);
+  seg_lock = (pthread_mutex_t)PTHREAD_ADAPTIVE_MUTEX_INITIALIZER_NP;
 }
 
 /* Ordering: a bit is set only once its range is mapped and cleared only
@@ -207,15 +211,46 @@ void _keel_page_free(keel_page_t *page) {
   _keel_purge_note_work();
 }
 
-void _keel_page_abandon(keel_page_t *page) {
-  __keel_page_sync_frees(page); /* its owner's last frees */
-  pthread_mutex_lock(&seg_lock);
+/* Caller holds seg_lock. */
+static void __page_abandon(keel_page_t *page) {
   keel_page_queue_t *q = &abandoned[page->cls];
   page->abandoned = 1;
   __keel_page_queue_push_back(q, page);
   n_abandoned++;
-  _keel_purge_note_work();
   keel_store_relaxed(&abandoned_hint[page->cls], keel_load_relaxed(&abandoned_hint[page->cls]) + 1);
+}
+
+void _keel_page_abandon(keel_page_t *page) {
+  __keel_page_sync_frees(page); /* its owner's last frees */
+  pthread_mutex_lock(&seg_lock);
+  __page_abandon(page);
+  _keel_purge_note_work();
+  pthread_mutex_unlock(&seg_lock);
+}
+
+void _keel_pages_retire(keel_page_t *empty, keel_page_t *live) {
+  if (purge_delay_ms() == 0) { /* each freed span is purged at once: one by one */
+    for (keel_page_t *p = empty, *next; p != NULL; p = next) {
+      next = p->next;
+      _keel_page_free(p);
+    }
+    for (keel_page_t *p = live, *next; p != NULL; p = next) {
+      next = p->next;
+      _keel_page_abandon(p);
+    }
+    return;
+  }
+  for (keel_page_t *p = live; p != NULL; p = p->next) __keel_page_sync_frees(p);
+  pthread_mutex_lock(&seg_lock);
+  for (keel_page_t *p = empty, *next; p != NULL; p = next) {
+    next = p->next;
+    __page_free(p);
+  }
+  for (keel_page_t *p = live, *next; p != NULL; p = next) {
+    next = p->next; /* the abandoned queue relinks it */
+    __page_abandon(p);
+  }
+  _keel_purge_note_work();
   pthread_mutex_unlock(&seg_lock);
 }
 
