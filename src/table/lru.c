@@ -32,7 +32,7 @@
 
 /* --- deferred free ------------------------------------------------------------ */
 
-static void gc_launch(keel_table_t *t);
+static void gc_launch(table_shard_t *s);
 
 static void gc_free_batch(keel_table_t *t, keel_table_node_t *n) {
   _keel_rcu_tsan_gp_acquire();
@@ -47,23 +47,23 @@ static void gc_free_batch(keel_table_t *t, keel_table_node_t *n) {
  * taken. The batch's nodes were all unlinked from the index before the
  * batch was taken, so no reader can still hold them. */
 static void gc_callback(struct rcu_head *head) {
-  keel_table_t *t = caa_container_of(head, keel_table_t, gc_head);
+  table_shard_t *s = caa_container_of(head, table_shard_t, gc_head);
   _keel_rcu_tsan_handoff_acquire(head);
-  gc_free_batch(t, t->gc_batch);
+  gc_free_batch(s->table, s->gc_batch);
   uintptr_t g = GRAVE_INFLIGHT;
   /* Going idle is one CAS from "in flight, empty" to 0, the callback's last
-   * access to the table: destroy waits for the grave to read 0. */
-  if (keel_cas_strong_acq_rel(&t->grave, &g, 0)) return;
-  gc_launch(t);
+   * access to the table: destroy waits for every grave to read 0. */
+  if (keel_cas_strong_acq_rel(&s->grave, &g, 0)) return;
+  gc_launch(s);
 }
 
 /* Takes what is in the grave as the next batch (the in-flight bit stays). */
-static void gc_launch(keel_table_t *t) {
-  uintptr_t g = keel_xchg_acq_rel(&t->grave, GRAVE_INFLIGHT);
-  t->gc_batch = (keel_table_node_t *)(g & ~GRAVE_INFLIGHT);
-  KEEL_ASSERT(t->gc_batch != NULL);
-  _keel_rcu_tsan_handoff_release(&t->gc_head);
-  urcu_memb_call_rcu(&t->gc_head, gc_callback);
+static void gc_launch(table_shard_t *s) {
+  uintptr_t g = keel_xchg_acq_rel(&s->grave, GRAVE_INFLIGHT);
+  s->gc_batch = (keel_table_node_t *)(g & ~GRAVE_INFLIGHT);
+  KEEL_ASSERT(s->gc_batch != NULL);
+  _keel_rcu_tsan_handoff_release(&s->gc_head);
+  urcu_memb_call_rcu(&s->gc_head, gc_callback);
 }
 
 void _keel_table_bury(keel_table_t *t, keel_table_node_t *n) {
@@ -71,20 +71,23 @@ void _keel_table_bury(keel_table_t *t, keel_table_node_t *n) {
   if (keel_unlikely(v & REF_BURIED))
     keel_die("keel_table", "entry %p freed twice (state 0x%x)", (void *)n, v);
   KEEL_ASSERT((v & (REF_DEAD | REF_ON_LRU | REF_COUNT)) == REF_DEAD);
-  keel_fetch_sub_relaxed(&node_shard(t, n)->unburied, 1);
-  uintptr_t g = keel_load_relaxed(&t->grave);
+  table_shard_t *s = node_shard(t, n);
+  keel_fetch_sub_relaxed(&s->unburied, 1);
+  uintptr_t g = keel_load_relaxed(&s->grave);
   do n->_lru[0] = (keel_table_node_t *)(g & ~GRAVE_INFLIGHT);
-  while (!keel_cas_weak_acq_rel(&t->grave, &g, (uintptr_t)n | GRAVE_INFLIGHT));
+  while (!keel_cas_weak_acq_rel(&s->grave, &g, (uintptr_t)n | GRAVE_INFLIGHT));
   if (!(g & GRAVE_INFLIGHT)) {
     rcu_ensure_registered(); /* call_rcu enters a read-side section */
-    gc_launch(t);
+    gc_launch(s);
   }
 }
 
 void _keel_table_gc_drain(keel_table_t *t) {
   /* The barrier waits for every callback queued before it; a callback that
    * finds more work queues another, hence the loop. */
-  while (keel_load_acquire(&t->grave) != 0) urcu_memb_barrier();
+  for (int i = 0; i < TABLE_SHARDS; i++) {
+    while (keel_load_acquire(&t->shards[i].grave) != 0) urcu_memb_barrier();
+  }
 }
 
 /* --- LRU ------------------------------------------------------------------ */

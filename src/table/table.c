@@ -11,6 +11,7 @@
  * See table_internal.h for the entry state machine; lru.c for caching,
  * eviction and the deferred free.
  */
+#define _GNU_SOURCE /* PTHREAD_MUTEX_ADAPTIVE_NP */
 /* The last put's read-side section is liburcu's inline one outside TSan
  * builds (see rcu.c for why TSan builds call out of line). */
 #if !defined(__SANITIZE_THREAD__)
@@ -91,10 +92,17 @@ keel_table_t *keel_table_create(const keel_table_config_t *config) {
   do tag = keel_fetch_add_relaxed(&table_tags, 1) % 0xfffeu + 1;
   while (tag == 0);
   t->tag = (uint16_t)tag;
+  /* Adaptive: a shard's hold is a list link or unlink, shorter than a
+   * futex sleep and wake. */
+  pthread_mutexattr_t attr;
+  pthread_mutexattr_init(&attr);
+  pthread_mutexattr_settype(&attr, PTHREAD_MUTEX_ADAPTIVE_NP);
   for (int i = 0; i < TABLE_SHARDS; i++) {
-    pthread_mutex_init(&t->shards[i].lock, NULL);
+    pthread_mutex_init(&t->shards[i].lock, &attr);
     CDS_INIT_LIST_HEAD(&t->shards[i].lru);
+    t->shards[i].table = t;
   }
+  pthread_mutexattr_destroy(&attr);
   if (_keel_tidx_init(t, cfg.size_hint) != 0) {
     for (int i = 0; i < TABLE_SHARDS; i++) pthread_mutex_destroy(&t->shards[i].lock);
     free(t);
