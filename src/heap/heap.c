@@ -26,8 +26,8 @@
  * allocating from when it went idle.
  *
  * Thread exit: the exit hook drains the heap, frees pages whose blocks are
- * all back, and abandons the rest to a global per-class list that other
- * threads adopt from before taking new pages; the purge thread frees
+ * all back, and abandons the rest to a global per-class queue (each with
+ * its own lock) that other threads adopt from before taking new pages; the purge thread frees
  * abandoned pages once their last block comes back. The heap struct goes on
  * a small free list for the next thread (beyond 8 it is unmapped), so
  * 10,000 short-lived threads use a handful of heaps and no more pages than

@@ -61,7 +61,7 @@
 /* Pages: owner-side state is touched only by the owning thread, or by a
  * thread holding the owner's heap lock while the page is IN_FULL (the owner's
  * fast paths never touch a full page: flags != 0 sends them to the slow path),
- * or under the segment lock while the page is abandoned.
+ * or under its class's abandoned-queue lock while the page is abandoned.
  *
  * Invariant (owner view): blocks on `free` + blocks on `local_free` + used
  *   == capacity, where `used` still counts blocks other threads have pushed
@@ -118,7 +118,7 @@ typedef struct keel_page {
   uint32_t reserved;                  /* blocks that fit in the page */
   uint32_t bsize;                     /* block size; 0 while the span is not a page */
   uint8_t slices;                     /* span length in slices */
-  uint8_t abandoned;                  /* on the abandoned list (segment lock) */
+  uint8_t abandoned;                  /* on an abandoned queue (that queue's lock) */
   keel_atomic(uint32_t) samples;      /* requests sampled into `requested` (slow paths) */
   /* Statistics (`allocs` above, and these), written by the owner with
    * relaxed load+store (no atomic add), read by keel_heap_stats under the
@@ -170,8 +170,8 @@ typedef struct keel_page_queue {
 } keel_page_queue_t;
 
 /* Page queue links (next/prev). The caller holds the lock of the queue's
- * owner: the heap lock for a heap's queues, the segment lock for the
- * abandoned lists. */
+ * owner: the heap lock for a heap's queues, the class's lock for an
+ * abandoned queue (segment.c). */
 KEEL_INLINE void __keel_page_queue_remove(keel_page_queue_t *q, keel_page_t *page) {
   if (page->prev != NULL)
     page->prev->next = page->next;
@@ -288,7 +288,7 @@ void __keel_page_extend(keel_page_t *page) KEEL_HIDDEN;
  * whole OS pages inside free blocks (all but the page holding each block's
  * link): what malloc_trim can give back from pages that still hold live
  * blocks. Only blocks larger than an OS page have such interiors. Owner, or
- * segment lock for an abandoned page. Returns the bytes purged. */
+ * the abandoned-queue lock for an abandoned page. Returns the bytes purged. */
 size_t __keel_page_purge_free(keel_page_t *page) KEEL_HIDDEN;
 /* Subtracts a collected thread_free list from used and gives it to free,
  * or to local_free when free is not empty (appended only if neither is). */

@@ -46,10 +46,31 @@ _Static_assert(sizeof(keel_segment_t) <= KEEL_HEADER_SLICES * KEEL_SLICE_SIZE, "
 static pthread_mutex_t seg_lock = PTHREAD_ADAPTIVE_MUTEX_INITIALIZER_NP;
 static keel_segment_t *segments; /* every small segment, most recently created first */
 static size_t n_segments;
-static keel_page_queue_t abandoned[KEEL_CLASS_COUNT_MAX];
-static size_t n_abandoned;
-/* Abandoned pages per class, read without the lock as a hint by adopters. */
-static keel_atomic(size_t) abandoned_hint[KEEL_CLASS_COUNT_MAX];
+/* Abandoned pages: a queue per class, the queues of classes c with
+ * c % ABANDONED_STRIPES == i behind stripe i's lock, so that thread starts
+ * adopting pages (one per class they use) spread over 16 locks instead of
+ * all queueing on seg_lock, which was most of what short-lived threads on
+ * 16 cores waited for. 16, not one per class: fork holds them all, and
+ * TSan's deadlock detector tracks at most 64 held locks. Order: seg_lock,
+ * then a stripe's lock. A page on a queue is owned by that lock: its
+ * owner-side state changes only under it (the collector) or after it is
+ * unlinked (the adopter). */
+#define ABANDONED_STRIPES 16
+typedef struct abandoned_queue {
+  keel_page_queue_t q;
+  keel_atomic(size_t) n; /* pages on q: written under lock, a hint to adopters */
+} KEEL_CACHE_ALIGNED abandoned_queue_t;
+typedef struct abandoned_stripe {
+  pthread_mutex_t lock;
+} KEEL_CACHE_ALIGNED abandoned_stripe_t;
+static abandoned_stripe_t stripes[ABANDONED_STRIPES] = {
+    [0 ... ABANDONED_STRIPES - 1] = {PTHREAD_ADAPTIVE_MUTEX_INITIALIZER_NP}};
+static abandoned_queue_t abandoned[KEEL_CLASS_COUNT_MAX];
+
+static pthread_mutex_t *queue_lock(const abandoned_queue_t *a) {
+  return &stripes[(size_t)(a - abandoned) % ABANDONED_STRIPES].lock;
+}
+static keel_atomic(size_t) n_abandoned;
 static size_t class_pages[KEEL_CLASS_COUNT_MAX]; /* pages per class, under the lock */
 /* Counters of freed pages, per class, under the lock (see keel_page_t). */
 static size_t retired_samples[KEEL_CLASS_COUNT_MAX];
@@ -60,12 +81,16 @@ keel_atomic(size_t) _keel_purged_bytes;
 
 void _keel_segments_lock(void) {
   pthread_mutex_lock(&seg_lock);
+  for (unsigned i = 0; i < ABANDONED_STRIPES; i++) pthread_mutex_lock(&stripes[i].lock);
 }
 void _keel_segments_unlock(void) {
+  for (unsigned i = ABANDONED_STRIPES; i-- > 0;) pthread_mutex_unlock(&stripes[i].lock);
   pthread_mutex_unlock(&seg_lock);
 }
 void _keel_segments_child_reset(void) {
   seg_lock = (pthread_mutex_t)PTHREAD_ADAPTIVE_MUTEX_INITIALIZER_NP;
+  for (unsigned i = 0; i < ABANDONED_STRIPES; i++)
+    stripes[i].lock = (pthread_mutex_t)PTHREAD_ADAPTIVE_MUTEX_INITIALIZER_NP;
 }
 
 /* Ordering: a bit is set only once its range is mapped and cleared only
@@ -211,21 +236,21 @@ void _keel_page_free(keel_page_t *page) {
   _keel_purge_note_work();
 }
 
-/* Caller holds seg_lock. */
-static void __page_abandon(keel_page_t *page) {
-  keel_page_queue_t *q = &abandoned[page->cls];
+/* Caller holds the queue's lock. */
+static void __page_abandon(abandoned_queue_t *a, keel_page_t *page) {
   page->abandoned = 1;
-  __keel_page_queue_push_back(q, page);
-  n_abandoned++;
-  keel_store_relaxed(&abandoned_hint[page->cls], keel_load_relaxed(&abandoned_hint[page->cls]) + 1);
+  __keel_page_queue_push_back(&a->q, page);
+  keel_store_relaxed(&a->n, keel_load_relaxed(&a->n) + 1);
+  keel_fetch_add_relaxed(&n_abandoned, 1);
 }
 
 void _keel_page_abandon(keel_page_t *page) {
   __keel_page_sync_frees(page); /* its owner's last frees */
-  pthread_mutex_lock(&seg_lock);
-  __page_abandon(page);
+  abandoned_queue_t *a = &abandoned[page->cls];
+  pthread_mutex_lock(queue_lock(a));
+  __page_abandon(a, page);
+  pthread_mutex_unlock(queue_lock(a));
   _keel_purge_note_work();
-  pthread_mutex_unlock(&seg_lock);
 }
 
 void _keel_pages_retire(keel_page_t *empty, keel_page_t *live) {
@@ -234,31 +259,27 @@ void _keel_pages_retire(keel_page_t *empty, keel_page_t *live) {
       next = p->next;
       _keel_page_free(p);
     }
-    for (keel_page_t *p = live, *next; p != NULL; p = next) {
+  } else if (empty != NULL) {
+    pthread_mutex_lock(&seg_lock);
+    for (keel_page_t *p = empty, *next; p != NULL; p = next) {
       next = p->next;
-      _keel_page_abandon(p);
+      __page_free(p);
     }
-    return;
-  }
-  for (keel_page_t *p = live; p != NULL; p = p->next) __keel_page_sync_frees(p);
-  pthread_mutex_lock(&seg_lock);
-  for (keel_page_t *p = empty, *next; p != NULL; p = next) {
-    next = p->next;
-    __page_free(p);
+    pthread_mutex_unlock(&seg_lock);
+    _keel_purge_note_work();
   }
   for (keel_page_t *p = live, *next; p != NULL; p = next) {
     next = p->next; /* the abandoned queue relinks it */
-    __page_abandon(p);
+    _keel_page_abandon(p);
   }
-  _keel_purge_note_work();
-  pthread_mutex_unlock(&seg_lock);
 }
 
-static void __abandoned_unlink(keel_page_t *page) {
-  __keel_page_queue_remove(&abandoned[page->cls], page);
+/* Caller holds the queue's lock. */
+static void __abandoned_unlink(abandoned_queue_t *a, keel_page_t *page) {
+  __keel_page_queue_remove(&a->q, page);
   page->abandoned = 0;
-  n_abandoned--;
-  keel_store_relaxed(&abandoned_hint[page->cls], keel_load_relaxed(&abandoned_hint[page->cls]) - 1);
+  keel_store_relaxed(&a->n, keel_load_relaxed(&a->n) - 1);
+  keel_fetch_sub_relaxed(&n_abandoned, 1);
 }
 
 /* Moves an abandoned page's thread_free state back to NORMAL for its new
@@ -269,11 +290,12 @@ static void page_tf_set_normal(keel_page_t *page) {
 }
 
 keel_page_t *_keel_page_adopt(unsigned cls, keel_heap_t *heap) {
-  if (keel_load_relaxed(&abandoned_hint[cls]) == 0) return NULL;
-  pthread_mutex_lock(&seg_lock);
-  keel_page_t *page = abandoned[cls].first;
-  if (page != NULL) __abandoned_unlink(page);
-  pthread_mutex_unlock(&seg_lock);
+  abandoned_queue_t *a = &abandoned[cls];
+  if (keel_load_relaxed(&a->n) == 0) return NULL;
+  pthread_mutex_lock(queue_lock(a));
+  keel_page_t *page = a->q.first;
+  if (page != NULL) __abandoned_unlink(a, page);
+  pthread_mutex_unlock(queue_lock(a));
   if (page == NULL) return NULL;
   page_tf_set_normal(page);
   /* Release: the new owner's view of the page's lists (taken under the lock)
@@ -288,17 +310,21 @@ keel_page_t *_keel_page_adopt(unsigned cls, keel_heap_t *heap) {
 static size_t __abandoned_collect(bool force) {
   size_t bytes = 0;
   for (unsigned c = 0; c < _keel_class_count; c++) {
+    abandoned_queue_t *a = &abandoned[c];
+    if (keel_load_relaxed(&a->n) == 0) continue;
+    pthread_mutex_lock(queue_lock(a));
     keel_page_t *next;
-    for (keel_page_t *p = abandoned[c].first; p != NULL; p = next) {
+    for (keel_page_t *p = a->q.first; p != NULL; p = next) {
       next = p->next;
       __keel_page_collect_thread_free(p);
       if (p->used == 0) {
-        __abandoned_unlink(p);
+        __abandoned_unlink(a, p);
         __page_free(p);
       } else if (force) {
         bytes += __keel_page_purge_free(p);
       }
     }
+    pthread_mutex_unlock(queue_lock(a));
   }
   return bytes;
 }
@@ -379,7 +405,7 @@ void _keel_segments_totals(keel_seg_totals_t *t) {
   pthread_mutex_lock(&seg_lock);
   t->mapped = n_segments * KEEL_SEGMENT_SIZE;
   t->committed = (used_slices + dirty_slices) << KEEL_SLICE_SHIFT;
-  t->abandoned_pages = n_abandoned;
+  t->abandoned_pages = keel_load_relaxed(&n_abandoned);
   memcpy(t->pages, class_pages, sizeof(t->pages));
   memcpy(t->allocs, retired_allocs, sizeof(t->allocs));
   memcpy(t->requested, retired_requested, sizeof(t->requested));
