@@ -26,9 +26,10 @@
  * allocating from when it went idle.
  *
  * Thread exit: the exit hook drains the heap, frees pages whose blocks are
- * all back, and abandons the rest to a global per-class queue (each with
- * its own lock) that other threads adopt from before taking new pages; the purge thread frees
- * abandoned pages once their last block comes back. The heap struct goes on
+ * all back, and abandons the rest to a global per-class queue (behind 16
+ * striped locks, segment.c) that other threads adopt from before taking
+ * new pages; the purge thread frees abandoned pages once their last block
+ * comes back. The heap struct goes on
  * a small free list for the next thread (beyond 8 it is unmapped), so
  * 10,000 short-lived threads use a handful of heaps and no more pages than
  * the live ones need. What the thread allocates after its hook ran (in a
@@ -473,7 +474,7 @@ static void __heap_abandon_pages(keel_heap_t *heap) {
     }
     if (c < _keel_class_count) heap->direct[c] = &_keel_empty_page;
   }
-  /* One segment-lock hold for all of them, not two per class: short-lived
+  /* The empty pages under one segment-lock hold, not one each: short-lived
    * threads on many cores queued on that lock. */
   _keel_pages_retire(empty, live);
 }

@@ -250,8 +250,8 @@ void _keel_segmap_set(void *seg, bool on) KEEL_HIDDEN;
 keel_page_t *_keel_page_alloc(unsigned cls, keel_heap_t *heap) KEEL_HIDDEN;
 void _keel_page_free(keel_page_t *page) KEEL_HIDDEN;
 void _keel_page_abandon(keel_page_t *page) KEEL_HIDDEN;
-/* Thread exit's batch, under one hold of the segment lock: frees the pages
- * on `empty` (no block out) and abandons those on `live` (heap already NULL),
+/* Thread exit's batch: frees the pages on `empty` (no block out) under one
+ * hold of the segment lock and abandons those on `live` (heap already NULL),
  * each list chained through `next`. */
 void _keel_pages_retire(keel_page_t *empty, keel_page_t *live) KEEL_HIDDEN;
 keel_page_t *_keel_page_adopt(unsigned cls, keel_heap_t *heap) KEEL_HIDDEN;

@@ -67,10 +67,11 @@ static abandoned_stripe_t stripes[ABANDONED_STRIPES] = {
     [0 ... ABANDONED_STRIPES - 1] = {PTHREAD_ADAPTIVE_MUTEX_INITIALIZER_NP}};
 static abandoned_queue_t abandoned[KEEL_CLASS_COUNT_MAX];
 
+static keel_atomic(size_t) n_abandoned;
+
 static pthread_mutex_t *queue_lock(const abandoned_queue_t *a) {
   return &stripes[(size_t)(a - abandoned) % ABANDONED_STRIPES].lock;
 }
-static keel_atomic(size_t) n_abandoned;
 static size_t class_pages[KEEL_CLASS_COUNT_MAX]; /* pages per class, under the lock */
 /* Counters of freed pages, per class, under the lock (see keel_page_t). */
 static size_t retired_samples[KEEL_CLASS_COUNT_MAX];
