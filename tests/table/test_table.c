@@ -228,20 +228,22 @@ static void put_misuse_aborts(void) {
   KT_EXPECT_ABORT(put_wrong_table, NULL, "belongs to another table");
 }
 
-/* Shrink drops unreferenced entries, least recently released first, gives
- * a looked-up entry a second chance, and never drops a referenced one.
- * 3,200 entries put ~100 in each of the 32 shards, so evicting half takes
- * about half of each shard, from its cold end. */
+/* Shrink drops unreferenced entries, least recently released first within
+ * each LRU shard (the lists are ordered each on its own), gives a looked-up
+ * entry a second chance, and never drops a referenced one. 25,600 entries
+ * put ~100 in each of the 256 shards, so evicting half takes about half of
+ * each shard that the shrink visits (it stops once it has its count, so a
+ * few shards may give nothing), from its cold end. */
 static void lru_shrink_order(void) {
   keel_table_t *t = u64_table(0);
-  enum { N = 3200 };
+  enum { N = 25600 };
   item_t *v = items_new(N, 0);
   for (int i = 0; i < N; i++) KT_EQ(keel_table_insert(t, &v[i].node), 0);
   for (int i = 0; i < N; i++) keel_table_put(t, &v[i].node); /* released in key order */
   keel_table_node_t *held = keel_table_get_u64(t, 3);        /* referenced */
   KT_CHECK(held != NULL);
   /* New entries count as used; clear the bits as a pass over every shard
-   * would (one shrink call never visits all 32 for want < 32 x share). */
+   * would (one shrink call visits each shard for its share only). */
   for (int i = 0; i < N; i++) {
     KT_CHECK(keel_load_relaxed(node_ref(&v[i].node)) & REF_ACCESSED);
     atomic_fetch_and(node_ref(&v[i].node), ~REF_ACCESSED);
@@ -251,12 +253,28 @@ static void lru_shrink_order(void) {
   keel_table_read_unlock();
   KT_EQ(keel_table_shrink(t, N / 2), N / 2);
   KT_EQ(keel_table_count(t), N - N / 2);
+  /* Per shard, every evicted entry was released before every survivor
+   * (3 is referenced and 10 had its second chance: both survive). */
+  static int last_gone[TABLE_SHARDS], first_kept[TABLE_SHARDS];
+  for (int i = 0; i < TABLE_SHARDS; i++) last_gone[i] = -1, first_kept[i] = N;
   keel_table_read_lock();
   KT_CHECK(keel_table_lookup_u64(t, 3) == held);
   KT_CHECK(keel_table_lookup_u64(t, 10) != NULL);
-  KT_CHECK(keel_table_lookup_u64(t, 0) == NULL);     /* the first released */
-  KT_CHECK(keel_table_lookup_u64(t, N - 1) != NULL); /* the last released */
+  for (int i = 0; i < N; i++) {
+    if (i == 3 || i == 10) continue;
+    size_t sh = (size_t)(node_shard(t, &v[i].node) - t->shards);
+    if (keel_table_lookup_u64(t, (uint64_t)i) == NULL)
+      last_gone[sh] = i;
+    else if (first_kept[sh] == N)
+      first_kept[sh] = i;
+  }
   keel_table_read_unlock();
+  int gone_shards = 0;
+  for (int i = 0; i < TABLE_SHARDS; i++) {
+    KT_CHECK(last_gone[i] < first_kept[i]);
+    gone_shards += last_gone[i] >= 0;
+  }
+  KT_CHECK(gone_shards > TABLE_SHARDS / 2);
   /* Referenced entries survive any shrink. */
   KT_EQ(keel_table_shrink(t, SIZE_MAX), N - N / 2 - 1);
   KT_EQ(keel_table_count(t), 1);
