@@ -107,6 +107,10 @@ KEEL_EXPORT void *memalign(size_t align, size_t size) {
     while (a < align) a <<= 1;
     align = a;
   }
+  /* Below 16 it is glibc's malloc there, which is 16-aligned; keel's malloc
+   * aligns a block only to the largest power of two dividing its class size
+   * (8 for the 104-byte class), so ask for 16 outright. */
+  if (align < 16) align = 16;
   return _keel_aligned_alloc(align, size);
 }
 
