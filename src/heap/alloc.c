@@ -48,11 +48,10 @@ void *_keel_calloc(size_t n, size_t size) {
 void *_keel_realloc(void *p, size_t size) {
   if (p == NULL) return _keel_malloc_fast(size);
   if (size == 0) { /* glibc: frees and returns NULL */
-    _keel_free_fast(p, "free");
+    _keel_free_fast(p, "realloc");
     return NULL;
   }
-  /* An invalid pointer is reported as free's, which realloc is doing. */
-  size_t usable = _keel_usable_size(p, "free");
+  size_t usable = _keel_usable_size(p, "realloc");
   keel_segment_t *seg = _keel_segment_of(p);
   if (!_keel_segmap_has(seg)) { /* aligned to more than 2 MiB: move it */
     void *q = _keel_malloc_fast(size);
@@ -72,7 +71,7 @@ void *_keel_realloc(void *p, size_t size) {
   void *q = _keel_malloc_fast(size);
   if (q == NULL) return NULL;
   memcpy(q, p, size < usable ? size : usable);
-  _keel_free_fast(p, "free");
+  _keel_free_fast(p, "realloc");
   return q;
 }
 

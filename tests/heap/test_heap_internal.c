@@ -981,10 +981,10 @@ static void test_bad_input(void) {
   KT_EXPECT_ABORT(do_free_interior, NULL, "keel: free: invalid pointer 0x");
   KT_EXPECT_ABORT(do_free_mmap, NULL, "keel: free: invalid pointer 0x");
   KT_EXPECT_ABORT(do_free_large_interior, NULL, "keel: free: invalid pointer 0x");
-  KT_EXPECT_ABORT(do_realloc_interior, NULL, "invalid pointer 0x");
+  KT_EXPECT_ABORT(do_realloc_interior, NULL, "keel: realloc: invalid pointer 0x");
   KT_EXPECT_ABORT(do_free_uncarved, NULL, "keel: free: invalid pointer 0x");
   KT_EXPECT_ABORT(do_free_uncarved_remote, NULL, "keel: free: invalid pointer 0x");
-  KT_EXPECT_ABORT(do_realloc_uncarved, NULL, "keel: free: invalid pointer 0x");
+  KT_EXPECT_ABORT(do_realloc_uncarved, NULL, "keel: realloc: invalid pointer 0x");
   KT_EXPECT_ABORT(do_usable_size_uncarved, NULL, "keel: usable_size: invalid pointer 0x");
   KT_EXPECT_ABORT(do_free_past_last_block, NULL, "keel: free: invalid pointer 0x");
   KT_EXPECT_ABORT(do_free_past_last_block_remote, NULL, "keel: free: invalid pointer 0x");
