@@ -153,7 +153,7 @@ static inline void keel_table_node_init_bytes(keel_table_node_t *node, const voi
   if (len > KEEL_TABLE_KEY_MAX) node->_tag = 0xffff;
 }
 
-/* Creates a table. Allocates about 3 KiB (32 LRU shards) plus 8 bytes per
+/* Creates a table. Allocates about 4 KiB (32 LRU shards) plus 8 bytes per
  * bucket: the size hint rounded up to a power of two, at least 64 buckets
  * (the table never shrinks below that). Starts no thread. NULL with errno
  * EINVAL (bad config) or ENOMEM. */

@@ -62,12 +62,15 @@
 #define REF_BURIED   (1u << 28)  /* handed to the deferred free (checked in debug) */
 
 /* LRU shards: put-to-zero, eviction, counting and the deferred free are
- * spread over this many cache-line pairs, chosen by the node's address; the
- * shrinker visits them in turn. Every insert and remove takes one shard
- * lock, so on many cores the count is the contention: on the 16-core device
- * machine 256 against 32 gave insert 12.6M vs 8.9M/s and remove 14.3M vs
- * 11.9M/s at 16 threads (32 KiB of shards per table). */
-#define TABLE_SHARDS 256
+ * spread over this many shards, chosen by the node's address; the shrinker
+ * visits them in turn. 32 keeps 64 threads on a handful of cores from
+ * queueing on one lock. 256 measured faster writers on the 16-core device
+ * machine (insert 12.6M vs 8.9M/s at 16 threads) but was not kept: a small
+ * max_entries or max_unused made every insert walk and lock many empty
+ * shards (30 locks per insert+put at max_entries=100, against 2), the
+ * index's shrink check (every 128th count change of a shard) stopped
+ * firing below 256 x 128 entries, and each load check sums every shard. */
+#define TABLE_SHARDS 32
 
 typedef struct table_shard {
   pthread_mutex_t lock;         /* guards lru, lru_len and every ON_LRU bit of its nodes */

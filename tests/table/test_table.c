@@ -231,9 +231,9 @@ static void put_misuse_aborts(void) {
 /* Shrink drops unreferenced entries, least recently released first within
  * each LRU shard (the lists are ordered each on its own), gives a looked-up
  * entry a second chance, and never drops a referenced one. 25,600 entries
- * put ~100 in each of the 256 shards, so evicting half takes about half of
+ * put ~800 in each of the 32 shards, so evicting half takes about half of
  * each shard that the shrink visits (it stops once it has its count, so a
- * few shards may give nothing), from its cold end. */
+ * shard may give nothing), from its cold end. */
 static void lru_shrink_order(void) {
   keel_table_t *t = u64_table(0);
   enum { N = 25600 };
