@@ -973,7 +973,8 @@ size_t _keel_heaps_active(void) {
  * took them). Other threads' heaps stay in the child with their pages, as
  * in glibc's arenas; their blocks can still be freed there (remote path). */
 void _keel_heap_fork_prepare(void) {
-  _keel_large_release_lock(); /* first: a collector holds it, then the large lock */
+  _keel_stats_fork_lock();    /* outermost: held across the locks below */
+  _keel_large_release_lock(); /* a collector holds it, then the large lock */
   for (int i = 0; i < SHARED_SHARDS; i++) pthread_mutex_lock(&shared[i].lock);
   pthread_mutex_lock(&registry_lock);
   for (keel_heap_t *h = heaps_all; h != NULL; h = h->next_all) {
@@ -997,6 +998,7 @@ void _keel_heap_fork_parent(void) {
   pthread_mutex_unlock(&registry_lock);
   for (int i = SHARED_SHARDS - 1; i >= 0; i--) pthread_mutex_unlock(&shared[i].lock);
   _keel_large_release_unlock();
+  _keel_stats_fork_unlock();
 }
 
 void _keel_heap_fork_child(void) {

@@ -260,7 +260,9 @@ keel_page_t *_keel_page_adopt(unsigned cls, keel_heap_t *heap) KEEL_HIDDEN;
 size_t _keel_segments_collect(bool force) KEEL_HIDDEN;
 void _keel_segments_lock(void) KEEL_HIDDEN;
 void _keel_segments_unlock(void) KEEL_HIDDEN;
-void _keel_segments_child_reset(void) KEEL_HIDDEN;
+/* Fork: the statistics locks, taken first in the prepare handler (stats.c). */
+void _keel_stats_fork_lock(void) KEEL_HIDDEN;
+void _keel_stats_fork_unlock(void) KEEL_HIDDEN;
 /* fork child: slices whose purge a thread of the parent had under way go
  * back to the dirty set (that thread does not exist here to free them). */
 void _keel_segments_fork_child(void) KEEL_HIDDEN;

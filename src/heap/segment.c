@@ -88,11 +88,6 @@ void _keel_segments_unlock(void) {
   for (unsigned i = ABANDONED_STRIPES; i-- > 0;) pthread_mutex_unlock(&stripes[i].lock);
   pthread_mutex_unlock(&seg_lock);
 }
-void _keel_segments_child_reset(void) {
-  seg_lock = (pthread_mutex_t)PTHREAD_ADAPTIVE_MUTEX_INITIALIZER_NP;
-  for (unsigned i = 0; i < ABANDONED_STRIPES; i++)
-    stripes[i].lock = (pthread_mutex_t)PTHREAD_ADAPTIVE_MUTEX_INITIALIZER_NP;
-}
 
 /* Ordering: a bit is set only once its range is mapped and cleared only
  * while it is still mapped (before munmap, before mremap moves it away).

@@ -25,6 +25,24 @@ typedef struct {
   size_t remote_frees[KEEL_CLASS_COUNT_MAX];
 } sums_t;
 
+/* keel_heap_stats's static sums, and print_table's static table. Both
+ * locks are outermost: print_lock is held across keel_heap_stats, which
+ * takes sums_lock and then the registry, heap and segment locks. Fork's
+ * prepare handler takes them first (_keel_stats_fork_lock): a child of a
+ * thread that was inside either would otherwise wait on it for good. */
+static pthread_mutex_t print_lock = PTHREAD_MUTEX_INITIALIZER;
+static pthread_mutex_t sums_lock = PTHREAD_MUTEX_INITIALIZER;
+
+void _keel_stats_fork_lock(void) {
+  pthread_mutex_lock(&print_lock);
+  pthread_mutex_lock(&sums_lock);
+}
+
+void _keel_stats_fork_unlock(void) {
+  pthread_mutex_unlock(&sums_lock);
+  pthread_mutex_unlock(&print_lock);
+}
+
 static void sum_heap(keel_heap_t *h, void *arg) {
   sums_t *s = arg;
   for (unsigned c = 0; c < _keel_class_count; c++) {
@@ -39,7 +57,6 @@ KEEL_API void keel_heap_stats(keel_heap_stats_t *st) {
   /* Static (too big for a small thread stack), under a lock of their own. */
   static sums_t sums;
   static keel_seg_totals_t seg;
-  static pthread_mutex_t sums_lock = PTHREAD_MUTEX_INITIALIZER;
   pthread_mutex_lock(&sums_lock);
   memset(&sums, 0, sizeof(sums));
   /* Remote frees first, page counters second: a block allocated and freed
@@ -86,8 +103,7 @@ typedef void (*line_fn)(void *ctx, const char *line);
 
 static void print_table(line_fn out, void *ctx) {
   static keel_heap_stats_t st; /* 8 KiB: static, the exit path may run on a small stack */
-  static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
-  pthread_mutex_lock(&lock);
+  pthread_mutex_lock(&print_lock);
   keel_heap_stats(&st);
   char line[256];
   snprintf(line, sizeof(line), "%8s %12s %14s %14s %10s %8s %7s\n", "class", "live", "requested",
@@ -111,7 +127,7 @@ static void print_table(line_fn out, void *ctx) {
            st.large_live, st.large_bytes, st.live_bytes, st.requested_bytes, st.mapped_bytes,
            st.committed_bytes, st.purged_bytes, st.threads, st.abandoned_pages);
   out(ctx, line);
-  pthread_mutex_unlock(&lock);
+  pthread_mutex_unlock(&print_lock);
 }
 
 static void to_file(void *ctx, const char *line) {

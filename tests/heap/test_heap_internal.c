@@ -5,6 +5,7 @@
  */
 #define _GNU_SOURCE
 #include <errno.h>
+#include <fcntl.h>
 #include <pthread.h>
 #include <semaphore.h>
 #include <stdint.h>
@@ -1133,6 +1134,60 @@ static void test_fork_during_large_collect(void) {
   sem_destroy(&lc_in);
 }
 
+/* Regression (found by review): keel_heap_stats and keel_heap_print_stats
+ * keep static results under locks of their own, which fork did not take: a
+ * child forked while another thread printed statistics hung in its first
+ * call. Here the printer blocks on a full pipe while it holds its lock, a
+ * reader drains the pipe once the fork is under way, and the child must
+ * print and sum statistics and exit. */
+static int ps_pipe[2];
+
+static void *ps_printer(void *arg) {
+  (void)arg;
+  FILE *f = fdopen(ps_pipe[1], "w");
+  setvbuf(f, NULL, _IONBF, 0); /* a write per line: blocks inside the table */
+  keel_heap_print_stats(f);
+  fclose(f);
+  return NULL;
+}
+
+static void *ps_reader(void *arg) {
+  (void)arg;
+  usleep(200 * 1000); /* the fork is waiting for the printer by now */
+  char buf[4096];
+  while (read(ps_pipe[0], buf, sizeof buf) > 0) {}
+  return NULL;
+}
+
+static void test_fork_during_stats(void) {
+  KT_REQUIRE(pipe(ps_pipe) == 0);
+  /* Nearly full: the printer's first lines block. */
+  int cap = fcntl(ps_pipe[1], F_GETPIPE_SZ);
+  KT_REQUIRE(cap > 0);
+  char *fill = calloc(1, (size_t)cap);
+  KT_REQUIRE(write(ps_pipe[1], fill, (size_t)cap - 16) == cap - 16);
+  free(fill);
+  pthread_t printer, reader;
+  pthread_create(&printer, NULL, ps_printer, NULL);
+  usleep(100 * 1000); /* in print_table, blocked on the pipe */
+  pthread_create(&reader, NULL, ps_reader, NULL);
+  pid_t pid = fork();
+  if (pid == 0) {
+    alarm(10); /* a hang fails the case instead of the run */
+    keel_heap_stats_t st;
+    keel_heap_stats(&st);
+    FILE *null = fopen("/dev/null", "w");
+    keel_heap_print_stats(null);
+    _exit(st.n_classes > 0 ? 0 : 1);
+  }
+  int status = -1;
+  waitpid(pid, &status, 0);
+  KT_CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+  pthread_join(printer, NULL);
+  pthread_join(reader, NULL);
+  close(ps_pipe[0]);
+}
+
 KT_MAIN(KT_CASE(test_class_steps), KT_CASE(test_class_info), KT_CASE(test_page_validate),
         KT_CASE(test_encoded_lists), KT_CASE(test_collect_no_loss),
         KT_CASE(test_abandon_and_collect), KT_CASE(test_idle_owner_full_pages),
@@ -1142,6 +1197,7 @@ KT_MAIN(KT_CASE(test_class_steps), KT_CASE(test_class_info), KT_CASE(test_page_v
         KT_CASE(test_enomem), KT_CASE(test_enomem_injected), KT_CASE(test_enomem_new_thread),
         KT_CASE(test_cross_thread_stress), KT_CASE(test_bad_input), KT_CASE(test_fork),
         KT_CASE(test_fork_during_purge), KT_CASE(test_fork_during_large_collect),
+        KT_CASE(test_fork_during_stats),
         /* Last: they leave the purge thread ticking every 10 ms for a moment,
          * which races with cases that expect a delayed list to stay put
          * (test_collector_unfulled_page failed 3 times in 36 loaded runs
