@@ -29,10 +29,9 @@
  * all back, and abandons the rest to a global per-class queue (behind 16
  * striped locks, segment.c) that other threads adopt from before taking
  * new pages; the purge thread frees abandoned pages once their last block
- * comes back. The heap struct goes on
- * a small free list for the next thread (beyond 8 it is unmapped), so
- * 10,000 short-lived threads use a handful of heaps and no more pages than
- * the live ones need. What the thread allocates after its hook ran (in a
+ * comes back. The heap struct goes on a small free list for the next
+ * thread (beyond 8 it is unmapped), so 10,000 short-lived threads use a
+ * handful of heaps and no more pages than the live ones need. What the thread allocates after its hook ran (in a
  * later pthread-key destructor) comes from the shared heaps: a heap made
  * then would never be handed back.
  *
@@ -454,7 +453,7 @@ static void __heap_abandon_pages(keel_heap_t *heap) {
   }
   __drain_delayed(heap, true);
   KEEL_ASSERT(keel_load_relaxed(&heap->delayed) == NULL);
-  keel_page_t *empty = NULL, *live = NULL;
+  keel_page_t *empty = NULL;
   for (unsigned c = 0; c <= _keel_class_count; c++) {
     keel_page_queue_t *q = c < _keel_class_count ? &heap->queue[c] : &heap->full;
     keel_page_t *page;
@@ -468,15 +467,14 @@ static void __heap_abandon_pages(keel_heap_t *heap) {
         empty = page;
       } else {
         keel_store_release(&page->heap, NULL);
-        page->next = live;
-        live = page;
+        _keel_page_abandon(page);
       }
     }
     if (c < _keel_class_count) heap->direct[c] = &_keel_empty_page;
   }
   /* The empty pages under one segment-lock hold, not one each: short-lived
    * threads on many cores queued on that lock. */
-  _keel_pages_retire(empty, live);
+  _keel_pages_free(empty);
 }
 
 static void heap_thread_exit(void *arg) {

@@ -61,7 +61,7 @@
 /* Pages: owner-side state is touched only by the owning thread, or by a
  * thread holding the owner's heap lock while the page is IN_FULL (the owner's
  * fast paths never touch a full page: flags != 0 sends them to the slow path),
- * or under its class's abandoned-queue lock while the page is abandoned.
+ * or under its class's stripe lock (segment.c) while the page is abandoned.
  *
  * Invariant (owner view): blocks on `free` + blocks on `local_free` + used
  *   == capacity, where `used` still counts blocks other threads have pushed
@@ -170,8 +170,8 @@ typedef struct keel_page_queue {
 } keel_page_queue_t;
 
 /* Page queue links (next/prev). The caller holds the lock of the queue's
- * owner: the heap lock for a heap's queues, the class's lock for an
- * abandoned queue (segment.c). */
+ * owner: the heap lock for a heap's queues, the class's stripe lock for
+ * an abandoned queue (segment.c). */
 KEEL_INLINE void __keel_page_queue_remove(keel_page_queue_t *q, keel_page_t *page) {
   if (page->prev != NULL)
     page->prev->next = page->next;
@@ -250,10 +250,9 @@ void _keel_segmap_set(void *seg, bool on) KEEL_HIDDEN;
 keel_page_t *_keel_page_alloc(unsigned cls, keel_heap_t *heap) KEEL_HIDDEN;
 void _keel_page_free(keel_page_t *page) KEEL_HIDDEN;
 void _keel_page_abandon(keel_page_t *page) KEEL_HIDDEN;
-/* Thread exit's batch: frees the pages on `empty` (no block out) under one
- * hold of the segment lock and abandons those on `live` (heap already NULL),
- * each list chained through `next`. */
-void _keel_pages_retire(keel_page_t *empty, keel_page_t *live) KEEL_HIDDEN;
+/* Thread exit's batch: frees the pages on `list` (chained through `next`,
+ * no block out) under one hold of the segment lock. */
+void _keel_pages_free(keel_page_t *list) KEEL_HIDDEN;
 keel_page_t *_keel_page_adopt(unsigned cls, keel_heap_t *heap) KEEL_HIDDEN;
 /* Purges what has been free longer than the delay (all of it with force);
  * frees abandoned pages whose blocks all came back. Returns bytes purged. */
@@ -290,7 +289,7 @@ void __keel_page_extend(keel_page_t *page) KEEL_HIDDEN;
  * whole OS pages inside free blocks (all but the page holding each block's
  * link): what malloc_trim can give back from pages that still hold live
  * blocks. Only blocks larger than an OS page have such interiors. Owner, or
- * the abandoned-queue lock for an abandoned page. Returns the bytes purged. */
+ * its class's stripe lock for an abandoned page. Returns the bytes purged. */
 size_t __keel_page_purge_free(keel_page_t *page) KEEL_HIDDEN;
 /* Subtracts a collected thread_free list from used and gives it to free,
  * or to local_free when free is not empty (appended only if neither is). */

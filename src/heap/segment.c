@@ -232,42 +232,34 @@ void _keel_page_free(keel_page_t *page) {
   _keel_purge_note_work();
 }
 
-/* Caller holds the queue's lock. */
-static void __page_abandon(abandoned_queue_t *a, keel_page_t *page) {
-  page->abandoned = 1;
-  __keel_page_queue_push_back(&a->q, page);
-  keel_store_relaxed(&a->n, keel_load_relaxed(&a->n) + 1);
-  keel_fetch_add_relaxed(&n_abandoned, 1);
-}
-
 void _keel_page_abandon(keel_page_t *page) {
   __keel_page_sync_frees(page); /* its owner's last frees */
   abandoned_queue_t *a = &abandoned[page->cls];
   pthread_mutex_lock(queue_lock(a));
-  __page_abandon(a, page);
+  page->abandoned = 1;
+  __keel_page_queue_push_back(&a->q, page);
+  keel_store_relaxed(&a->n, keel_load_relaxed(&a->n) + 1);
+  keel_fetch_add_relaxed(&n_abandoned, 1);
   pthread_mutex_unlock(queue_lock(a));
   _keel_purge_note_work();
 }
 
-void _keel_pages_retire(keel_page_t *empty, keel_page_t *live) {
+void _keel_pages_free(keel_page_t *list) {
+  if (list == NULL) return;
   if (purge_delay_ms() == 0) { /* each freed span is purged at once: one by one */
-    for (keel_page_t *p = empty, *next; p != NULL; p = next) {
+    for (keel_page_t *p = list, *next; p != NULL; p = next) {
       next = p->next;
       _keel_page_free(p);
     }
-  } else if (empty != NULL) {
-    pthread_mutex_lock(&seg_lock);
-    for (keel_page_t *p = empty, *next; p != NULL; p = next) {
-      next = p->next;
-      __page_free(p);
-    }
-    pthread_mutex_unlock(&seg_lock);
-    _keel_purge_note_work();
+    return;
   }
-  for (keel_page_t *p = live, *next; p != NULL; p = next) {
-    next = p->next; /* the abandoned queue relinks it */
-    _keel_page_abandon(p);
+  pthread_mutex_lock(&seg_lock);
+  for (keel_page_t *p = list, *next; p != NULL; p = next) {
+    next = p->next;
+    __page_free(p);
   }
+  pthread_mutex_unlock(&seg_lock);
+  _keel_purge_note_work();
 }
 
 /* Caller holds the queue's lock. */
