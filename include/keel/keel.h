@@ -67,7 +67,9 @@ KEEL_API const char *keel_version(void);
  * bare name sets a boolean to true. Sizes take k/m/g suffixes. An unknown
  * name or a bad value prints one line on stderr and keeps the default. The
  * table of every option, its type, default and help is printed by
- * `keel stats --options`.
+ * `keel stats --options`. With verbose=1, every call keel refuses with an
+ * error code (a bad argument, an overflowing size) also prints one line,
+ * "keel: CALL: what was wrong", naming the value.
  */
 
 /* Value of the named option as an integer (booleans are 0/1, durations in

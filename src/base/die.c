@@ -1,6 +1,8 @@
 /* keel_die and warnings: format on the stack, write(2) to stderr. */
 #include "die.h"
 
+#include "options.h"
+
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -39,6 +41,16 @@ void _keel_warn(const char *fmt, ...) {
   va_list ap;
   va_start(ap, fmt);
   emit("", fmt, ap);
+  va_end(ap);
+}
+
+void _keel_reject(const char *call, const char *fmt, ...) {
+  if (!_keel_option(KEEL_OPT_verbose)) return;
+  char prefix[96];
+  snprintf(prefix, sizeof(prefix), "%s: ", call);
+  va_list ap;
+  va_start(ap, fmt);
+  emit(prefix, fmt, ap);
   va_end(ap);
 }
 

@@ -22,6 +22,15 @@ KEEL_NORETURN void keel_die_at(const char *call, const char *reason, const void 
 /* "keel: <formatted message>\n" on stderr; for warnings that do not abort. */
 void _keel_warn(const char *fmt, ...) KEEL_PRINTF(1, 2) KEEL_HIDDEN;
 
+/* A call keel refuses with an error code (bad argument, overflowing size):
+ * with KEEL_OPTIONS=verbose=1, "keel: CALL: <formatted reason>\n" on stderr,
+ * else nothing (the caller returns the code either way). Like keel_die, no
+ * allocation: the heap reports from inside malloc. */
+void _keel_reject(const char *call, const char *fmt, ...) KEEL_PRINTF(2, 3) KEEL_HIDDEN;
+
+/* `return KEEL_REJECT(KEEL_EINVAL, "keel_x", "why %d", v);` */
+#define KEEL_REJECT(rc, call, ...) (_keel_reject((call), __VA_ARGS__), (rc))
+
 /* The same, for callers that already hold a va_list. */
 void _keel_vwarn(const char *fmt, va_list ap) KEEL_HIDDEN;
 
