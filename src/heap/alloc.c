@@ -36,6 +36,7 @@ size_t _keel_usable_size(const void *p, const char *call) {
 void *_keel_calloc(size_t n, size_t size) {
   size_t total;
   if (__builtin_mul_overflow(n, size, &total)) {
+    _keel_reject("calloc", "%zu x %zu bytes overflows", n, size);
     errno = ENOMEM;
     return NULL;
   }
@@ -119,6 +120,7 @@ KEEL_API void *keel_realloc(void *p, size_t size) {
 
 KEEL_API void *keel_aligned_alloc(size_t align, size_t size) {
   if (!KEEL_IS_POW2(align)) {
+    _keel_reject("keel_aligned_alloc", "alignment %zu is not a power of two", align);
     errno = EINVAL;
     return NULL;
   }

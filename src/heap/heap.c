@@ -973,6 +973,7 @@ size_t _keel_heaps_active(void) {
 void _keel_heap_fork_prepare(void) {
   _keel_stats_fork_lock();    /* outermost: held across the locks below */
   _keel_large_release_lock(); /* a collector holds it, then the large lock */
+  _keel_large_move_lock();    /* a moving realloc holds it alone */
   for (int i = 0; i < SHARED_SHARDS; i++) pthread_mutex_lock(&shared[i].lock);
   pthread_mutex_lock(&registry_lock);
   for (keel_heap_t *h = heaps_all; h != NULL; h = h->next_all) {
@@ -989,7 +990,8 @@ void _keel_heap_fork_prepare(void) {
   _keel_large_lock();
 }
 
-void _keel_heap_fork_parent(void) {
+/* The locks prepare took, but move_lock: see the two handlers below. */
+static void fork_unlock(void) {
   _keel_large_unlock();
   _keel_segments_unlock();
   for (keel_heap_t *h = heaps_all; h != NULL; h = h->next_all) collector_exit(h);
@@ -999,8 +1001,14 @@ void _keel_heap_fork_parent(void) {
   _keel_stats_fork_unlock();
 }
 
+void _keel_heap_fork_parent(void) {
+  fork_unlock();
+  _keel_large_move_unlock();
+}
+
 void _keel_heap_fork_child(void) {
-  _keel_heap_fork_parent();
+  fork_unlock();
+  _keel_large_move_child_reset(); /* an rwlock's unlock goes by thread id: the child's is new */
   /* membarrier registration belongs to the parent's mm; the child has one
    * thread, so switching mode here races with no one. */
   if (asym_ok) asym_init();

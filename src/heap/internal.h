@@ -118,7 +118,7 @@ typedef struct keel_page {
   uint32_t reserved;                  /* blocks that fit in the page */
   uint32_t bsize;                     /* block size; 0 while the span is not a page */
   uint8_t slices;                     /* span length in slices */
-  uint8_t abandoned;                  /* on an abandoned queue (that queue's lock) */
+  uint8_t abandoned;                  /* on an abandoned queue (its lock; debug checks) */
   keel_atomic(uint32_t) samples;      /* requests sampled into `requested` (slow paths) */
   /* Statistics (`allocs` above, and these), written by the owner with
    * relaxed load+store (no atomic add), read by keel_heap_stats under the
@@ -246,6 +246,12 @@ int _keel_class_aligned(size_t size, size_t align) KEEL_HIDDEN;
 /* --- segments (segment.c) --- */
 extern keel_atomic(uint64_t) _keel_segmap[] KEEL_HIDDEN;
 #define KEEL_SEGMAP_WORDS ((size_t)1 << (47 - KEEL_SEGMENT_SHIFT - 6))
+/* Whether the map has a bit for p: not above the 47-bit space (5-level
+ * paging hands such addresses out only on request, so a mapping is refused
+ * there rather than expected). */
+static inline bool _keel_segmap_covers(const void *p) {
+  return ((uintptr_t)p >> KEEL_SEGMENT_SHIFT >> 6) < KEEL_SEGMAP_WORDS;
+}
 void _keel_segmap_set(void *seg, bool on) KEEL_HIDDEN;
 keel_page_t *_keel_page_alloc(unsigned cls, keel_heap_t *heap) KEEL_HIDDEN;
 void _keel_page_free(keel_page_t *page) KEEL_HIDDEN;
@@ -340,12 +346,18 @@ void _keel_large_free(keel_segment_t *seg) KEEL_HIDDEN;
 void *_keel_large_realloc(keel_segment_t *seg, size_t size) KEEL_HIDDEN;
 void _keel_large_release_lock(void) KEEL_HIDDEN;
 void _keel_large_release_unlock(void) KEEL_HIDDEN;
+/* Fork: held for writing from prepare to parent/child, so no large block is
+ * between two addresses when the child is made (large.c, remap). */
+void _keel_large_move_lock(void) KEEL_HIDDEN;
+void _keel_large_move_unlock(void) KEEL_HIDDEN;
+void _keel_large_move_child_reset(void) KEEL_HIDDEN;
 /* Test hook: called by the collector between taking mappings out of the
  * cache and unmapping them. */
 extern void (*_keel_large_collect_pause)(void) KEEL_HIDDEN;
 /* Test hook: called by a realloc that moved a large block, just after
- * mremap unmapped the old range (where another thread may map now). */
-extern void (*_keel_large_remap_moved)(void *old) KEEL_HIDDEN;
+ * mremap unmapped the old range (where another thread may map now) and
+ * before the new one's bit is set. */
+extern void (*_keel_large_remap_moved)(void *old, void *to) KEEL_HIDDEN;
 size_t _keel_large_collect(bool force) KEEL_HIDDEN;
 bool _keel_large_pending(void) KEEL_HIDDEN;
 /* Blocks aligned to more than 2 MiB (not in the segment map): frees p and
@@ -358,7 +370,6 @@ void _keel_large_totals(size_t *live, size_t *bytes, size_t *cached, size_t *req
 size_t _keel_large_usable(void) KEEL_HIDDEN;
 void _keel_large_lock(void) KEEL_HIDDEN;
 void _keel_large_unlock(void) KEEL_HIDDEN;
-void _keel_large_child_reset(void) KEEL_HIDDEN;
 
 /* --- background purge (purge.c) --- */
 /* Called after memory was freed for a delayed purge; starts the purge thread

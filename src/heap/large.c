@@ -38,9 +38,13 @@
 #include <sys/mman.h>
 
 #include "base/clock.h"
+#include "base/die.h"
 #include "base/options.h"
 #include "base/os.h"
 #include "heap/internal.h"
+#if defined(KEEL_TSAN)
+#include <sanitizer/tsan_interface.h>
+#endif
 
 #define CACHE_SLOTS     16
 #define CACHE_MAX_BYTES ((size_t)1 << 30)
@@ -61,7 +65,7 @@ static pthread_mutex_t large_lock = PTHREAD_MUTEX_INITIALIZER;
  * munmaps; fork waits for them. */
 static pthread_mutex_t release_lock = PTHREAD_MUTEX_INITIALIZER;
 void (*_keel_large_collect_pause)(void);
-void (*_keel_large_remap_moved)(void *old);
+void (*_keel_large_remap_moved)(void *old, void *to);
 static cache_slot_t cache[CACHE_SLOTS];
 static unsigned cache_n;
 static size_t cache_bytes;
@@ -77,9 +81,6 @@ void _keel_large_lock(void) {
 }
 void _keel_large_unlock(void) {
   pthread_mutex_unlock(&large_lock);
-}
-void _keel_large_child_reset(void) {
-  pthread_mutex_init(&large_lock, NULL);
 }
 void _keel_large_release_lock(void) {
   pthread_mutex_lock(&release_lock);
@@ -100,20 +101,57 @@ static size_t page_up(size_t n) {
  * a clear after the move wiped that bit, so the other block's free died
  * with "invalid pointer" (found by review). A failed move leaves the
  * mapping where it was, so its bit goes back; no one else can have mapped
- * the still-mapped range meanwhile. */
+ * the still-mapped range meanwhile. A destination above the space the map
+ * covers is refused like a full address space.
+ *
+ * The move holds move_lock for reading, and fork takes it for writing: a
+ * child forked between the clear and the set would inherit the block with
+ * no bit at either address (its free there died "invalid pointer"), and
+ * one forked after the reservation a stray one. Readers never wait on each
+ * other; writers are preferred, so a stream of moves cannot hold fork off. */
+static pthread_rwlock_t move_lock = PTHREAD_RWLOCK_WRITER_NONRECURSIVE_INITIALIZER_NP;
+
+void _keel_large_move_lock(void) {
+  pthread_rwlock_wrlock(&move_lock);
+}
+void _keel_large_move_unlock(void) {
+  pthread_rwlock_unlock(&move_lock);
+}
+void _keel_large_move_child_reset(void) {
+#if defined(KEEL_TSAN)
+  /* TSan's rwlock_init keeps the write hold fork_prepare recorded, and
+   * every lock the child took after it made a false order edge. */
+  __tsan_mutex_pre_unlock(&move_lock, 0);
+  __tsan_mutex_post_unlock(&move_lock, 0);
+#endif
+  pthread_rwlockattr_t a;
+  pthread_rwlockattr_init(&a);
+  pthread_rwlockattr_setkind_np(&a, PTHREAD_RWLOCK_PREFER_WRITER_NONRECURSIVE_NP);
+  pthread_rwlock_init(&move_lock, &a);
+  pthread_rwlockattr_destroy(&a);
+}
+
 static keel_segment_t *remap(keel_segment_t *seg, size_t old, size_t size) {
   if (size == old) return seg;
   if (_keel_os_remap(seg, old, size, NULL) == seg) return seg; /* the base stays: its bit too */
+  pthread_rwlock_rdlock(&move_lock);
   void *to = _keel_os_reserve(size, KEEL_SEGMENT_SIZE);
-  if (to == NULL) return NULL;
-  _keel_segmap_set(seg, false);
-  if (_keel_os_remap(seg, old, size, to) != to) {
-    _keel_segmap_set(seg, true);
+  if (to != NULL && !_keel_segmap_covers(to)) {
     _keel_os_release(to, size);
-    return NULL;
+    to = NULL;
   }
-  if (keel_unlikely(_keel_large_remap_moved != NULL)) _keel_large_remap_moved(seg);
-  _keel_segmap_set(to, true);
+  if (to != NULL) {
+    _keel_segmap_set(seg, false);
+    if (_keel_os_remap(seg, old, size, to) == to) {
+      if (keel_unlikely(_keel_large_remap_moved != NULL)) _keel_large_remap_moved(seg, to);
+      _keel_segmap_set(to, true);
+    } else {
+      _keel_segmap_set(seg, true);
+      _keel_os_release(to, size);
+      to = NULL;
+    }
+  }
+  pthread_rwlock_unlock(&move_lock);
   return to;
 }
 
@@ -184,6 +222,7 @@ static huge_hdr_t *huge_list;
 
 static void *huge_alloc(size_t size, size_t align) {
   if (size > PTRDIFF_MAX - align - KEEL_SEGMENT_SIZE) {
+    _keel_reject("malloc", "%zu bytes (aligned to %zu) is above PTRDIFF_MAX", size, align);
     errno = ENOMEM;
     return NULL;
   }
@@ -247,6 +286,7 @@ void *_keel_large_alloc(size_t size, size_t align, bool zero) {
   if (align > off) off = align;
   if (align > KEEL_SEGMENT_SIZE / 2) return huge_alloc(size, align); /* zero: fresh mapping */
   if (size > PTRDIFF_MAX - off - KEEL_SEGMENT_SIZE) {
+    _keel_reject("malloc", "%zu bytes is above PTRDIFF_MAX", size);
     errno = ENOMEM;
     return NULL;
   }
@@ -265,7 +305,7 @@ void *_keel_large_alloc(size_t size, size_t align, bool zero) {
   }
   if (seg == NULL) {
     seg = _keel_os_alloc(need, KEEL_SEGMENT_SIZE);
-    if (seg == NULL || ((uintptr_t)seg >> KEEL_SEGMENT_SHIFT >> 6) >= KEEL_SEGMAP_WORDS) {
+    if (seg == NULL || !_keel_segmap_covers(seg)) {
       if (seg != NULL) _keel_os_release(seg, need);
       errno = ENOMEM;
       return NULL;
@@ -315,6 +355,7 @@ void _keel_large_free(keel_segment_t *seg) {
 void *_keel_large_realloc(keel_segment_t *seg, size_t size) {
   size_t off = seg->user_off;
   if (size > PTRDIFF_MAX - off - KEEL_SEGMENT_SIZE) {
+    _keel_reject("realloc", "%zu bytes is above PTRDIFF_MAX", size);
     errno = ENOMEM;
     return NULL;
   }

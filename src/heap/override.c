@@ -28,6 +28,7 @@
 #include <unistd.h>
 
 #include "base/os.h"
+#include "base/die.h"
 #include "heap/alloc.h"
 
 #include <keel/heap.h>
@@ -67,6 +68,7 @@ KEEL_EXPORT void *realloc(void *p, size_t size) {
 KEEL_EXPORT void *reallocarray(void *p, size_t n, size_t size) {
   size_t total;
   if (__builtin_mul_overflow(n, size, &total)) {
+    _keel_reject("reallocarray", "%zu x %zu bytes overflows", n, size);
     errno = ENOMEM;
     return NULL;
   }
@@ -74,7 +76,11 @@ KEEL_EXPORT void *reallocarray(void *p, size_t n, size_t size) {
 }
 
 KEEL_EXPORT int posix_memalign(void **out, size_t align, size_t size) {
-  if (!KEEL_IS_POW2(align) || align % sizeof(void *) != 0) return EINVAL;
+  if (!KEEL_IS_POW2(align) || align % sizeof(void *) != 0) {
+    _keel_reject("posix_memalign", "alignment %zu is not a power of two multiple of %zu", align,
+                 sizeof(void *));
+    return EINVAL;
+  }
   int saved = errno;
   void *p = _keel_aligned_alloc(align, size);
   if (p == NULL) {
@@ -88,6 +94,7 @@ KEEL_EXPORT int posix_memalign(void **out, size_t align, size_t size) {
 
 KEEL_EXPORT void *aligned_alloc(size_t align, size_t size) {
   if (!KEEL_IS_POW2(align)) {
+    _keel_reject("aligned_alloc", "alignment %zu is not a power of two", align);
     errno = EINVAL;
     return NULL;
   }
@@ -100,6 +107,7 @@ KEEL_EXPORT void *memalign(size_t align, size_t size) {
    * then fails for want of memory (ENOMEM), as there. */
   if (!KEEL_IS_POW2(align)) {
     if (align > ((size_t)1 << 63)) {
+      _keel_reject("memalign", "alignment %zu is above 2^63", align);
       errno = EINVAL;
       return NULL;
     }
@@ -121,6 +129,7 @@ KEEL_EXPORT void *valloc(size_t size) {
 KEEL_EXPORT void *pvalloc(size_t size) {
   size_t ps = _keel_os_page_size();
   if (size > SIZE_MAX - ps) {
+    _keel_reject("pvalloc", "%zu bytes overflows when rounded to a page", size);
     errno = ENOMEM;
     return NULL;
   }
@@ -178,6 +187,7 @@ KEEL_EXPORT void malloc_stats(void) {
 
 KEEL_EXPORT int malloc_info(int options, FILE *fp) {
   if (options != 0) {
+    _keel_reject("malloc_info", "options must be 0, not %d", options);
     errno = EINVAL;
     return -1;
   }

@@ -123,9 +123,7 @@ static int span_find(const keel_segment_t *seg, unsigned n) {
 static keel_segment_t *segment_new(void) {
   keel_segment_t *seg = _keel_os_alloc(KEEL_SEGMENT_SIZE, KEEL_SEGMENT_SIZE);
   if (seg == NULL) return NULL;
-  if (((uintptr_t)seg >> KEEL_SEGMENT_SHIFT >> 6) >= KEEL_SEGMAP_WORDS) {
-    /* Above the 47-bit space the map covers (5-level paging hands such
-     * addresses out only on request, so this does not happen in practice). */
+  if (!_keel_segmap_covers(seg)) {
     _keel_os_release(seg, KEEL_SEGMENT_SIZE);
     errno = ENOMEM;
     return NULL;
@@ -236,6 +234,7 @@ void _keel_page_abandon(keel_page_t *page) {
   __keel_page_sync_frees(page); /* its owner's last frees */
   abandoned_queue_t *a = &abandoned[page->cls];
   pthread_mutex_lock(queue_lock(a));
+  KEEL_ASSERT(!page->abandoned); /* queued twice would corrupt the queue */
   page->abandoned = 1;
   __keel_page_queue_push_back(&a->q, page);
   keel_store_relaxed(&a->n, keel_load_relaxed(&a->n) + 1);
@@ -264,6 +263,7 @@ void _keel_pages_free(keel_page_t *list) {
 
 /* Caller holds the queue's lock. */
 static void __abandoned_unlink(abandoned_queue_t *a, keel_page_t *page) {
+  KEEL_ASSERT(page->abandoned);
   __keel_page_queue_remove(&a->q, page);
   page->abandoned = 0;
   keel_store_relaxed(&a->n, keel_load_relaxed(&a->n) - 1);

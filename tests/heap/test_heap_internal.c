@@ -459,7 +459,8 @@ static void test_large(void) {
 static void *rm_old;
 static bool rm_mapped;
 
-static void rm_moved(void *old) {
+static void rm_moved(void *old, void *to) {
+  (void)to;
   rm_old = old;
   void *m = mmap(old, 4096, PROT_READ | PROT_WRITE,
                  MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED_NOREPLACE, -1, 0);
@@ -1134,6 +1135,77 @@ static void test_fork_during_large_collect(void) {
   sem_destroy(&lc_in);
 }
 
+/* Regression (left alone at stop 20): a fork while another thread's
+ * realloc moved a large block, between the clear of the old base's bit and
+ * the set of the new one's, gave the child the block at its new address
+ * with no bit, so freeing it there died "invalid pointer". Fork now waits
+ * for the move: in the child the new base's bit is set, and the block can
+ * be freed. */
+static sem_t mv_in;
+static void *mv_to;
+static atomic_bool mv_moved;
+
+static void mv_pause(void *old, void *to) {
+  (void)old;
+  mv_to = to;
+  atomic_store(&mv_moved, true);
+  sem_post(&mv_in);
+  usleep(200 * 1000); /* the fork is called meanwhile */
+}
+
+/* Posts mv_in also when the hook never ran (realloc grew in place or
+ * failed), so the test fails rather than waits for ever. */
+static void *mv_realloc(void *arg) {
+  uint8_t **p = arg;
+  uint8_t *q = keel_realloc(*p, (size_t)48 << 20);
+  if (q != NULL) *p = q;
+  if (!atomic_load(&mv_moved)) sem_post(&mv_in);
+  return q;
+}
+
+static void test_fork_during_large_move(void) {
+  const size_t mib = (size_t)1 << 20;
+  uint8_t *p;
+  void *guard = rm_block(mib, &p); /* cannot grow in place: the realloc moves it */
+  KT_REQUIRE(p != NULL);
+  if (guard == MAP_FAILED) {
+    keel_free(p);
+    return;
+  }
+  size_t off = (size_t)(p - (uint8_t *)_keel_segment_of(p));
+  memset(p, 0x5a, mib);
+  sem_init(&mv_in, 0, 0);
+  atomic_store(&mv_moved, false);
+  _keel_large_remap_moved = mv_pause;
+  pthread_t t;
+  int rc = pthread_create(&t, NULL, mv_realloc, &p);
+  KT_EQ(rc, 0);
+  if (rc == 0) {
+    sem_wait(&mv_in); /* the block is at mv_to, its bit not yet set */
+    KT_CHECK(atomic_load(&mv_moved));
+  }
+  if (rc == 0 && atomic_load(&mv_moved)) {
+    pid_t pid = fork();
+    if (pid == 0) {
+      uint8_t *q = (uint8_t *)mv_to + off;
+      if (!_keel_segmap_has(mv_to) || q[mib - 1] != 0x5a) _exit(1);
+      keel_free(q); /* died "invalid pointer" before */
+      _exit(0);
+    }
+    int status = -1;
+    KT_CHECK(pid > 0 && waitpid(pid, &status, 0) == pid);
+    KT_CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+  }
+  void *moved = NULL;
+  if (rc == 0) pthread_join(t, &moved);
+  _keel_large_remap_moved = NULL;
+  sem_destroy(&mv_in);
+  KT_CHECK(moved != NULL);
+  if (moved != NULL) KT_CHECK(p == (uint8_t *)mv_to + off && p[0] == 0x5a);
+  keel_free(p); /* the moved block, or the old one where realloc failed */
+  munmap(guard, 4096);
+}
+
 /* Regression (found by review): keel_heap_stats and keel_heap_print_stats
  * keep static results under locks of their own, which fork did not take: a
  * child forked while another thread printed statistics hung in its first
@@ -1197,7 +1269,7 @@ KT_MAIN(KT_CASE(test_class_steps), KT_CASE(test_class_info), KT_CASE(test_page_v
         KT_CASE(test_enomem), KT_CASE(test_enomem_injected), KT_CASE(test_enomem_new_thread),
         KT_CASE(test_cross_thread_stress), KT_CASE(test_bad_input), KT_CASE(test_fork),
         KT_CASE(test_fork_during_purge), KT_CASE(test_fork_during_large_collect),
-        KT_CASE(test_fork_during_stats),
+        KT_CASE(test_fork_during_stats), KT_CASE(test_fork_during_large_move),
         /* Last: they leave the purge thread ticking every 10 ms for a moment,
          * which races with cases that expect a delayed list to stay put
          * (test_collector_unfulled_page failed 3 times in 36 loaded runs
