@@ -7,12 +7,17 @@
  * (2^k/8 - 1) / c_j < 12.5%. jemalloc and tcmalloc use the same 4-8 classes
  * per doubling; mimalloc uses 4 (up to 25% waste).
  *
- * The doubling 4 KiB .. 8 KiB gets 16 classes (256-byte steps) instead of 8.
+ * The doubling 4 KiB .. 8 KiB gets 16 classes (256-byte steps) instead of 8,
+ * and one more: a page plus a header (KEEL_CLASS_PAGE_HDR, 4096 + 16 bytes).
  * Requests of a page plus a small header (Squid's 4096 + 12, a 4 KiB buffer
  * plus its struct) are common; with 8 steps 4108 B would go to 4608 (12.2%
- * waste), with 16 it goes to 4352 (5.9%). Fifteen 4352-byte blocks fill a
- * 64 KiB page with 256 bytes left, so 131072 x 4108 B costs 1.065x the
- * requested bytes where a page-granular allocator pays 2x.
+ * waste), with 16 to 4352 (5.9%), and any class from 4097 to 4369 fits 15
+ * times in a 64 KiB page, so the page remainder alone kept such a block at
+ * 4369 bytes (1.064x of 4108; glibc, whose chunks carry an 8-byte header,
+ * pays 1.007x). The 4112-byte class lives in 1 MiB pages instead, 255
+ * blocks with 16 bytes left: 4108 B costs 1.001x. Its pages are carved
+ * lazily like every other, so a thread that takes one such block holds a
+ * few KiB of it resident, not the megabyte.
  *
  * Alignment: blocks are laid out from a 64 KiB-aligned page start at
  * multiples of their size, so a block is aligned to the largest power of two
@@ -22,7 +27,8 @@
  * same); keel_aligned_alloc picks a class that is a multiple of the alignment.
  *
  * Pages: a class of up to 8 KiB lives in 64 KiB pages (at least 8 blocks),
- * up to 32 KiB in 256 KiB pages, above in 1 MiB pages (at least 4 blocks).
+ * but for the page-plus-header class (1 MiB), up to 32 KiB in 256 KiB pages,
+ * above in 1 MiB pages (at least 4 blocks).
  * Blocks are carved lazily, so an untouched page tail costs no RSS.
  *
  * Lookup: requests up to 1 KiB (most of a typical server's) index a 129-byte
@@ -54,7 +60,10 @@ static void classes_build(void) {
   for (unsigned k = 6; k < 18; k++) {
     class_pow2[k] = (uint8_t)n;
     uint32_t base = (uint32_t)1 << k, step = base / steps_of(k);
-    for (unsigned j = 0; j < steps_of(k); j++) _keel_class_size[n++] = base + j * step;
+    for (unsigned j = 0; j < steps_of(k); j++) {
+      _keel_class_size[n++] = base + j * step;
+      if (base + j * step == 4096) _keel_class_size[n++] = KEEL_CLASS_PAGE_HDR;
+    }
   }
   class_pow2[18] = (uint8_t)n;
   _keel_class_size[n++] = (uint32_t)KEEL_LARGE_MAX;
@@ -92,11 +101,15 @@ unsigned _keel_class_of(size_t size) {
   unsigned k = 63u - (unsigned)__builtin_clzl(size - 1);
   unsigned shift = k - (k == 12 ? 4 : 3);
   size_t j = (size - ((size_t)1 << k) + ((size_t)1 << shift) - 1) >> shift;
+  /* Above 4096 every class is one further on, past KEEL_CLASS_PAGE_HDR,
+   * which takes the requests up to its size. */
+  if (k == 12) j = size <= KEEL_CLASS_PAGE_HDR ? 1 : j + 1;
   return class_pow2[k] + (unsigned)j;
 }
 
 unsigned _keel_class_slices(unsigned cls) {
   uint32_t b = _keel_class_size[cls];
+  if (b == KEEL_CLASS_PAGE_HDR) return 16;
   return b <= 8192 ? 1 : b <= 32768 ? 4 : 16;
 }
 

@@ -54,6 +54,9 @@
 #define KEEL_LARGE_MAX       ((size_t)256 << 10) /* largest class; above: mapped directly */
 #define KEEL_SHARED_MIN      ((size_t)8 << 10)   /* classes above: shared heaps (heap.c) */
 #define KEEL_CLASS_COUNT_MAX 120
+/* The one class off the regular spacing: a 4 KiB page plus a 16-byte
+ * header, in 1 MiB pages (classes.c). */
+#define KEEL_CLASS_PAGE_HDR 4112u
 
 /* Blocks are aligned to at least 8; classes that are multiples of 16 to 16. */
 #define KEEL_MIN_ALIGN 8

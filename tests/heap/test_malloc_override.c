@@ -142,7 +142,7 @@ static void *alloc_with(int how, size_t size) {
  * case counts live blocks. */
 static void start_purge_thread(void) {
   void *p[64];
-  for (int i = 0; i < 64; i++) p[i] = malloc(4108);
+  for (int i = 0; i < 64; i++) p[i] = malloc(4200); /* five 64 KiB pages */
   for (int i = 0; i < 64; i++) free(p[i]);
   free(malloc(8 * MiB));
 }
@@ -489,7 +489,7 @@ static void invalid_free_aborts(void) {
   char stack[32];
   memset(stack, 0, sizeof(stack));
   expect_invalid(free_child, ht_launder(stack));
-  uint8_t *p = malloc(4108);
+  uint8_t *p = malloc(4200); /* 4352-byte class, 64 KiB pages */
   expect_invalid(free_child, p + 16);
   uint8_t *m = mmap(NULL, MiB, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   KT_REQUIRE(m != MAP_FAILED);
