@@ -104,8 +104,10 @@ KEEL_API void *keel_pool_alloc(keel_pool_t *pool);
 /* keel_pool_alloc, with the object zeroed (before the init hook runs). */
 KEEL_API void *keel_pool_zalloc(keel_pool_t *pool);
 
-/* Returns obj to the calling thread's hot list; NULL is a no-op. Aborts if
- * obj is not from this pool or already free. Never calls the heap. */
+/* Returns obj to the calling thread's hot list; a NULL obj is a no-op with
+ * any pool, as free(NULL) is. Aborts if obj is not from this pool or already
+ * free, or pool is NULL. Calls the heap only when the thread has no sub-pool
+ * (out of memory) or finds a sweep request to serve. */
 KEEL_API void keel_pool_free(keel_pool_t *pool, void *obj);
 
 /* Destroys an empty pool: every cached object goes back to the heap and the

@@ -133,6 +133,10 @@ keel_pool_t *keel_pool_create(const char *name, size_t obj_size, size_t align,
   if (align == 0) align = 16;
   if (name == NULL || obj_size == 0 || obj_size > KEEL_POOL_MAX_OBJ || !KEEL_IS_POW2(align) ||
       align > KEEL_POOL_MAX_ALIGN) {
+    _keel_reject("keel_pool_create",
+                 "'%s': obj_size %zu (1 to %zu), align %zu (a power of two up to %zu)",
+                 name ? name : "(null)", obj_size, (size_t)KEEL_POOL_MAX_OBJ, align,
+                 (size_t)KEEL_POOL_MAX_ALIGN);
     errno = EINVAL;
     return NULL;
   }
