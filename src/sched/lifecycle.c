@@ -17,6 +17,7 @@
 #include <stdlib.h>
 #include <unistd.h>
 
+#include "base/die.h"
 #include "base/options.h"
 #include "base/os.h"
 #include "sched/sched_int.h"
@@ -129,7 +130,10 @@ static int init_locked(const keel_sched_config_t *user) {
     cfg = *user;
   if (cfg.max_threads == 0 || cfg.min_threads == 0 || cfg.min_threads > cfg.max_threads ||
       cfg.idle_ms == 0 || cfg.block_ms == 0)
-    return KEEL_EINVAL;
+    return KEEL_REJECT(KEEL_EINVAL, "keel_sched_init",
+                       "min_threads %u, max_threads %u, idle_ms %u, block_ms %u: need 1 <= min <= "
+                       "max and nonzero times",
+                       cfg.min_threads, cfg.max_threads, cfg.idle_ms, cfg.block_ms);
   reset(&cfg);
   _keel_sched_gate_init();
   atomic_store(&s->state, SCHED_STARTING);
@@ -278,7 +282,8 @@ static void stop(int how) {
 }
 
 int keel_sched_shutdown(int how) {
-  if (how != KEEL_SCHED_DRAIN && how != KEEL_SCHED_CANCEL) return KEEL_EINVAL;
+  if (how != KEEL_SCHED_DRAIN && how != KEEL_SCHED_CANCEL)
+    return KEEL_REJECT(KEEL_EINVAL, "keel_sched_shutdown", "unknown how %d", how);
   if (_keel_sched_self != NULL || in_life) return KEEL_EDEADLK; /* it would wait for itself */
   _keel_sched_atfork_once();
   sched_t *s = &_keel_sched;
@@ -327,7 +332,7 @@ static int cancel_locked(keel_job_t *job) {
 }
 
 int keel_sched_cancel(keel_job_t *job) {
-  if (job == NULL) return KEEL_EINVAL;
+  if (job == NULL) return KEEL_REJECT(KEEL_EINVAL, "keel_sched_cancel", "job is NULL");
   _keel_sched_atfork_once(); /* before sched.lock, even on a pool never started */
   sched_t *s = &_keel_sched;
   for (;;) {
@@ -351,7 +356,7 @@ keel_sched_client_t *keel_sched_client_create(void) {
 }
 
 int keel_sched_client_destroy(keel_sched_client_t *c) {
-  if (c == NULL) return KEEL_EINVAL;
+  if (c == NULL) return KEEL_REJECT(KEEL_EINVAL, "keel_sched_client_destroy", "client is NULL");
   _keel_sched_atfork_once();
   sched_t *s = &_keel_sched;
   int busy = 0;
@@ -395,7 +400,7 @@ static void stats_workers(keel_sched_stats_t *st, struct cds_list_head *list,
  * - timers, per priority), so it covers every place a job can wait, the fast
  * lane and the unsorted staging queues included, at no cost to submit. */
 int keel_sched_stats(keel_sched_stats_t *st) {
-  if (st == NULL) return KEEL_EINVAL;
+  if (st == NULL) return KEEL_REJECT(KEEL_EINVAL, "keel_sched_stats", "stats is NULL");
   _keel_sched_atfork_once();
   sched_t *s = &_keel_sched;
   if (atomic_load(&s->state) == SCHED_UNINIT) {

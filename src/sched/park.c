@@ -160,7 +160,11 @@ static bool try_retire(sched_worker_t *w, uint64_t now) {
     if (heir != NULL) _keel_sched_kick_worker(heir);
   }
   pthread_mutex_unlock(&s->lock);
-  if (retire) _keel_sched_poke(); /* the monitor joins w */
+  /* The monitor joins w, and fires the heir's new timers if it is in a job. */
+  if (retire && heir != NULL)
+    _keel_sched_renap();
+  else if (retire)
+    _keel_sched_poke();
   return retire;
 }
 

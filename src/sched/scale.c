@@ -18,9 +18,9 @@
  * that the monitor ticks through the burst: _keel_sched_unnap).
  *
  * While jobs wait the monitor ticks: every millisecond when it could grow,
- * else every block_ms/2 to spot long jobs and to fire the due timers of
- * workers stuck in them (so too while a worker that owns timers is inside
- * a job, once the pool has been quiet MON_LINGER_NS). Once nothing waits it
+ * else every block_ms/2 to spot long jobs, and at the next deadline of a
+ * timer whose owner is inside a job, to fire it on time (so too once the
+ * pool has been quiet MON_LINGER_NS). Once nothing waits it
  * lingers, ticking each millisecond (MON_TICK_NS), until MON_LINGER_NS have
  * passed since the last tick that saw work waiting, a job start or end, or
  * a worker waking or spinning (a long job alone does not keep it up: its
@@ -70,6 +70,26 @@ void _keel_sched_unnap(void) {
     keel_futex_wake(&s->mon_mode, 1);
 }
 
+/* A timer came to be due before the deadline the monitor may be napping
+ * toward: keel_sched_after armed a worker's earliest, or a retiring worker
+ * handed its timers to an heir. The owner may be inside a job, where only
+ * the monitor fires on time, and a nap chosen before the arm ran to its old
+ * deadline (review repro: a 2000 ms timer, then a 10 ms one, fired 1.9 s
+ * late). Any mode but MON_EXIT becomes MON_POKED, so the monitor looks
+ * again: at once from a sleep (woken), after its tick from MON_TICK, or
+ * before it naps, if it had looked but not yet published the nap (its CAS
+ * from MON_TICK fails). */
+void _keel_sched_renap(void) {
+  sched_t *s = &_keel_sched;
+  uint32_t m = atomic_load(&s->mon_mode);
+  while (m == MON_TICK || m == MON_NAP || m == MON_FULL || m == MON_INF) {
+    if (atomic_compare_exchange_weak(&s->mon_mode, &m, MON_POKED)) {
+      if (m != MON_TICK) keel_futex_wake(&s->mon_mode, 1);
+      return;
+    }
+  }
+}
+
 static bool backlog(void) {
   sched_t *s = &_keel_sched;
   return _keel_sched_work_visible() || (s->stage_mask | s->stage2_mask) != 0;
@@ -86,9 +106,13 @@ static bool __may_grow(void) {
 }
 
 /* Looks at one worker; true if it counts as blocked. Fires its due timers if
- * it is stuck in a job. *timers is set if it runs a job and owns timers,
- * *moved if it started or ended a job since the last tick. */
-static bool look(sched_worker_t *w, uint64_t now, uint64_t block_ns, bool *timers, bool *moved) {
+ * it is inside a job, however short so far: the owner fires its own only
+ * between jobs, and waiting for "stuck" (block_ms) made a 10 ms timer fire
+ * up to block_ms and a nap late. Firing under the heap's tlock races with
+ * nothing; the owner finds the heap emptied. *due is lowered to the next
+ * deadline of such an owner, *moved set if it started or ended a job since
+ * the last tick. */
+static bool look(sched_worker_t *w, uint64_t now, uint64_t block_ns, uint64_t *due, bool *moved) {
   uint64_t seq = keel_load_acquire(&w->seq);
   *moved |= seq != w->mon_seen;
   w->mon_seen = seq;
@@ -98,11 +122,12 @@ static bool look(sched_worker_t *w, uint64_t now, uint64_t block_ns, bool *timer
     w->mon_since = now;
   }
   bool stuck = now - w->mon_since >= block_ns;
-  uint64_t due = atomic_load(&w->next_deadline);
-  if (due != UINT64_MAX) {
-    *timers = true;
-    if (stuck && due <= now) _keel_sched_timers_fire(w, now);
+  uint64_t next = atomic_load(&w->next_deadline);
+  if (next <= now) {
+    _keel_sched_timers_fire(w, now);
+    next = atomic_load(&w->next_deadline);
   }
+  if (next < *due) *due = next;
   return stuck || keel_load_relaxed(&w->blocking);
 }
 
@@ -110,12 +135,12 @@ static bool look(sched_worker_t *w, uint64_t now, uint64_t block_ns, bool *timer
 static uint64_t tick(uint64_t now) {
   sched_t *s = &_keel_sched;
   uint64_t block_ns = (uint64_t)s->cfg.block_ms * 1000000u;
-  bool timers = false;
+  uint64_t due = UINT64_MAX; /* next timer of an owner inside a job */
   int blocked = 0;
   pthread_mutex_lock(&s->lock);
   sched_worker_t *w;
   bool moved = false;
-  cds_list_for_each_entry(w, &s->workers, link) blocked += look(w, now, block_ns, &timers, &moved);
+  cds_list_for_each_entry(w, &s->workers, link) blocked += look(w, now, block_ns, &due, &moved);
   int n = keel_load_relaxed(&s->nthreads);
   int cap = s->ncpu > (int)s->cfg.min_threads ? s->ncpu : (int)s->cfg.min_threads;
   bool work = backlog();
@@ -146,6 +171,11 @@ static uint64_t tick(uint64_t now) {
   }
   if (grow) return SPAWN_INTERVAL_NS;
   uint64_t nap = block_ns / 2 > SPAWN_INTERVAL_NS ? block_ns / 2 : SPAWN_INTERVAL_NS;
+  bool timers = due != UINT64_MAX;
+  if (timers) { /* wake for the next one: never later than its deadline */
+    uint64_t left = due > now ? due - now : 0;
+    if (left < nap) nap = left;
+  }
   s->mon_full = waiting;
   if (waiting) return nap;
   /* Timers alone (an owner inside a job) keep the monitor from sleeping,
@@ -264,10 +294,11 @@ static void *monitor_main(void *arg) {
       if (go_inf()) keel_futex_wait_until(&s->mon_mode, MON_INF, UINT64_MAX);
       continue;
     }
-    /* Outside MON_INF only the monitor, stop() and _keel_sched_unnap
-     * (MON_NAP -> MON_POKED) write the mode. MON_POKED here came after this
-     * look (cleared above): look again. The CAS fails on MON_EXIT, or on an
-     * unnap since the load (look again too). */
+    /* Outside MON_INF only the monitor, stop(), _keel_sched_unnap
+     * (MON_NAP -> MON_POKED) and _keel_sched_renap (-> MON_POKED) write the
+     * mode. MON_POKED here came after this look (cleared above): look
+     * again. The CAS fails on MON_EXIT, or on a poke since the load (look
+     * again too). */
     uint32_t mode = wait <= MON_TICK_NS ? MON_TICK : s->mon_full ? MON_FULL : MON_NAP;
     uint32_t m = atomic_load(&s->mon_mode);
     if (m == MON_EXIT || m == MON_POKED || !atomic_compare_exchange_strong(&s->mon_mode, &m, mode))

@@ -365,6 +365,7 @@ int _keel_sched_monitor_start(void) KEEL_HIDDEN;
 void _keel_sched_monitor_stop(void) KEEL_HIDDEN;
 void _keel_sched_poke(void) KEEL_HIDDEN;
 void _keel_sched_unnap(void) KEEL_HIDDEN;
+void _keel_sched_renap(void) KEEL_HIDDEN; /* a timer now due before the monitor's nap ends */
 /* Tests set it to hold the monitor between its last look and its MON_INF
  * store (go_inf); NULL outside tests: one load each time the monitor goes
  * to sleep without deadline. */

@@ -15,6 +15,7 @@
  */
 #include <stdlib.h>
 
+#include "base/die.h"
 #include "sched/sched_int.h"
 
 /* Publishes a job whose state is already QUEUED into `shard` (the
@@ -57,7 +58,8 @@ static KEEL_NOINLINE int submit_slow(keel_job_t *job) {
 }
 
 int keel_sched_submit(keel_job_t *job) {
-  if (keel_unlikely(job == NULL || job->fn == NULL)) return KEEL_EINVAL;
+  if (keel_unlikely(job == NULL || job->fn == NULL))
+    return KEEL_REJECT(KEEL_EINVAL, "keel_sched_submit", "%s is NULL", job ? "job->fn" : "job");
   sched_producer_t *me = &_keel_sched_me;
   int rc = _keel_sched_gate_enter(me);
   if (keel_unlikely(rc != 0)) return rc;
@@ -106,7 +108,7 @@ static void run_job_cancel(keel_job_t *job) {
 }
 
 int keel_sched_run(void (*fn)(void *arg), void *arg, unsigned flags) {
-  if (fn == NULL) return KEEL_EINVAL;
+  if (fn == NULL) return KEEL_REJECT(KEEL_EINVAL, "keel_sched_run", "fn is NULL");
   run_job_t *r = malloc(sizeof(*r));
   if (r == NULL) return KEEL_ENOMEM;
   keel_job_init(&r->job, run_job_fn, flags);

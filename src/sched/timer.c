@@ -6,8 +6,8 @@
  * earliest deadline (one relaxed load) before each dispatch and parks no
  * longer than it, so a timer fires within the futex wake-up latency of its
  * deadline (well under the millisecond resolution promised), never before.
- * If the owner is stuck in one job longer than sched_block_ms, the monitor
- * fires its due timers for it. A worker that retires (idle past idle_ms,
+ * While the owner is inside a job, the monitor wakes at its earliest
+ * deadline and fires its due timers for it (a job may run for seconds). A worker that retires (idle past idle_ms,
  * above min) first hands its whole heap to the next worker in line
  * (__keel_sched_timers_hand_over), so owning timers never keeps an idle
  * thread alive (retiring needs more than min_threads >= 1 alive, so such a
@@ -19,6 +19,7 @@
  */
 #include <stdlib.h>
 
+#include "base/die.h"
 #include "base/clock.h"
 #include "sched/sched_int.h"
 
@@ -229,7 +230,8 @@ static int arm(keel_job_t *job, uint64_t deadline, sched_worker_t **owner, bool 
 }
 
 int keel_sched_after(keel_job_t *job, uint64_t ms) {
-  if (job == NULL || job->fn == NULL) return KEEL_EINVAL;
+  if (job == NULL || job->fn == NULL)
+    return KEEL_REJECT(KEEL_EINVAL, "keel_sched_after", "%s is NULL", job ? "job->fn" : "job");
   if (ms == 0) return keel_sched_submit(job);
   _keel_sched_atfork_once(); /* before life_lock (a lazy init) and sched.lock */
   int st = atomic_load(&_keel_sched.state);
@@ -262,7 +264,12 @@ int keel_sched_after(keel_job_t *job, uint64_t ms) {
    * A monitor on its way there re-checks for an owner not parked after its
    * MON_INF store, under sched.lock, which the arm held (go_inf, scale.c):
    * it sees the timer, or this load sees MON_INF. Either way the monitor
-   * lingers, then sees the owner in a job with timers (and naps) or parked. */
-  if (keel_load_relaxed(&_keel_sched.mon_mode) == MON_INF) _keel_sched_poke();
+   * lingers, then sees the owner in a job with timers (and naps) or parked.
+   * A new earliest may also be due before the nap the monitor is in or
+   * about to take: that one is poked from any mode (_keel_sched_renap). */
+  if (earliest)
+    _keel_sched_renap();
+  else if (keel_load_relaxed(&_keel_sched.mon_mode) == MON_INF)
+    _keel_sched_poke();
   return 0;
 }

@@ -663,6 +663,78 @@ static void timer_of_stuck_worker(void) {
   KT_CHECK(stuck_timer.ran_at - stuck_armed_at >= 0.020); /* never early */
 }
 
+/* The owner is inside a job that is long but not yet "stuck" (block_ms is
+ * 5 s here): the monitor still fires the timer at its deadline. Before, it
+ * fired only once the job counted as stuck: 3 s late here (the job's end). */
+static tjob_t busy_timer;
+static double busy_armed_at, busy_fired_at;
+static void busy_fn(keel_job_t *j) {
+  (void)j;
+  busy_armed_at = kt_now();
+  KT_EQ(keel_sched_after(&busy_timer.job, 10), 0);
+  double end = busy_armed_at + 3;
+  keel_sched_stats_t st;
+  do {
+    kt_sleep_ms(1);
+    keel_sched_stats(&st);
+  } while (st.timers != 0 && kt_now() < end);
+  busy_fired_at = kt_now();
+}
+
+static void timer_of_busy_worker(void) {
+  start(1, 4, 1000, 5000);
+  tjob_init(&busy_timer, 0, 0);
+  keel_job_t j;
+  keel_job_init(&j, busy_fn, 0);
+  KT_EQ(keel_sched_submit(&j), 0);
+  KT_CHECK(kt_wait_for(all_done, NULL, 70));
+  KT_EQ(atomic_load(&busy_timer.runs), 1);
+  KT_CHECK(busy_fired_at - busy_armed_at >= 0.010); /* never early */
+  KT_CHECK(busy_fired_at - busy_armed_at < 1.5);    /* not at the job's end (3 s) */
+  KT_EQ(keel_sched_shutdown(KEEL_SCHED_DRAIN), 0);
+}
+
+/* Found by review: the owner, inside a job, arms a 2 s timer (the monitor
+ * naps toward it), then a 10 ms one. The monitor slept on to the 2 s
+ * deadline and fired the short timer 1.9 s late; arming a new earliest now
+ * ends the nap. */
+static tjob_t late_long, late_short;
+static double late_armed_at, late_fired_at;
+static atomic_int late_done;
+static bool late_job_done(void *a) {
+  (void)a;
+  return atomic_load(&late_done) != 0;
+}
+static void late_fn(keel_job_t *j) {
+  (void)j;
+  KT_EQ(keel_sched_after(&late_long.job, 2000), 0);
+  kt_sleep_ms(100); /* the monitor has looked, and naps toward 2 s */
+  late_armed_at = kt_now();
+  KT_EQ(keel_sched_after(&late_short.job, 10), 0);
+  double end = late_armed_at + 3;
+  while (atomic_load(&late_short.runs) == 0 && kt_now() < end) kt_sleep_ms(1);
+  late_fired_at = kt_now();
+  atomic_store(&late_done, 1);
+}
+
+static void timer_earlier_than_monitor_nap(void) {
+  start(1, 4, 1000, 5000);
+  tjob_init(&late_long, 0, 0);
+  tjob_init(&late_short, 1, 0);
+  atomic_store(&late_done, 0);
+  keel_job_t j;
+  keel_job_init(&j, late_fn, 0);
+  KT_EQ(keel_sched_submit(&j), 0);
+  KT_REQUIRE(kt_wait_for(late_job_done, NULL, 70));
+  KT_EQ(atomic_load(&late_short.runs), 1);
+  KT_CHECK(late_short.ran_at - late_armed_at >= 0.010); /* never early */
+  KT_CHECK(late_fired_at - late_armed_at < 1.0);        /* not at the long one's deadline */
+  KT_EQ(atomic_load(&late_long.runs), 0);
+  KT_EQ(keel_sched_cancel(&late_long.job), 0);
+  KT_EQ(atomic_load(&late_long.cancels), 1);
+  KT_EQ(keel_sched_shutdown(KEEL_SCHED_DRAIN), 0);
+}
+
 /* A timer armed from outside the pool can land on a worker that is inside
  * a long job (owners are picked round-robin). Armed after the monitor has
  * gone to sleep without deadline (it lingers MON_LINGER_NS, 20 ms), it
@@ -1092,7 +1164,8 @@ KT_MAIN(KT_CASE(lazy_init), KT_CASE(bad_input), KT_CASE(submit_after_shutdown),
         KT_CASE(fairness_bound), KT_CASE(timers_in_order), KT_CASE(grow_long_jobs),
         KT_CASE(grow_blocking_jobs), KT_CASE(run_convenience), KT_CASE(run_if_cancelled_thread),
         KT_CASE(resubmit_from_inside), KT_CASE(timer_of_stuck_worker),
-        KT_CASE(timer_from_outside_on_busy_worker), KT_CASE(one_wakeup_per_burst),
-        KT_CASE(stats_counts), KT_CASE(drain_grows_pool), KT_CASE(timers_move_on_retire),
-        KT_CASE(queued_prio_counts), KT_CASE(client_destroy_timed),
+        KT_CASE(timer_of_busy_worker), KT_CASE(timer_earlier_than_monitor_nap),
+        KT_CASE(timer_from_outside_on_busy_worker),
+        KT_CASE(one_wakeup_per_burst), KT_CASE(stats_counts), KT_CASE(drain_grows_pool),
+        KT_CASE(timers_move_on_retire), KT_CASE(queued_prio_counts), KT_CASE(client_destroy_timed),
         KT_CASE(fork_child_gets_own_pool))
