@@ -29,7 +29,7 @@ static keel_atomic(uint32_t) table_tags; /* tags 1..0xfffe, then wrap */
 
 /* Validates a lookup key and hashes it; false (errno EINVAL) if malformed. */
 KEEL_INLINE bool key_prepare(const keel_table_t *t, const void *key, size_t len, table_key_t *k,
-                             uint64_t *hash) {
+                             uint64_t *hash, const char *call) {
   if (t->cfg.key_type == KEEL_TABLE_KEY_U64) {
     if (keel_unlikely(len != sizeof(uint64_t) || key == NULL)) goto bad;
     memcpy(&k->u64, key, sizeof k->u64);
@@ -42,15 +42,18 @@ KEEL_INLINE bool key_prepare(const keel_table_t *t, const void *key, size_t len,
   *hash = _keel_hash_bytes(key, len, t->seed);
   return true;
 bad:
+  _keel_reject(call, "key %p of %zu bytes (a %s key, at most %u)", key, len,
+               t->cfg.key_type == KEEL_TABLE_KEY_U64 ? "u64" : "byte", t->cfg.key_max);
   errno = EINVAL;
   return false;
 }
 
 /* Finds a node inside a read-side section; NULL if absent. */
-KEEL_INLINE keel_table_node_t *find(keel_table_t *t, const void *key, size_t len) {
+KEEL_INLINE keel_table_node_t *find(keel_table_t *t, const void *key, size_t len,
+                                    const char *call) {
   table_key_t k = {0, NULL, 0};
   uint64_t hash;
-  if (!key_prepare(t, key, len, &k, &hash)) return NULL;
+  if (!key_prepare(t, key, len, &k, &hash, call)) return NULL;
   keel_table_node_t *n = tidx_find(t, hash, &k);
   if (n == NULL) errno = ENOENT;
   return n;
@@ -79,9 +82,18 @@ static bool config_valid(keel_table_config_t *c) {
 }
 
 keel_table_t *keel_table_create(const keel_table_config_t *config) {
-  if (config == NULL) goto inval;
+  if (config == NULL) {
+    _keel_reject("keel_table_create", "config is NULL");
+    goto inval;
+  }
   keel_table_config_t cfg = *config;
-  if (!config_valid(&cfg)) goto inval;
+  if (!config_valid(&cfg)) {
+    _keel_reject("keel_table_create",
+                 "key_type %d, key_max %u (at most %d), max_bytes %zu with entry_size %zu",
+                 (int)config->key_type, config->key_max, KEEL_TABLE_KEY_MAX, config->max_bytes,
+                 config->entry_size);
+    goto inval;
+  }
   keel_table_t *t = aligned_alloc(KEEL_CACHE_LINE, sizeof *t);
   if (t == NULL) goto nomem;
   memset(t, 0, sizeof *t);
@@ -165,7 +177,8 @@ static int referenced(keel_table_node_t *n, void *arg) {
 int keel_table_destroy(keel_table_t *t) {
   if (t == NULL) return 0;
   rcu_ensure_registered();
-  if (urcu_memb_read_ongoing()) return KEEL_EINVAL; /* would wait for itself */
+  if (urcu_memb_read_ongoing()) /* would wait for itself */
+    return KEEL_REJECT(KEEL_EINVAL, "keel_table_destroy", "called inside a read-side section");
   /* Referenced entries: in the table with a count, or removed and not yet
    * released (their last put would touch the table). */
   int busy = sum_shards(t, true) != sum_shards(t, false);
@@ -206,13 +219,15 @@ static bool ref_try(keel_table_node_t *n, bool strict) {
  * 8 ns where a node is claimed on every call (get_or_insert with a reused
  * spare node, measured for issue 7): a check and a store would do if that
  * race were left to the caller. */
-static int node_claim(keel_table_t *t, keel_table_node_t *n, uint16_t *old_tag) {
+static int node_claim(keel_table_t *t, keel_table_node_t *n, uint16_t *old_tag, const char *call) {
   if (t->cfg.key_type == KEEL_TABLE_KEY_BYTES &&
       (n->_tag == 0xffff || n->_key_len > t->cfg.key_max || (n->key.bytes == NULL && n->_key_len)))
-    return KEEL_EINVAL;
+    return KEEL_REJECT(KEEL_EINVAL, call, "node %p: key %p of %u bytes (at most %u)", (void *)n,
+                       (const void *)n->key.bytes, (unsigned)n->_key_len, t->cfg.key_max);
   keel_atomic(uint32_t) *ref = node_ref(n);
   uint32_t v = keel_load_relaxed(ref);
-  if ((v & REF_LINKED) || !keel_cas_strong_acq_rel(ref, &v, REF_LINKED | 1u)) return KEEL_EINVAL;
+  if ((v & REF_LINKED) || !keel_cas_strong_acq_rel(ref, &v, REF_LINKED | 1u))
+    return KEEL_REJECT(KEEL_EINVAL, call, "node %p is already in a table", (void *)n);
   *old_tag = n->_tag;
   n->_tag = t->tag;
   /* A new entry counts as used (it was created to be used): ACCESSED from
@@ -243,9 +258,10 @@ static void node_added(keel_table_t *t, keel_table_node_t *n) {
 }
 
 int keel_table_insert(keel_table_t *t, keel_table_node_t *n) {
-  if (t == NULL || n == NULL) return KEEL_EINVAL;
+  if (t == NULL || n == NULL)
+    return KEEL_REJECT(KEEL_EINVAL, "keel_table_insert", "table %p, node %p", (void *)t, (void *)n);
   uint16_t old_tag;
-  int rc = node_claim(t, n, &old_tag);
+  int rc = node_claim(t, n, &old_tag, "keel_table_insert");
   if (rc != 0) return rc;
   uint64_t hash = node_hash(t, n);
   _keel_rcu_read_lock();
@@ -269,9 +285,12 @@ static void help_remove(keel_table_t *t, keel_table_node_t *e) {
 }
 
 keel_table_node_t *keel_table_get_or_insert(keel_table_t *t, keel_table_node_t *n) {
-  if (t == NULL || n == NULL) goto inval;
+  if (t == NULL || n == NULL) {
+    _keel_reject("keel_table_get_or_insert", "table %p, node %p", (void *)t, (void *)n);
+    goto inval;
+  }
   uint16_t old_tag;
-  if (node_claim(t, n, &old_tag) != 0) goto inval;
+  if (node_claim(t, n, &old_tag, "keel_table_get_or_insert") != 0) goto inval;
   uint64_t hash = node_hash(t, n);
   _keel_rcu_read_lock();
   keel_table_node_t *e;
@@ -294,7 +313,7 @@ inval:
 }
 
 keel_table_node_t *keel_table_lookup(keel_table_t *t, const void *key, size_t len) {
-  keel_table_node_t *n = find(t, key, len);
+  keel_table_node_t *n = find(t, key, len, "keel_table_lookup");
   if (keel_likely(n != NULL)) {
     /* Second chance for the shrinker; written once per LRU pass, so a hot
      * entry's line stays shared between reading cores. */
@@ -306,7 +325,7 @@ keel_table_node_t *keel_table_lookup(keel_table_t *t, const void *key, size_t le
 
 keel_table_node_t *keel_table_get(keel_table_t *t, const void *key, size_t len) {
   _keel_rcu_read_lock();
-  keel_table_node_t *n = find(t, key, len);
+  keel_table_node_t *n = find(t, key, len, "keel_table_get");
   if (n != NULL && !ref_try(n, true)) {
     errno = ENOENT;
     n = NULL;
@@ -365,9 +384,12 @@ void keel_table_put(keel_table_t *t, keel_table_node_t *n) {
 }
 
 int keel_table_remove(keel_table_t *t, keel_table_node_t *n) {
-  if (t == NULL || n == NULL) return KEEL_EINVAL;
+  if (t == NULL || n == NULL)
+    return KEEL_REJECT(KEEL_EINVAL, "keel_table_remove", "table %p, node %p", (void *)t, (void *)n);
   uint32_t v = keel_load_acquire(node_ref(n));
-  if (n->_tag != t->tag || !(v & REF_LINKED)) return KEEL_EINVAL;
+  if (n->_tag != t->tag || !(v & REF_LINKED))
+    return KEEL_REJECT(KEEL_EINVAL, "keel_table_remove", "node %p is not in table %p", (void *)n,
+                       (void *)t);
   if (v & REF_DEAD) return KEEL_ENOENT;
   _keel_rcu_read_lock();
   int rc = _keel_tidx_del(t, n, NULL);
@@ -380,7 +402,7 @@ int keel_table_remove(keel_table_t *t, keel_table_node_t *n) {
 int keel_table_remove_key(keel_table_t *t, const void *key, size_t len) {
   int rc = 0;
   _keel_rcu_read_lock();
-  keel_table_node_t *n = find(t, key, len);
+  keel_table_node_t *n = find(t, key, len, "keel_table_remove_key");
   if (n == NULL) {
     rc = errno == EINVAL ? KEEL_EINVAL : KEEL_ENOENT;
     goto out;
