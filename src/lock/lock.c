@@ -89,10 +89,7 @@ void _keel_lkb_bast(keel_lkb_t *lkb, int mode) {
    * It may see the change, free lkb and return before this wake: a
    * FUTEX_WAKE on freed memory is harmless (dispatch.c says why). */
   if (wake) keel_futex_wake(&lkb->bast_seq, INT32_MAX);
-  if (free_it) {
-    _keel_lkb_free(lkb);
-    if (last) _keel_dir_put(res);
-  }
+  if (free_it) _keel_lkb_retire(res, lkb, true, last);
 }
 
 static void set_deadline(keel_lkb_t *lkb, unsigned flags) {
@@ -114,7 +111,7 @@ static void cancel_timed_out(keel_lkb_t *lkb) {
   }
   __keel_mutex_unlock(&res->mu);
   keel_dispatch(&d);
-  if (last) _keel_dir_put(res);
+  _keel_lkb_retire(res, lkb, false, last); /* the sleeper frees lkb (wait_blocking) */
 }
 
 /* Counts a blocking caller in, under its resource's mutex, before that is
@@ -167,7 +164,8 @@ static KEEL_NOINLINE int wait_blocking(keel_lockspace_t *ls, keel_lkb_t *lkb) {
 int keel_lock(keel_lockspace_t *ls, const void *name, size_t namelen, int mode, unsigned flags,
               keel_lksb_t *lksb, keel_lock_ast_t ast, keel_lock_bast_t bast, void *arg) {
   if (keel_unlikely(lksb == NULL || !keel_mode_valid(mode) || (flags & ~LOCK_FLAGS)))
-    return KEEL_EINVAL;
+    return KEEL_REJECT(KEEL_EINVAL, "keel_lock", "lksb %p, mode %d, flags 0x%x", (void *)lksb, mode,
+                       flags);
   if (flags & KEEL_LOCK_CONVERT) {
     keel_lock_cbs_t cb = {.ast = ast, .bast = bast, .arg = arg};
     return _keel_lock_convert(lksb, mode, flags, &cb);
@@ -178,7 +176,8 @@ int keel_lock(keel_lockspace_t *ls, const void *name, size_t namelen, int mode, 
    * there (the DLM refuses it too). */
   if (keel_unlikely(namelen == 0 || namelen > KEEL_LOCK_NAME_MAX || name == NULL ||
                     (flags & KEEL_LOCK_QUECVT)))
-    return KEEL_EINVAL;
+    return KEEL_REJECT(KEEL_EINVAL, "keel_lock", "name %p of %zu bytes (1 to %d), flags 0x%x", name,
+                       namelen, KEEL_LOCK_NAME_MAX, flags);
   keel_lkb_t *lkb = malloc(sizeof(*lkb));
   if (keel_unlikely(lkb == NULL)) return KEEL_ENOMEM;
   *lkb = (keel_lkb_t){.magic = KEEL_LKB_MAGIC,
@@ -235,8 +234,7 @@ int keel_lock(keel_lockspace_t *ls, const void *name, size_t namelen, int mode, 
   keel_dispatch(&d);
   if (keel_unlikely(rc != 0)) {
     _keel_lksb_set_lock(lksb, NULL);
-    _keel_lkb_free(lkb);
-    if (last) _keel_dir_put(res);
+    _keel_lkb_retire(res, lkb, true, last);
     return rc;
   }
   if (waiting && ast == NULL) return wait_blocking(ls, lkb);
@@ -282,13 +280,14 @@ int _keel_lock_convert(keel_lksb_t *lksb, int mode, unsigned flags, const keel_l
 int keel_lock_convert(keel_lksb_t *lksb, int mode, unsigned flags) {
   if (keel_unlikely(lksb == NULL || !keel_mode_valid(mode) ||
                     (flags & ~(LOCK_FLAGS & ~KEEL_LOCK_CONVERT))))
-    return KEEL_EINVAL;
+    return KEEL_REJECT(KEEL_EINVAL, "keel_lock_convert", "lksb %p, mode %d, flags 0x%x",
+                       (void *)lksb, mode, flags);
   return _keel_lock_convert(lksb, mode, flags, NULL);
 }
 
 int keel_unlock(keel_lksb_t *lksb, unsigned flags) {
   if (keel_unlikely(lksb == NULL || (flags & ~(KEEL_LOCK_VALBLK | KEEL_LOCK_CANCEL))))
-    return KEEL_EINVAL;
+    return KEEL_REJECT(KEEL_EINVAL, "keel_unlock", "lksb %p, flags 0x%x", (void *)lksb, flags);
   keel_lkb_t *lkb = lksb_lock(lksb, "keel_unlock");
   if (keel_unlikely(lkb == NULL)) return KEEL_ENOENT;
   keel_res_t *res = lkb->res;
@@ -318,8 +317,7 @@ int keel_unlock(keel_lksb_t *lksb, unsigned flags) {
     }
     __keel_mutex_unlock(&res->mu);
     keel_dispatch(&d);
-    if (gone && !waiter) _keel_lkb_free(lkb);
-    if (last) _keel_dir_put(res);
+    _keel_lkb_retire(res, lkb, gone && !waiter, last);
     return 0;
   }
   if (keel_unlikely(flags & KEEL_LOCK_CANCEL)) {
@@ -350,8 +348,7 @@ int keel_unlock(keel_lksb_t *lksb, unsigned flags) {
   __keel_mutex_unlock(&res->mu);
   keel_dispatch(&d);
   if (!defer) {
-    _keel_lkb_free(lkb);
-    if (last) _keel_dir_put(res);
+    _keel_lkb_retire(res, lkb, true, last);
   } else if (wait) {
     __keel_mutex_lock(&res->mu);
     while (lkb->bast_running > own) {
@@ -363,10 +360,7 @@ int keel_unlock(keel_lksb_t *lksb, unsigned flags) {
     lkb->bast_waiters--;
     bool free_it = __keel_lkb_unowe(res, lkb, &last);
     __keel_mutex_unlock(&res->mu);
-    if (free_it) {
-      _keel_lkb_free(lkb);
-      if (last) _keel_dir_put(res);
-    }
+    if (free_it) _keel_lkb_retire(res, lkb, true, last);
   }
   return 0;
 }

@@ -138,6 +138,7 @@ keel_lockspace_t *keel_lockspace_create(const keel_lockspace_config_t *config) {
       .name = "keel lockspace",
   };
   if (c.flags & ~KEEL_LOCKSPACE_SCHED) {
+    _keel_reject("keel_lockspace_create", "unknown flags 0x%x", c.flags & ~KEEL_LOCKSPACE_SCHED);
     free(ls);
     errno = EINVAL;
     return NULL;
@@ -591,8 +592,7 @@ static void release_drop_lkb(keel_lkb_t *l, bool gone) {
     free_it = __keel_lkb_unowe(res, l, &last); /* l is released: cancel_queue */
   }
   __keel_mutex_unlock(&res->mu);
-  if (free_it) _keel_lkb_free(l);
-  if (last) _keel_dir_put(res);
+  _keel_lkb_retire(res, l, free_it, last);
 }
 
 /* The release's second walk: its own count on each resource it cancelled. */
@@ -613,7 +613,9 @@ static int uncount_fn(keel_table_node_t *node, void *arg) {
 int keel_lockspace_release(keel_lockspace_t *ls, unsigned flags) {
   int rc = _keel_ls_check(ls);
   if (rc != 0) return rc;
-  if (flags & ~KEEL_LOCKSPACE_FORCE) return KEEL_EINVAL;
+  if (flags & ~KEEL_LOCKSPACE_FORCE)
+    return KEEL_REJECT(KEEL_EINVAL, "keel_lockspace_release", "unknown flags 0x%x",
+                       flags & ~KEEL_LOCKSPACE_FORCE);
   /* From here on new requests and conversions get KEEL_ESHUTDOWN (from a
    * callback still queued or one the release causes, or the timer's): a
    * lock taken now would escape the cancel and keep the table referenced

@@ -128,6 +128,14 @@ void _keel_ls_timer_add(keel_lockspace_t *ls, keel_lkb_t *lkb) KEEL_HIDDEN;
 /* Frees an lkb that is on no queue and was detached from its resource. */
 void _keel_lkb_free(keel_lkb_t *lkb) KEEL_HIDDEN;
 
+/* The end of every path that detached an lkb (res->mu released): frees it
+ * when `free_it`, then, when its detach was res's `last`, drops the table
+ * reference that kept res, so res outlives every lkb that points at it. */
+KEEL_INLINE void _keel_lkb_retire(keel_res_t *res, keel_lkb_t *lkb, bool free_it, bool last) {
+  if (free_it) _keel_lkb_free(lkb);
+  if (last) _keel_dir_put(res);
+}
+
 /* Drops one of lkb's counts in basts (res->mu held): true if lkb is now to
  * be freed (released, nothing owed any more), with *last telling whether
  * that detaches res's last lock. The last BAST delivery, a keel_unlock that

@@ -24,6 +24,7 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "base/die.h"
 #include "lock_internal.h"
 
 /* Rows of the DLM matrix in lock.h as masks over NL CR CW PR PW EX (bit 0 NL). */
@@ -166,7 +167,8 @@ int __keel_res_convert(keel_res_t *res, keel_lkb_t *lkb, int mode, unsigned flag
    * deadlock that granting it would have resolved. */
   if ((flags & KEEL_LOCK_QUECVT) &&
       (_keel_lock_compat_mask[lkb->gr] & ~_keel_lock_compat_mask[mode]) == 0)
-    return KEEL_EINVAL;
+    return KEEL_REJECT(KEEL_EINVAL, "keel_lock_convert",
+                       "QUECVT on a conversion from mode %d to %d, which is not up", lkb->gr, mode);
   bool cvt_waiting = !keel_q_empty(&res->convertq);
   if ((!(flags & KEEL_LOCK_QUECVT) || !cvt_waiting) && __keel_res_compat(res, mode, lkb->gr)) {
     convert_accept(lkb, mode, flags, cb);
