@@ -46,7 +46,9 @@ static void atomic_op(keel_pheap_t *ph, ph_tcache_t *tc, const ph_redo_entry_t *
 
 static int alloc_common(keel_pheap_t *ph, keel_poff_t *dest, size_t size, uint64_t type,
                         bool zero) {
-  if (ph == NULL || dest == NULL) return KEEL_EINVAL;
+  if (ph == NULL || dest == NULL)
+    return KEEL_REJECT(KEEL_EINVAL, zero ? "keel_pheap_zalloc" : "keel_pheap_alloc",
+                       "pool %p, dest %p", (void *)ph, (void *)dest);
   ph_tcache_t *tc = _keel_ph_tcache(ph);
   if (keel_unlikely(tc == NULL)) return KEEL_ENOMEM;
   int cls;
@@ -81,7 +83,9 @@ int keel_pheap_zalloc(keel_pheap_t *ph, keel_poff_t *dest, size_t size, uint64_t
 }
 
 int keel_pheap_free(keel_pheap_t *ph, keel_poff_t *dest) {
-  if (ph == NULL || dest == NULL) return KEEL_EINVAL;
+  if (ph == NULL || dest == NULL)
+    return KEEL_REJECT(KEEL_EINVAL, "keel_pheap_free", "pool %p, dest %p", (void *)ph,
+                       (void *)dest);
   keel_poff_t off = *dest;
   if (off == 0) return 0;
   ph_tcache_t *tc = _keel_ph_tcache(ph);
@@ -109,7 +113,9 @@ uint64_t keel_pheap_type(keel_pheap_t *ph, keel_poff_t off) {
 }
 
 int keel_pheap_reserve(keel_pheap_t *ph, keel_pheap_act_t *act, size_t size, uint64_t type) {
-  if (ph == NULL || act == NULL) return KEEL_EINVAL;
+  if (ph == NULL || act == NULL)
+    return KEEL_REJECT(KEEL_EINVAL, "keel_pheap_reserve", "pool %p, act %p", (void *)ph,
+                       (void *)act);
   ph_tcache_t *tc = _keel_ph_tcache(ph);
   if (keel_unlikely(tc == NULL)) return KEEL_ENOMEM;
   int cls;
@@ -173,7 +179,9 @@ void _keel_ph_acts_done(keel_pheap_t *ph, ph_tcache_t *tc, keel_pheap_act_t *act
 }
 
 int keel_pheap_publish(keel_pheap_t *ph, keel_pheap_act_t *acts, size_t n) {
-  if (ph == NULL || (acts == NULL && n)) return KEEL_EINVAL;
+  if (ph == NULL || (acts == NULL && n))
+    return KEEL_REJECT(KEEL_EINVAL, "keel_pheap_publish", "pool %p, %zu acts at %p", (void *)ph, n,
+                       (void *)acts);
   ph_tcache_t *tc = _keel_ph_tcache(ph);
   if (keel_unlikely(tc == NULL)) return KEEL_ENOMEM;
   ph_redo_entry_t e[PH_REDO_MAX];
@@ -197,6 +205,7 @@ void keel_pheap_cancel(keel_pheap_t *ph, keel_pheap_act_t *acts, size_t n) {
 
 void *keel_pheap_root(keel_pheap_t *ph, size_t size) {
   if (ph == NULL || size == 0) {
+    _keel_reject("keel_pheap_root", "pool %p, size %zu", (void *)ph, size);
     errno = EINVAL;
     return NULL;
   }

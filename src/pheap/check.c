@@ -16,6 +16,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "base/die.h"
 #include "pheap/pheap_int.h"
 
 typedef struct walk {
@@ -185,7 +186,9 @@ int keel_pheap_check(const char *path) {
 }
 
 int keel_pheap_stats(keel_pheap_t *ph, keel_pheap_stats_t *st) {
-  if (ph == NULL || st == NULL) return KEEL_EINVAL;
+  if (ph == NULL || st == NULL)
+    return KEEL_REJECT(KEEL_EINVAL, "keel_pheap_stats", "pool %p, stats %p", (void *)ph,
+                       (void *)st);
   walk_t w;
   memset(&w, 0, sizeof w);
   w.base = ph->view.base;

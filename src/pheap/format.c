@@ -11,6 +11,7 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "base/die.h"
 #include "pheap/pheap_int.h"
 
 static __thread char ph_errbuf[512];
@@ -26,6 +27,7 @@ int _keel_ph_err(int err, const char *path, const char *fmt, ...) {
   if (n > 0 && (size_t)n < sizeof ph_errbuf)
     vsnprintf(ph_errbuf + n, sizeof ph_errbuf - n, fmt, ap);
   va_end(ap);
+  _keel_reject("pheap", "%s", ph_errbuf); /* with verbose=1; keel_pheap_errmsg() always */
   return err;
 }
 

@@ -267,7 +267,9 @@ int _keel_ph_take_chunks(keel_pheap_t *ph, ph_tcache_t *tc, uint64_t bytes, keel
 }
 
 int _keel_ph_take(keel_pheap_t *ph, ph_tcache_t *tc, size_t size, int *cls, keel_poff_t *off) {
-  if (keel_unlikely(size == 0 || size > KEEL_PHEAP_MAX_ALLOC)) return KEEL_EINVAL;
+  if (keel_unlikely(size == 0 || size > KEEL_PHEAP_MAX_ALLOC))
+    return KEEL_REJECT(KEEL_EINVAL, "pheap", "allocation of %zu bytes (1 to %llu)", size,
+                       (unsigned long long)KEEL_PHEAP_MAX_ALLOC);
   int c = _keel_ph_class_of(size + PH_OBJ_HDR);
   *cls = c;
   if (keel_unlikely(c < 0)) return take_huge(ph, tc, size + PH_OBJ_HDR, off);

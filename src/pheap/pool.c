@@ -350,7 +350,7 @@ keel_pheap_t *keel_pheap_create(const char *path, const char *layout, size_t siz
 }
 
 int keel_pheap_close(keel_pheap_t *ph) {
-  if (ph == NULL) return KEEL_EINVAL;
+  if (ph == NULL) return KEEL_REJECT(KEEL_EINVAL, "keel_pheap_close", "pool is NULL");
   /* A deferred checkpoint still queued or running holds ph (the deferrer
    * promised to run what it accepted). */
   while (keel_load_acquire(&ph->defer_req)) sched_yield();

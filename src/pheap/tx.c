@@ -170,9 +170,12 @@ static int tx_check(void) {
 }
 
 int keel_tx_begin(keel_pheap_t *ph) {
-  if (ph == NULL) return KEEL_EINVAL;
+  if (ph == NULL) return KEEL_REJECT(KEEL_EINVAL, "keel_tx_begin", "pool is NULL");
   if (tx.depth > 0) {
-    if (tx.ph != ph) return KEEL_EINVAL;
+    if (tx.ph != ph)
+      return KEEL_REJECT(KEEL_EINVAL, "keel_tx_begin",
+                         "nested in a transaction of another pool (%s, not %s)", tx.ph->path,
+                         ph->path);
     tx.depth++;
     return tx.aborted ? KEEL_ECANCELED : 0;
   }
@@ -308,7 +311,8 @@ int keel_tx_add_range(void *ptr, size_t size) {
   if (size == 0) return 0;
   if ((char *)ptr < ph->view.base + ph->hdr->heap_off ||
       (char *)ptr + size > ph->view.base + keel_load_relaxed(&ph->size))
-    return tx_fail(KEEL_EINVAL);
+    return tx_fail(KEEL_REJECT(KEEL_EINVAL, "keel_tx_add_range",
+                               "%p + %zu bytes is not inside the heap of %s", ptr, size, ph->path));
   uint64_t lo = (uint64_t)((char *)ptr - ph->view.base), hi = lo + size;
   if (in_new(lo, hi)) return 0;
   /* First cached range ending after lo. */
