@@ -1,5 +1,6 @@
 /* Tests of src/base: options parsing, OS memory, keel_die, thread hooks. */
 #define _GNU_SOURCE
+#include <errno.h>
 #include <pthread.h>
 #include <sched.h>
 #include <stdio.h>
@@ -7,7 +8,13 @@
 #include <string.h>
 #include <sys/stat.h>
 
+#include <keel/heap.h>
 #include <keel/keel.h>
+#include <keel/lock.h>
+#include <keel/pheap.h>
+#include <keel/pool.h>
+#include <keel/sched.h>
+#include <keel/table.h>
 
 #include "base/die.h"
 #include "base/options.h"
@@ -321,6 +328,37 @@ static void die_format(void) {
   KT_STREQ(out, "keel: keel_pool_destroy: use after destroy of pool 'dict' at 0xdead0\n");
 }
 
+/* verbose=1: a call refused with an error code says so on stderr, naming
+ * the call and the value; verbose=0: nothing. The codes are the same. */
+static void rejections_named_when_verbose(void) {
+  char msg[4096];
+  for (int v = 0; v <= 1; v++) {
+    _keel_options_reset();
+    KT_EQ(keel_options_set(v ? "verbose=1" : "verbose=0"), 0);
+    kt_stderr_begin();
+    errno = 0;
+    KT_CHECK(keel_pool_create("dict", 0, 0, NULL) == NULL && errno == EINVAL);
+    KT_EQ(keel_sched_submit(NULL), KEEL_EINVAL);
+    errno = 0;
+    KT_CHECK(keel_aligned_alloc(24, 64) == NULL && errno == EINVAL);
+    KT_CHECK(keel_table_create(NULL) == NULL);
+    KT_EQ(keel_unlock(NULL, 0), KEEL_EINVAL);
+    KT_CHECK(keel_pheap_root(NULL, 0) == NULL);
+    kt_stderr_end(msg, sizeof msg);
+    if (v == 0) {
+      KT_STREQ(msg, "");
+      continue;
+    }
+    KT_CONTAINS(msg, "keel: keel_pool_create: 'dict': obj_size 0 (1 to ");
+    KT_CONTAINS(msg, "keel: keel_sched_submit: job is NULL\n");
+    KT_CONTAINS(msg, "keel: keel_aligned_alloc: alignment 24 is not a power of two\n");
+    KT_CONTAINS(msg, "keel: keel_table_create: config is NULL\n");
+    KT_CONTAINS(msg, "keel: keel_unlock: lksb (nil), flags 0x0\n");
+    KT_CONTAINS(msg, "keel: keel_pheap_root: pool (nil), size 0\n");
+  }
+  _keel_options_reset();
+}
+
 static void errors_have_messages(void) {
   KT_STREQ(keel_strerror(0), "success");
   KT_STREQ(keel_strerror(KEEL_EBUSY), "busy (in use)");
@@ -367,4 +405,5 @@ KT_MAIN(KT_CASE(options_defaults), KT_CASE(options_good_values), KT_CASE(options
         KT_CASE(options_from_environment), KT_CASE(options_print_table),
         KT_CASE(os_reserve_commit_decommit), KT_CASE(os_alloc_aligned),
         KT_CASE(os_ncpu_follows_affinity), KT_CASE(os_ncpu_follows_cgroup_quota),
-        KT_CASE(die_format), KT_CASE(errors_have_messages), KT_CASE(thread_hooks_run_at_exit))
+        KT_CASE(die_format), KT_CASE(errors_have_messages), KT_CASE(rejections_named_when_verbose),
+        KT_CASE(thread_hooks_run_at_exit))
