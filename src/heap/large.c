@@ -108,7 +108,11 @@ static size_t page_up(size_t n) {
  * child forked between the clear and the set would inherit the block with
  * no bit at either address (its free there died "invalid pointer"), and
  * one forked after the reservation a stray one. Readers never wait on each
- * other; writers are preferred, so a stream of moves cannot hold fork off. */
+ * other; writers are preferred, so a stream of moves cannot hold fork off.
+ * A fork from a signal handler that interrupted a move on the same thread
+ * waits for ever on that read hold (as it would on any allocator lock a
+ * handler interrupts: glibc's manual marks fork AS-Unsafe for its atfork
+ * handlers). */
 static pthread_rwlock_t move_lock = PTHREAD_RWLOCK_WRITER_NONRECURSIVE_INITIALIZER_NP;
 
 void _keel_large_move_lock(void) {
