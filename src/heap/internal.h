@@ -56,7 +56,7 @@
 #define KEEL_CLASS_COUNT_MAX 120
 /* The one class off the regular spacing: a 4 KiB page plus a 16-byte
  * header, in 1 MiB pages (classes.c). */
-#define KEEL_CLASS_PAGE_HDR 4112u
+#define KEEL_CLASS_PAGE_HDR  4112u
 
 /* Blocks are aligned to at least 8; classes that are multiples of 16 to 16. */
 #define KEEL_MIN_ALIGN 8
