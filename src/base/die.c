@@ -20,9 +20,11 @@ static void write_all(const char *buf, size_t len) {
   }
 }
 
-static void emit(const char *prefix, const char *fmt, va_list ap) {
+/* "keel: CALL: message\n", or "keel: message\n" with no call. */
+static void emit(const char *call, const char *fmt, va_list ap) {
   char buf[KEEL_MSG_MAX];
-  int n = snprintf(buf, sizeof(buf), "keel: %s", prefix);
+  int n = call != NULL ? snprintf(buf, sizeof(buf), "keel: %s: ", call)
+                       : snprintf(buf, sizeof(buf), "keel: ");
   if (n < 0) n = 0;
   if ((size_t)n < sizeof(buf) - 1) {
     int m = vsnprintf(buf + n, sizeof(buf) - (size_t)n, fmt, ap);
@@ -34,32 +36,28 @@ static void emit(const char *prefix, const char *fmt, va_list ap) {
 }
 
 void _keel_vwarn(const char *fmt, va_list ap) {
-  emit("", fmt, ap);
+  emit(NULL, fmt, ap);
 }
 
 void _keel_warn(const char *fmt, ...) {
   va_list ap;
   va_start(ap, fmt);
-  emit("", fmt, ap);
+  emit(NULL, fmt, ap);
   va_end(ap);
 }
 
 void _keel_reject(const char *call, const char *fmt, ...) {
   if (!_keel_option(KEEL_OPT_verbose)) return;
-  char prefix[96];
-  snprintf(prefix, sizeof(prefix), "%s: ", call);
   va_list ap;
   va_start(ap, fmt);
-  emit(prefix, fmt, ap);
+  emit(call, fmt, ap);
   va_end(ap);
 }
 
 void keel_die(const char *call, const char *fmt, ...) {
-  char prefix[96];
-  snprintf(prefix, sizeof(prefix), "%s: ", call);
   va_list ap;
   va_start(ap, fmt);
-  emit(prefix, fmt, ap);
+  emit(call, fmt, ap);
   va_end(ap);
   abort();
 }
