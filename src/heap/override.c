@@ -111,9 +111,7 @@ KEEL_EXPORT void *memalign(size_t align, size_t size) {
       errno = EINVAL;
       return NULL;
     }
-    size_t a = 16;
-    while (a < align) a <<= 1;
-    align = a;
+    align = (size_t)1 << (64 - __builtin_clzl(align)); /* the next power of two */
   }
   /* Below 16 it is glibc's malloc there, which is 16-aligned; keel's malloc
    * aligns a block only to the largest power of two dividing its class size

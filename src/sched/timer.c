@@ -7,8 +7,9 @@
  * longer than it, so a timer fires within the futex wake-up latency of its
  * deadline (well under the millisecond resolution promised), never before.
  * While the owner is inside a job, the monitor wakes at its earliest
- * deadline and fires its due timers for it (a job may run for seconds). A worker that retires (idle past idle_ms,
- * above min) first hands its whole heap to the next worker in line
+ * deadline and fires its due timers for it (a job may run for seconds). A
+ * worker that retires (idle past idle_ms, above min) first hands its whole
+ * heap to the next worker in line
  * (__keel_sched_timers_hand_over), so owning timers never keeps an idle
  * thread alive (retiring needs more than min_threads >= 1 alive, so such a
  * worker exists; if it is still starting, w waits for its next idle look).

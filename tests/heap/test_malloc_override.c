@@ -290,7 +290,8 @@ static void aligned_alloc_rules(void) {
  * not a power of two is rounded up to the next, and 0 (or anything up to 16)
  * is plain malloc. Legacy callers pass such values and get a block. */
 static void memalign_rounds_alignment_up_like_glibc(void) {
-  const size_t cases[][2] = {{24, 32}, {48, 64}, {100, 128}, {3000, 4096}, {0, 16}, {1, 16}};
+  const size_t cases[][2] = {{24, 32}, {48, 64}, {100, 128}, {3000, 4096},
+                             {0, 16},  {1, 16},  {3, 16}};
   for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
     errno = 0;
     void *p = memalign(ht_hide(cases[i][0]), 100);
