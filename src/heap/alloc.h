@@ -72,7 +72,7 @@ KEEL_INLINE void *_keel_page_pop(keel_page_t *page) {
   __builtin_prefetch(next);
   b->next = 0; /* a stale link would look like a free block to the double-free check */
   KEEL_TRACK_ALLOC(b, page->bsize);
-  page->used++;
+  _keel_used_inc(page);
   _keel_counter_inc(&page->allocs);
   return b;
 }
@@ -124,7 +124,7 @@ KEEL_INLINE void _keel_free_fast(void *p, const char *call) {
         _keel_push_local(page, b);
         /* The current page stays when it empties (an alloc/free loop would
          * otherwise return and retake it every time); others are retired. */
-        if (keel_unlikely(--page->used == 0) && page != heap->direct[page->cls]) {
+        if (keel_unlikely(_keel_used_dec(page)) && page != heap->direct[page->cls]) {
           _keel_heap_page_emptied(heap, page);
         }
         return;

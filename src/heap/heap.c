@@ -295,17 +295,17 @@ static void __free_local(keel_heap_t *heap, keel_page_t *page, keel_block_t *b, 
   KEEL_TRACK_FREE(b, page->bsize);
   b->next = _keel_encode(page, page->local_free);
   page->local_free = b;
-  page->used--;
+  _keel_used_dec(page);
   bool full = keel_load_relaxed(&page->flags) & KEEL_PAGE_IN_FULL;
   if (!full) {
-    if (page->used == 0 && owner) {
+    if (_keel_used(page) == 0 && owner) {
       keel_page_queue_t *q = &heap->queue[page->cls];
       if (!(q->first == page && q->last == page)) __page_retire(heap, q, page);
     }
     return;
   }
   if (!owner) __keel_page_collect_thread_free(page);
-  if (page->used == 0) {
+  if (_keel_used(page) == 0) {
     __page_retire(heap, &heap->full, page);
   } else if (owner) {
     __page_unfull(heap, page);
@@ -313,7 +313,7 @@ static void __free_local(keel_heap_t *heap, keel_page_t *page, keel_block_t *b, 
     /* Re-arm the notification; blocks that raced in are collected first. */
     while (!tf_set_state(page, KEEL_TF_USE_DELAYED)) {
       __keel_page_collect_thread_free(page);
-      if (page->used == 0) {
+      if (_keel_used(page) == 0) {
         __page_retire(heap, &heap->full, page);
         return;
       }
@@ -375,7 +375,8 @@ static void __drain_delayed(keel_heap_t *heap, bool owner) {
        * while we hold the heap: only the owner's slow paths change it.) */
       page_push_thread_free(page, b);
     } else {
-      page->remote_in++; /* counted as a remote free by its freer */
+      keel_store_relaxed(&page->remote_in, keel_load_relaxed(&page->remote_in) +
+                                               1); /* counted as a remote free by its freer */
       __free_local(heap, page, b, owner);
     }
     b = next;
@@ -462,7 +463,7 @@ static void __heap_abandon_pages(keel_heap_t *heap) {
       tf_set_state(page, KEEL_TF_NEVER_DELAYED);
       __keel_page_collect_thread_free(page);
       keel_store_relaxed(&page->flags, 0);
-      if (page->used == 0) {
+      if (_keel_used(page) == 0) {
         page->next = empty;
         empty = page;
       } else {
@@ -684,7 +685,7 @@ void _keel_heap_page_emptied(keel_heap_t *heap, keel_page_t *page) {
   keel_page_queue_t *q = &heap->queue[page->cls];
   /* Keep the only page of a class: a loop that allocates and frees one
    * block would otherwise take and return a page every time. */
-  if (page->used == 0 && !(q->first == page && q->last == page)) __page_retire(heap, q, page);
+  if (_keel_used(page) == 0 && !(q->first == page && q->last == page)) __page_retire(heap, q, page);
   owner_exit(heap);
   _keel_purge_schedule();
 }
@@ -868,41 +869,14 @@ void _keel_free_generic(void *p, const char *call) {
   if (keel_load_relaxed(&page->flags) == 0) {
     /* The fast path's case, reached by a false link hint. */
     _keel_push_local(page, b);
-    if (--page->used == 0 && page != heap->direct[page->cls]) _keel_heap_page_emptied(heap, page);
+    if (_keel_used_dec(page) && page != heap->direct[page->cls])
+      _keel_heap_page_emptied(heap, page);
     return;
   }
   owner_enter(heap);
   __free_local(heap, page, b, true);
   owner_exit(heap);
   _keel_purge_schedule();
-}
-
-/* ---- statistics ---- */
-
-static void __sync_heap_frees(keel_heap_t *heap) {
-  for (unsigned c = 0; c < _keel_class_count; c++) {
-    for (keel_page_t *p = heap->queue[c].first; p != NULL; p = p->next) __keel_page_sync_frees(p);
-  }
-  for (keel_page_t *p = heap->full.first; p != NULL; p = p->next) __keel_page_sync_frees(p);
-}
-
-void _keel_heap_sync_stats(void) {
-  keel_heap_t *heap = _keel_heap_tls;
-  if (heap != &_keel_empty_heap) {
-    owner_enter(heap);
-    __sync_heap_frees(heap);
-    owner_exit(heap);
-  }
-  for (int i = 0; i < SHARED_SHARDS; i++) {
-    pthread_mutex_lock(&shared[i].lock);
-    keel_heap_t *sh = keel_load_relaxed(&shared[i].heap);
-    if (sh != NULL) {
-      owner_enter(sh);
-      __sync_heap_frees(sh);
-      owner_exit(sh);
-    }
-    pthread_mutex_unlock(&shared[i].lock);
-  }
 }
 
 /* ---- collection ---- */
@@ -918,7 +892,7 @@ static void heap_collect_own(keel_heap_t *heap, bool force, bool retire_current)
     for (keel_page_t *p = q->first; p != NULL; p = next) {
       next = p->next;
       __keel_page_collect_thread_free(p);
-      if (p->used == 0 && (force || retire_current || p != heap->direct[c])) {
+      if (_keel_used(p) == 0 && (force || retire_current || p != heap->direct[c])) {
         __page_retire(heap, q, p);
       } else if (force) {
         purged += __keel_page_purge_free(p);

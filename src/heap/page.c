@@ -54,8 +54,8 @@ void _keel_page_init(keel_page_t *page, unsigned cls, keel_heap_t *heap) {
   page->reserved = (uint32_t)(((size_t)page->slices << KEEL_SLICE_SHIFT) / bsize);
   KEEL_ASSERT(page->reserved <= UINT16_MAX); /* 8192 at most: capacity is 16 bits */
   keel_store_relaxed(&page->capacity, 0);
-  page->used = 0;
-  page->remote_in = 0;
+  _keel_used_set(page, 0);
+  keel_store_relaxed(&page->remote_in, 0);
   page->div_magic = UINT64_MAX / bsize + 1;
   /* Bit 63 set: see the encoding argument in internal.h. */
   page->key = (splitmix64(&heap->rng) | ((uint64_t)1 << 63)) & ~(uint64_t)7;
@@ -128,11 +128,10 @@ void __keel_page_collect_thread_free(keel_page_t *page) {
     /* Acquire: the pushers' writes of each block's link (made before their
      * release CAS) are visible before we walk or hand out the blocks. */
   } while (!keel_cas_weak_acq_rel(&page->thread_free, &w, KEEL_TF_MAKE(NULL, 0, KEEL_TF_STATE(w))));
-  KEEL_ASSERT(page->used >= KEEL_TF_COUNT(w));
-  page->used -= KEEL_TF_COUNT(w);
-  page->remote_in += KEEL_TF_COUNT(w);
+  KEEL_ASSERT(_keel_used(page) >= KEEL_TF_COUNT(w));
+  _keel_used_set(page, _keel_used(page) - KEEL_TF_COUNT(w));
+  keel_store_relaxed(&page->remote_in, keel_load_relaxed(&page->remote_in) + KEEL_TF_COUNT(w));
   page_take_list(page, KEEL_TF_PTR(w));
-  __keel_page_sync_frees(page);
 }
 
 void __keel_page_collect(keel_page_t *page) {
@@ -154,7 +153,6 @@ void __keel_page_collect_lists(keel_page_t *page) {
     page_take_list(page, local);
   }
   __keel_page_collect_thread_free(page);
-  __keel_page_sync_frees(page);
 }
 
 size_t __keel_page_purge_free(keel_page_t *page) {
@@ -236,5 +234,6 @@ bool _keel_page_validate(const keel_page_t *page) {
   long nthread = KEEL_TF_PTR(w) == NULL ? 0 : list_count(page, KEEL_TF_PTR(w));
   if (nfree < 0 || nlocal < 0 || nthread < 0 || nthread != (long)KEEL_TF_COUNT(w)) return false;
   /* used counts blocks on thread_free until the owner collects them. */
-  return (size_t)nfree + (size_t)nlocal + page->used == capacity && (size_t)nthread <= page->used;
+  return (size_t)nfree + (size_t)nlocal + _keel_used(page) == capacity &&
+         (size_t)nthread <= _keel_used(page);
 }

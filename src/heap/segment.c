@@ -194,15 +194,13 @@ static void __page_free(keel_page_t *page) {
   unsigned first = (unsigned)(page - seg->pages), n = page->slices;
   uint64_t m = span_mask(first, n);
   class_pages[page->cls]--;
-  __keel_page_sync_frees(page);
+  retired_frees[page->cls] += __keel_page_frees(page); /* before allocs is reset */
   retired_allocs[page->cls] += keel_load_relaxed(&page->allocs);
   retired_requested[page->cls] += keel_load_relaxed(&page->requested);
-  retired_frees[page->cls] += keel_load_relaxed(&page->frees);
   keel_store_relaxed(&page->allocs, 0);
   keel_store_relaxed(&page->requested, 0);
   retired_samples[page->cls] += keel_load_relaxed(&page->samples);
   keel_store_relaxed(&page->samples, 0);
-  keel_store_relaxed(&page->frees, 0);
   page->bsize = 0;
   page->div_magic = 0;
   keel_store_relaxed(&page->heap, NULL);
@@ -231,7 +229,6 @@ void _keel_page_free(keel_page_t *page) {
 }
 
 void _keel_page_abandon(keel_page_t *page) {
-  __keel_page_sync_frees(page); /* its owner's last frees */
   abandoned_queue_t *a = &abandoned[page->cls];
   pthread_mutex_lock(queue_lock(a));
   KEEL_ASSERT(!page->abandoned); /* queued twice would corrupt the queue */
@@ -305,7 +302,7 @@ static size_t __abandoned_collect(bool force) {
     for (keel_page_t *p = a->q.first; p != NULL; p = next) {
       next = p->next;
       __keel_page_collect_thread_free(p);
-      if (p->used == 0) {
+      if (_keel_used(p) == 0) {
         __abandoned_unlink(a, p);
         __page_free(p);
       } else if (force) {
@@ -407,7 +404,7 @@ void _keel_segments_totals(keel_seg_totals_t *t) {
       t->allocs[p->cls] += keel_load_relaxed(&p->allocs);
       t->requested[p->cls] += keel_load_relaxed(&p->requested);
       t->samples[p->cls] += keel_load_relaxed(&p->samples);
-      t->frees[p->cls] += keel_load_relaxed(&p->frees);
+      t->frees[p->cls] += __keel_page_frees(p);
     }
   }
   pthread_mutex_unlock(&seg_lock);

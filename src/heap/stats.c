@@ -53,7 +53,6 @@ static void sum_heap(keel_heap_t *h, void *arg) {
 KEEL_API void keel_heap_stats(keel_heap_stats_t *st) {
   _keel_classes_init();
   memset(st, 0, sizeof(*st));
-  _keel_heap_sync_stats();
   /* Static (too big for a small thread stack), under a lock of their own. */
   static sums_t sums;
   static keel_seg_totals_t seg;
