@@ -6,7 +6,7 @@
  *            page: metadata lives out of line, so an overflow out of a user
  *            block can reach other blocks' free-list links but never a page
  *            descriptor, a list head or a counter. Slices 1..63 hold pages.
- *   page     a span of 1, 4 or 16 slices (64 KiB, 256 KiB, 1 MiB) carved
+ *   page     a span of 1, 4, 8 or 16 slices (64 KiB to 1 MiB) carved
  *            into blocks of one size class (page.c). A page belongs to one
  *            thread heap (its owner), or to nobody while abandoned.
  *   heap     per-thread: the current page of every class plus the owner's
@@ -55,7 +55,7 @@
 #define KEEL_SHARED_MIN      ((size_t)8 << 10)   /* classes above: shared heaps (heap.c) */
 #define KEEL_CLASS_COUNT_MAX 120
 /* The one class off the regular spacing: a 4 KiB page plus a 16-byte
- * header, in 1 MiB pages (classes.c). */
+ * header, in 512 KiB pages (classes.c). */
 #define KEEL_CLASS_PAGE_HDR  4112u
 
 /* Blocks are aligned to at least 8; classes that are multiples of 16 to 16. */

@@ -8,7 +8,7 @@
  * care which thread owns it) and lets any thread, or the purge thread,
  * return a free span to the OS.
  *
- * Spans are 1, 4 or 16 slices, aligned to their length (slice 0 is the
+ * Spans are 1, 4, 8 or 16 slices, aligned to their length (slice 0 is the
  * header), so a span search is a few mask tests on a 64-bit word.
  *
  * Purge: a freed span stays resident ("dirty") for heap_purge_ms, then is

@@ -915,7 +915,7 @@ static void do_realloc_interior(void *arg) {
  * list of its page and was later handed out twice (freed remotely, it also
  * made the page's used count underflow). Two such boundaries: in the
  * never-carved tail of a page (1 KiB blocks, carved 4 at a time), and after
- * the last whole block (4112-byte blocks: 255 fill 1 MiB but 16 bytes). */
+ * the last whole block (4112-byte blocks: 127 fill 512 KiB but 2,064 bytes). */
 static void *uncarved_tail(void) {
   for (int i = 0; i < 100000; i++) {
     uint8_t *p = keel_malloc(1024);
