@@ -116,6 +116,7 @@ static void fork_child(void) {
   }
   s->monitor_started = false;
   atomic_store(&s->mon_mode, MON_INF);
+  atomic_store(&s->mon_wake_ns, UINT64_MAX);
   atomic_store(&s->nspinning, 0);
   s->last_spawn_ns = 0;
   int st = atomic_load(&s->state);

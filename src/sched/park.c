@@ -136,6 +136,7 @@ static bool try_retire(sched_worker_t *w, uint64_t now) {
   sched_t *s = &_keel_sched;
   bool retire = false;
   sched_worker_t *heir = NULL;
+  uint64_t heir_due = UINT64_MAX; /* read under the lock: the heir may be freed after it */
   pthread_mutex_lock(&s->lock);
   if (atomic_load(&s->state) == SCHED_RUNNING &&
       now - w->busy_ns >= (uint64_t)s->cfg.idle_ms * 1000000u) {
@@ -157,12 +158,15 @@ static bool try_retire(sched_worker_t *w, uint64_t now) {
     /* The heir may be parked with a later deadline than the timers it got
      * (its next_deadline was stored, seq_cst, before this). Under the lock:
      * once it is released the heir may retire in turn and be freed. */
-    if (heir != NULL) _keel_sched_kick_worker(heir);
+    if (heir != NULL) {
+      _keel_sched_kick_worker(heir);
+      heir_due = atomic_load(&heir->next_deadline);
+    }
   }
   pthread_mutex_unlock(&s->lock);
   /* The monitor joins w, and fires the heir's new timers if it is in a job. */
   if (retire && heir != NULL)
-    _keel_sched_renap();
+    _keel_sched_renap(heir_due);
   else if (retire)
     _keel_sched_poke();
   return retire;

@@ -70,17 +70,24 @@ void _keel_sched_unnap(void) {
     keel_futex_wake(&s->mon_mode, 1);
 }
 
-/* A timer came to be due before the deadline the monitor may be napping
- * toward: keel_sched_after armed a worker's earliest, or a retiring worker
- * handed its timers to an heir. The owner may be inside a job, where only
- * the monitor fires on time, and a nap chosen before the arm ran to its old
- * deadline (review repro: a 2000 ms timer, then a 10 ms one, fired 1.9 s
- * late). Any mode but MON_EXIT becomes MON_POKED, so the monitor looks
- * again: at once from a sleep (woken), after its tick from MON_TICK, or
- * before it naps, if it had looked but not yet published the nap (its CAS
- * from MON_TICK fails). */
-void _keel_sched_renap(void) {
+/* A timer due at `deadline` became its worker's earliest: keel_sched_after
+ * armed it, or a retiring worker handed its timers to an heir. The owner may
+ * be inside a job, where only the monitor fires on time, and a nap chosen
+ * before the arm ran to its old deadline (review repro: a 2000 ms timer,
+ * then a 10 ms one, fired 1.9 s late). If the monitor's next look
+ * (mon_wake_ns) is later than the deadline, any mode but MON_EXIT becomes
+ * MON_POKED, so the monitor looks again: at once from a sleep (woken),
+ * after its tick from MON_TICK, or before it naps, if it had looked but not
+ * yet published the nap (its CAS from MON_TICK fails). A monitor looking
+ * now reads UINT64_MAX here: it stored that before taking sched.lock for
+ * the look, and the arm held that lock before this load, so the load sees
+ * it or the nap chosen after it. Without the comparison every arm of a
+ * per-request timeout (armed, then cancelled: the heap empty at each arm)
+ * poked a ticking monitor into looking again: 30% fewer jobs/s and ten
+ * times the context switches (review). */
+void _keel_sched_renap(uint64_t deadline) {
   sched_t *s = &_keel_sched;
+  if (deadline >= atomic_load(&s->mon_wake_ns)) return;
   uint32_t m = atomic_load(&s->mon_mode);
   while (m == MON_TICK || m == MON_NAP || m == MON_FULL || m == MON_INF) {
     if (atomic_compare_exchange_weak(&s->mon_mode, &m, MON_POKED)) {
@@ -112,11 +119,16 @@ static bool __may_grow(void) {
  * nothing; the owner finds the heap emptied. *due is lowered to the next
  * deadline of such an owner, *moved set if it started or ended a job since
  * the last tick. */
-static bool look(sched_worker_t *w, uint64_t now, uint64_t block_ns, uint64_t *due, bool *moved) {
+static bool look(sched_worker_t *w, uint64_t now, uint64_t block_ns, uint64_t *due,
+                 uint64_t *due_any, bool *moved) {
   uint64_t seq = keel_load_acquire(&w->seq);
   *moved |= seq != w->mon_seen;
   w->mon_seen = seq;
-  if (!(seq & 1)) return false;
+  if (!(seq & 1)) {
+    uint64_t next = atomic_load(&w->next_deadline);
+    if (next < *due_any) *due_any = next;
+    return false;
+  }
   if (seq != w->mon_seq) {
     w->mon_seq = seq;
     w->mon_since = now;
@@ -128,6 +140,7 @@ static bool look(sched_worker_t *w, uint64_t now, uint64_t block_ns, uint64_t *d
     next = atomic_load(&w->next_deadline);
   }
   if (next < *due) *due = next;
+  if (next < *due_any) *due_any = next;
   return stuck || keel_load_relaxed(&w->blocking);
 }
 
@@ -135,12 +148,15 @@ static bool look(sched_worker_t *w, uint64_t now, uint64_t block_ns, uint64_t *d
 static uint64_t tick(uint64_t now) {
   sched_t *s = &_keel_sched;
   uint64_t block_ns = (uint64_t)s->cfg.block_ms * 1000000u;
-  uint64_t due = UINT64_MAX; /* next timer of an owner inside a job */
+  uint64_t due = UINT64_MAX;     /* next timer of an owner inside a job */
+  uint64_t due_any = UINT64_MAX; /* next timer of any worker */
   int blocked = 0;
   pthread_mutex_lock(&s->lock);
   sched_worker_t *w;
   bool moved = false;
-  cds_list_for_each_entry(w, &s->workers, link) blocked += look(w, now, block_ns, &due, &moved);
+  cds_list_for_each_entry(w, &s->workers, link) {
+    blocked += look(w, now, block_ns, &due, &due_any, &moved);
+  }
   int n = keel_load_relaxed(&s->nthreads);
   int cap = s->ncpu > (int)s->cfg.min_threads ? s->ncpu : (int)s->cfg.min_threads;
   bool work = backlog();
@@ -174,6 +190,16 @@ static uint64_t tick(uint64_t now) {
   bool timers = due != UINT64_MAX;
   if (timers) { /* wake for the next one: never later than its deadline */
     uint64_t left = due > now ? due - now : 0;
+    if (left < nap) nap = left;
+  }
+  /* A nap ends by any worker's next deadline too: one between jobs now may
+   * be inside a long one by then, and no one pokes a napping monitor for
+   * that (review repro: a 100 ms timer of a worker that took a 1 s job
+   * after this look fired 950 ms late). Not before MON_TICK_NS: the timer
+   * of a worker between jobs is that worker's to fire, and a past-due one
+   * would otherwise spin the monitor until it does. */
+  if (due_any != UINT64_MAX) {
+    uint64_t left = due_any > now + MON_TICK_NS ? due_any - now : MON_TICK_NS;
     if (left < nap) nap = left;
   }
   s->mon_full = waiting;
@@ -279,6 +305,7 @@ static void *monitor_main(void *arg) {
      * and the work left behind waited a whole nap with a worker parked). */
     uint32_t poked = MON_POKED;
     atomic_compare_exchange_strong(&s->mon_mode, &poked, MON_TICK);
+    atomic_store(&s->mon_wake_ns, UINT64_MAX); /* before the look: see _keel_sched_renap */
     _keel_sched_join_zombies();
     uint64_t now = keel_clock_ns();
     uint64_t wait = tick(now);
@@ -300,6 +327,7 @@ static void *monitor_main(void *arg) {
      * again. The CAS fails on MON_EXIT, or on a poke since the load (look
      * again too). */
     uint32_t mode = wait <= MON_TICK_NS ? MON_TICK : s->mon_full ? MON_FULL : MON_NAP;
+    atomic_store(&s->mon_wake_ns, now + wait);
     uint32_t m = atomic_load(&s->mon_mode);
     if (m == MON_EXIT || m == MON_POKED || !atomic_compare_exchange_strong(&s->mon_mode, &m, mode))
       continue;
@@ -316,6 +344,7 @@ static void *monitor_main(void *arg) {
 int _keel_sched_monitor_start(void) {
   sched_t *s = &_keel_sched;
   atomic_store(&s->mon_mode, MON_TICK);
+  atomic_store(&s->mon_wake_ns, UINT64_MAX);
   int rc = _keel_sched_thread_create(&s->monitor, monitor_main, NULL);
   s->monitor_started = rc == 0;
   return -rc;

@@ -149,7 +149,11 @@ typedef struct sched {
   /* Read by the submit that turns a queue non-empty; written per park. */
   keel_atomic(int) nidle KEEL_CACHE_ALIGNED; /* parked workers */
   keel_atomic(uint32_t) mon_mode;            /* futex word, MON_* */
-  keel_atomic(int) nspinning;                /* workers polling before they park */
+  /* When the monitor looks next: UINT64_MAX from before a look until it
+   * has chosen its nap, and while it sleeps without deadline; a timer due
+   * earlier must poke it (_keel_sched_renap). */
+  keel_atomic(uint64_t) mon_wake_ns;
+  keel_atomic(int) nspinning; /* workers polling before they park */
   /* Incoming queues, one pair per shard: producers xchg a tail, the
    * dispatcher splices. The fast lane takes normal jobs of the default
    * client (the common case, which then never touches a list); the other
@@ -365,7 +369,7 @@ int _keel_sched_monitor_start(void) KEEL_HIDDEN;
 void _keel_sched_monitor_stop(void) KEEL_HIDDEN;
 void _keel_sched_poke(void) KEEL_HIDDEN;
 void _keel_sched_unnap(void) KEEL_HIDDEN;
-void _keel_sched_renap(void) KEEL_HIDDEN; /* a timer now due before the monitor's nap ends */
+void _keel_sched_renap(uint64_t deadline) KEEL_HIDDEN; /* a timer due at deadline was armed */
 /* Tests set it to hold the monitor between its last look and its MON_INF
  * store (go_inf); NULL outside tests: one load each time the monitor goes
  * to sleep without deadline. */

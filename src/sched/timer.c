@@ -269,7 +269,7 @@ int keel_sched_after(keel_job_t *job, uint64_t ms) {
    * A new earliest may also be due before the nap the monitor is in or
    * about to take: that one is poked from any mode (_keel_sched_renap). */
   if (earliest)
-    _keel_sched_renap();
+    _keel_sched_renap(deadline);
   else if (keel_load_relaxed(&_keel_sched.mon_mode) == MON_INF)
     _keel_sched_poke();
   return 0;

@@ -735,6 +735,58 @@ static void timer_earlier_than_monitor_nap(void) {
   KT_EQ(keel_sched_shutdown(KEEL_SCHED_DRAIN), 0);
 }
 
+/* Found by review: a worker between jobs owns a 100 ms timer while the
+ * monitor naps toward another worker's 5 s timer; the first worker then
+ * takes a 1 s job. Nothing poked the napping monitor, so the 100 ms timer
+ * fired when that job ended (1050 ms). A nap now ends by every worker's
+ * next deadline. Timers armed from outside go round-robin, one per worker,
+ * so whichever worker takes the 1 s job owns one of them. */
+static tjob_t nap_far, nap_t[3];
+static atomic_int nap_in_long;
+static void nap_long_fn(keel_job_t *j) {
+  (void)j;
+  KT_EQ(keel_sched_after(&nap_far.job, 5000), 0);
+  atomic_store(&nap_in_long, 1);
+  kt_sleep_ms(2500);
+}
+static void nap_second_fn(keel_job_t *j) {
+  (void)j;
+  kt_sleep_ms(1000);
+}
+static bool nap_timers_ran(void *a) {
+  (void)a;
+  return atomic_load(&nap_t[0].runs) + atomic_load(&nap_t[1].runs) + atomic_load(&nap_t[2].runs) ==
+         3;
+}
+
+static void timer_of_worker_entering_job_in_nap(void) {
+  start(3, 3, 60000, 5000);
+  tjob_init(&nap_far, 0, 0);
+  for (int i = 0; i < 3; i++) tjob_init(&nap_t[i], i + 1, 0);
+  atomic_store(&nap_in_long, 0);
+  keel_job_t l1, l2;
+  keel_job_init(&l1, nap_long_fn, 0);
+  keel_job_init(&l2, nap_second_fn, 0);
+  kt_sleep_ms(50);
+  KT_EQ(keel_sched_submit(&l1), 0);
+  while (!atomic_load(&nap_in_long)) kt_sleep_ms(1);
+  kt_sleep_ms(100); /* quiet: the monitor naps toward the 5 s timer */
+  double armed = kt_now();
+  KT_EQ(keel_sched_after(&nap_t[0].job, 100), 0);
+  KT_EQ(keel_sched_after(&nap_t[1].job, 100), 0);
+  KT_EQ(keel_sched_after(&nap_t[2].job, 1500), 0);
+  kt_sleep_ms(50); /* the linger ends: the monitor naps again */
+  KT_EQ(keel_sched_submit(&l2), 0);
+  KT_REQUIRE(kt_wait_for(nap_timers_ran, NULL, 10));
+  for (int i = 0; i < 3; i++) {
+    double due = i < 2 ? 0.100 : 1.500, late = nap_t[i].ran_at - armed - due;
+    if (late < 0 || late > 0.6)
+      kt_fail(__FILE__, __LINE__, "timer %d fired %.0f ms after its deadline", i, late * 1e3);
+  }
+  KT_EQ(keel_sched_cancel(&nap_far.job), 0);
+  KT_EQ(keel_sched_shutdown(KEEL_SCHED_DRAIN), 0);
+}
+
 /* A timer armed from outside the pool can land on a worker that is inside
  * a long job (owners are picked round-robin). Armed after the monitor has
  * gone to sleep without deadline (it lingers MON_LINGER_NS, 20 ms), it
@@ -1165,7 +1217,7 @@ KT_MAIN(KT_CASE(lazy_init), KT_CASE(bad_input), KT_CASE(submit_after_shutdown),
         KT_CASE(grow_blocking_jobs), KT_CASE(run_convenience), KT_CASE(run_if_cancelled_thread),
         KT_CASE(resubmit_from_inside), KT_CASE(timer_of_stuck_worker),
         KT_CASE(timer_of_busy_worker), KT_CASE(timer_earlier_than_monitor_nap),
-        KT_CASE(timer_from_outside_on_busy_worker), KT_CASE(one_wakeup_per_burst),
-        KT_CASE(stats_counts), KT_CASE(drain_grows_pool), KT_CASE(timers_move_on_retire),
-        KT_CASE(queued_prio_counts), KT_CASE(client_destroy_timed),
+        KT_CASE(timer_of_worker_entering_job_in_nap), KT_CASE(timer_from_outside_on_busy_worker),
+        KT_CASE(one_wakeup_per_burst), KT_CASE(stats_counts), KT_CASE(drain_grows_pool),
+        KT_CASE(timers_move_on_retire), KT_CASE(queued_prio_counts), KT_CASE(client_destroy_timed),
         KT_CASE(fork_child_gets_own_pool))
