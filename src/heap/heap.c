@@ -375,8 +375,8 @@ static void __drain_delayed(keel_heap_t *heap, bool owner) {
        * while we hold the heap: only the owner's slow paths change it.) */
       page_push_thread_free(page, b);
     } else {
-      keel_store_relaxed(&page->remote_in, keel_load_relaxed(&page->remote_in) +
-                                               1); /* counted as a remote free by its freer */
+      /* Counted as a remote free by its freer. */
+      keel_store_relaxed(&page->remote_in, keel_load_relaxed(&page->remote_in) + 1);
       __free_local(heap, page, b, owner);
     }
     b = next;
