@@ -3,10 +3,10 @@
  * Each heap counts its own allocations (and requested bytes) and frees,
  * whoever owns the freed block; a class's live count is the difference of
  * the sums. Owners' frees are not counted by the free fast path but derived
- * per page (keel_page_t); this call publishes the caller's own first, so a
- * thread's figures about its own blocks are exact. The requested bytes of live blocks are estimated as live x the
- * class's average request since start: free() is not told the size, and
- * keeping it per block would cost a word per block.
+ * per page from its counters (__keel_page_frees), so every thread's figures
+ * are current. The requested bytes of live blocks are estimated as live x
+ * the class's average request since start: free() is not told the size,
+ * and keeping it per block would cost a word per block.
  *
  * The table is formatted with snprintf into a stack buffer and written line
  * by line, to a FILE or, at exit (KEEL_OPTIONS=stats=1), with write(2): the
@@ -81,6 +81,10 @@ KEEL_API void keel_heap_stats(keel_heap_stats_t *st) {
     st->live_bytes += cs->usable_bytes;
     st->requested_bytes += cs->requested_bytes;
   }
+  /* Read under the lock: another caller rewrites the static seg. */
+  size_t seg_mapped = seg.mapped, seg_committed = seg.committed;
+  st->purged_bytes = seg.purged;
+  st->abandoned_pages = seg.abandoned_pages;
   pthread_mutex_unlock(&sums_lock);
   size_t large_live, large_bytes, large_cached, large_req;
   _keel_large_totals(&large_live, &large_bytes, &large_cached, &large_req);
@@ -91,11 +95,9 @@ KEEL_API void keel_heap_stats(keel_heap_stats_t *st) {
    * committed totals do count. */
   st->live_bytes += _keel_large_usable();
   st->requested_bytes += large_req;
-  st->mapped_bytes = seg.mapped + large_bytes + large_cached;
-  st->committed_bytes = seg.committed + large_bytes + large_cached;
-  st->purged_bytes = seg.purged;
+  st->mapped_bytes = seg_mapped + large_bytes + large_cached;
+  st->committed_bytes = seg_committed + large_bytes + large_cached;
   st->threads = _keel_heaps_active();
-  st->abandoned_pages = seg.abandoned_pages;
 }
 
 typedef void (*line_fn)(void *ctx, const char *line);

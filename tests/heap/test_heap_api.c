@@ -838,6 +838,26 @@ static void stats_see_other_threads_frees(void) {
   free(s0);
 }
 
+/* Regression (found by review): keel_heap_stats read its static segment
+ * totals after releasing the lock that guards them, so two concurrent
+ * callers raced (TSan) and one could return the other's mapped, committed,
+ * purged and abandoned figures. */
+static void *sc_thread(void *arg) {
+  keel_heap_stats_t *st = arg;
+  for (int i = 0; i < 200; i++) keel_heap_stats(st);
+  return NULL;
+}
+
+static void stats_concurrent_callers(void) {
+  keel_heap_stats_t *st = calloc(2, sizeof(*st));
+  pthread_t t;
+  KT_REQUIRE(pthread_create(&t, NULL, sc_thread, st) == 0);
+  sc_thread(st + 1);
+  pthread_join(t, NULL);
+  for (int i = 0; i < 2; i++) KT_CHECK(st[i].mapped_bytes >= st[i].committed_bytes);
+  free(st);
+}
+
 static void stats_track_large_blocks(void) {
   const size_t size = 8 * MiB + 5;
   keel_heap_stats_t *s0 = calloc(3, sizeof(*s0)), *s1 = s0 + 1, *s2 = s0 + 2;
@@ -1332,13 +1352,14 @@ KT_MAIN(KT_CASE(malloc_zero_unique), KT_CASE(free_null), KT_CASE(malloc_alignmen
         KT_CASE(realloc_large_grow_shrink), KT_CASE(realloc_large_grow_with_neighbour),
         KT_CASE(free_sized_matches), KT_CASE(free_sized_too_large_aborts_in_debug),
         KT_CASE(stats_track_small_blocks), KT_CASE(stats_see_other_threads_frees),
-        KT_CASE(stats_track_large_blocks), KT_CASE(stats_large_live_bytes_are_usable),
-        KT_CASE(print_stats_lists_classes_in_use), KT_CASE(collect_returns_rss_small),
-        KT_CASE(collect_returns_rss_large), KT_CASE(purge_after_delay),
-        KT_CASE(bad_free_stack_address), KT_CASE(bad_free_interior_pointer),
-        KT_CASE(bad_free_foreign_mmap), KT_CASE(bad_realloc_invalid_pointer),
-        KT_CASE(double_free_small), KT_CASE(double_free_across_threads),
-        KT_CASE(double_free_through_delayed_list), KT_CASE(realloc_of_block_on_delayed_list_aborts),
-        KT_CASE(double_free_large), KT_CASE(double_free_stale_span),
-        KT_CASE(aligned_alloc_size_zero), KT_CASE(realloc_freed_from_other_thread_aborts),
-        KT_CASE(realloc_after_free_aborts), KT_CASE(realloc_in_place_of_freed_block_aborts))
+        KT_CASE(stats_concurrent_callers), KT_CASE(stats_track_large_blocks),
+        KT_CASE(stats_large_live_bytes_are_usable), KT_CASE(print_stats_lists_classes_in_use),
+        KT_CASE(collect_returns_rss_small), KT_CASE(collect_returns_rss_large),
+        KT_CASE(purge_after_delay), KT_CASE(bad_free_stack_address),
+        KT_CASE(bad_free_interior_pointer), KT_CASE(bad_free_foreign_mmap),
+        KT_CASE(bad_realloc_invalid_pointer), KT_CASE(double_free_small),
+        KT_CASE(double_free_across_threads), KT_CASE(double_free_through_delayed_list),
+        KT_CASE(realloc_of_block_on_delayed_list_aborts), KT_CASE(double_free_large),
+        KT_CASE(double_free_stale_span), KT_CASE(aligned_alloc_size_zero),
+        KT_CASE(realloc_freed_from_other_thread_aborts), KT_CASE(realloc_after_free_aborts),
+        KT_CASE(realloc_in_place_of_freed_block_aborts))
