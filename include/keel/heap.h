@@ -8,7 +8,11 @@
  *
  * Misuse aborts with one line on stderr: keel_free of a pointer keel never
  * returned ("keel: free: invalid pointer 0x..."), or of one already free
- * ("keel: free: double free of 0x...").
+ * ("keel: free: double free of 0x..."). A double free is caught by the
+ * second free itself when the block is the one its thread freed last, when
+ * that free comes from another thread than the block's, or when the first
+ * left the block waiting on a full page; otherwise by the malloc that would
+ * hand the block out a second time, never later.
  */
 #ifndef KEEL_HEAP_H
 #define KEEL_HEAP_H

@@ -1093,6 +1093,55 @@ static void double_free_small(void) {
   }
 }
 
+/* The thread cache (heap.c): free does not read the block, so a double
+ * free that is not of the block freed last is found when the block would be
+ * handed out a second time, never after. p sits twice on its class's list
+ * (a cycle); the second hand-out finds the word malloc cleared. */
+static void free_twice_apart_child(void *p) {
+  void *q = keel_malloc(48);
+  keel_free(p);
+  keel_free(q);
+  keel_free(ht_launder(p)); /* not the last block freed: not seen here */
+  for (int i = 0; i < 1000; i++) ht_launder(keel_malloc(48));
+}
+
+/* The first free went back to the page (keel_heap_collect gives the
+ * cache's blocks back), the second to the cache: p is on both lists, and
+ * the second of its two hand-outs dies. */
+static void free_twice_across_collect_child(void *p) {
+  keel_free(p);
+  keel_heap_collect(false);
+  keel_free(ht_launder(p));
+  for (int i = 0; i < 20000; i++) ht_launder(keel_malloc(48));
+}
+
+/* The same, with enough other frees between the two that the first copy
+ * is given back to the page by the cache's own trim. */
+static void free_twice_across_trim_child(void *p) {
+  void *v[200];
+  keel_free(p);
+  for (int i = 0; i < 200; i++) v[i] = keel_malloc(48);
+  for (int i = 0; i < 200; i++) keel_free(v[i]);
+  keel_free(ht_launder(p));
+  for (int i = 0; i < 20000; i++) ht_launder(keel_malloc(48));
+}
+
+static void double_free_found_before_second_handout(void) {
+  void (*children[])(void *) = {free_twice_apart_child, free_twice_across_collect_child,
+                                free_twice_across_trim_child};
+  for (size_t i = 0; i < sizeof(children) / sizeof(children[0]); i++) {
+    void *keep = keel_malloc(48);
+    void *p = keel_malloc(48);
+    KT_REQUIRE(keep != NULL && p != NULL);
+    char addr[32], out[4096];
+    snprintf(addr, sizeof(addr), "%p", p);
+    KT_CHECK(kt_expect_abort(__FILE__, __LINE__, children[i], p, "double free", out, sizeof(out)));
+    KT_CONTAINS(out, addr);
+    keel_free(p);
+    keel_free(keep);
+  }
+}
+
 /* Double frees where one free or both come from a thread that does not own
  * the block: the first free puts it on a list of its page (the owner's
  * local free list, or the page's remote list until the owner collects it),
@@ -1116,9 +1165,14 @@ static void remote_then_remote_child(void *p) {
   free_by_thread(ht_launder(p));
 }
 
+static size_t dfat_size; /* the block size the children work with */
+
+/* The owner's second free goes on its thread cache without reading the
+ * block (heap.c): the malloc that would hand it out again dies. */
 static void remote_then_owner_child(void *p) {
   free_by_thread(p);
   keel_free(ht_launder(p));
+  for (int i = 0; i < 20000; i++) ht_launder(keel_malloc(dfat_size));
 }
 
 static void owner_then_remote_child(void *p) {
@@ -1136,7 +1190,11 @@ static void double_free_across_threads(void) {
       void *keep = keel_malloc(sizes[s]);
       void *p = keel_malloc(sizes[s]);
       char expect[64], out[4096];
-      snprintf(expect, sizeof(expect), "keel: free: double free of %p", p);
+      dfat_size = sizes[s];
+      snprintf(expect, sizeof(expect),
+               children[i] == remote_then_owner_child ? "double free of %p"
+                                                      : "keel: free: double free of %p",
+               p);
       if (!kt_expect_abort(__FILE__, __LINE__, children[i], p, expect, out, sizeof(out)))
         printf("  (double free of a %zu-byte block, %s: not detected)\n", sizes[s], names[i]);
       keel_free(p);
@@ -1154,7 +1212,8 @@ static void **full_blocks;
 static size_t full_n;
 
 static void fill_page_of(size_t size, void *p) {
-  /* Allocate until the owner has taken a fresh page: p's page is full then. */
+  /* Allocate until the owner has taken a fresh page: p's page is full then
+   * (the caller emptied the thread cache before it allocated p). */
   full_n = 0;
   for (int i = 0; i < 4096; i++) {
     void *q = keel_malloc(size);
@@ -1181,7 +1240,8 @@ static void delayed_remote_owner_malloc_child(void *p) {
   free_by_thread(p);
   /* The owner's slow path drains the delayed list before it frees again. */
   for (int i = 0; i < 10000; i++) keel_free(keel_malloc(64));
-  keel_free(ht_launder(p));
+  keel_free(ht_launder(p)); /* onto the thread cache: found by a later malloc */
+  for (int i = 0; i < 20000; i++) ht_launder(keel_malloc(64));
 }
 
 static void double_free_through_delayed_list(void) {
@@ -1190,11 +1250,15 @@ static void double_free_through_delayed_list(void) {
   full_blocks = keel_malloc(4096 * sizeof(void *));
   KT_REQUIRE(full_blocks != NULL);
   for (size_t i = 0; i < sizeof(children) / sizeof(children[0]); i++) {
+    keel_heap_collect(false); /* p from the current page, not the thread cache */
     void *p = keel_malloc(64);
     KT_REQUIRE(p != NULL);
     fill_page_of(64, p);
     char expect[64];
-    snprintf(expect, sizeof(expect), "keel: free: double free of %p", p);
+    snprintf(expect, sizeof(expect),
+             children[i] == delayed_remote_owner_malloc_child ? "double free of %p"
+                                                              : "keel: free: double free of %p",
+             p);
     KT_EXPECT_ABORT(children[i], p, expect);
     keel_free(p);
     for (size_t j = 0; j < full_n; j++) keel_free(full_blocks[j]);
@@ -1217,6 +1281,7 @@ static void delayed_remote_then_realloc_child(void *p) {
 static void realloc_of_block_on_delayed_list_aborts(void) {
   full_blocks = keel_malloc(4096 * sizeof(void *));
   KT_REQUIRE(full_blocks != NULL);
+  keel_heap_collect(false); /* p from the current page, not the thread cache */
   void *p = keel_malloc(64);
   KT_REQUIRE(p != NULL);
   fill_page_of(64, p);
@@ -1358,8 +1423,8 @@ KT_MAIN(KT_CASE(malloc_zero_unique), KT_CASE(free_null), KT_CASE(malloc_alignmen
         KT_CASE(purge_after_delay), KT_CASE(bad_free_stack_address),
         KT_CASE(bad_free_interior_pointer), KT_CASE(bad_free_foreign_mmap),
         KT_CASE(bad_realloc_invalid_pointer), KT_CASE(double_free_small),
-        KT_CASE(double_free_across_threads), KT_CASE(double_free_through_delayed_list),
-        KT_CASE(realloc_of_block_on_delayed_list_aborts), KT_CASE(double_free_large),
-        KT_CASE(double_free_stale_span), KT_CASE(aligned_alloc_size_zero),
-        KT_CASE(realloc_freed_from_other_thread_aborts), KT_CASE(realloc_after_free_aborts),
-        KT_CASE(realloc_in_place_of_freed_block_aborts))
+        KT_CASE(double_free_found_before_second_handout), KT_CASE(double_free_across_threads),
+        KT_CASE(double_free_through_delayed_list), KT_CASE(realloc_of_block_on_delayed_list_aborts),
+        KT_CASE(double_free_large), KT_CASE(double_free_stale_span),
+        KT_CASE(aligned_alloc_size_zero), KT_CASE(realloc_freed_from_other_thread_aborts),
+        KT_CASE(realloc_after_free_aborts), KT_CASE(realloc_in_place_of_freed_block_aborts))

@@ -101,10 +101,18 @@ static void test_encoded_lists(void) {
   keel_page_t *page = page_of(a);
   keel_free(a);
   keel_free(b);
+  /* In the thread cache: b (freed last) links to a through the secret. */
   uintptr_t raw = *(uintptr_t *)b;
   KT_CHECK(raw != (uintptr_t)a); /* not a plain pointer */
-  KT_CHECK((raw >> 63) == 1);    /* key bit 63: non-canonical if corrupted */
-  KT_CHECK((uintptr_t)_keel_decode(page, raw) == (uintptr_t)a);
+  KT_CHECK((raw >> 63) == 1);    /* secret bit 63: non-canonical if corrupted */
+  KT_CHECK((raw ^ _keel_cache_secret) == (uintptr_t)a);
+  KT_CHECK(_keel_block_cached((keel_block_t *)a) && _keel_block_cached((keel_block_t *)b));
+  /* Given back to the page (b first, then a): a links to b through the key. */
+  keel_heap_collect(false);
+  raw = *(uintptr_t *)a;
+  KT_CHECK(!_keel_block_cached((keel_block_t *)a));
+  KT_CHECK((raw >> 63) == 1); /* key bit 63 */
+  KT_CHECK((uintptr_t)_keel_decode(page, raw) == (uintptr_t)b);
   KT_CHECK(_keel_page_validate(page));
   void *c = keel_malloc(48);
   KT_CHECK(page_of(c) == page); /* the current page still serves its class */
@@ -834,7 +842,8 @@ static void do_double_free_collected_remote(void *arg) {
   pthread_t t;
   if (pthread_create(&t, NULL, free_batch, &one) == 0) pthread_join(t, NULL);
   for (int i = 0; i < 10000; i++) keel_free(keel_malloc(72)); /* collects thread_free */
-  keel_free(p);
+  keel_free(p); /* onto the thread cache: the malloc that would hand p out again dies */
+  for (int i = 0; i < 20000; i++) keel_malloc(72);
   (void)keep;
 }
 
@@ -979,7 +988,7 @@ KEEL_UNUSED static void do_use_after_free(void *arg) {
 static void test_bad_input(void) {
   KT_EXPECT_ABORT(do_double_free, NULL, "keel: free: double free of 0x");
   KT_EXPECT_ABORT(do_double_free_last, NULL, "keel: free: double free of 0x");
-  KT_EXPECT_ABORT(do_double_free_collected_remote, NULL, "keel: free: double free of 0x");
+  KT_EXPECT_ABORT(do_double_free_collected_remote, NULL, "double free of 0x");
   KT_EXPECT_ABORT(do_realloc_freed, NULL, "keel: realloc: double free of 0x");
   KT_EXPECT_ABORT(do_realloc_freed_shared, NULL, "keel: realloc: double free of 0x");
   KT_EXPECT_ABORT(do_double_free_shared, NULL, "keel: free: double free of 0x");
