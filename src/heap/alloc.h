@@ -104,12 +104,11 @@ KEEL_INLINE void *_keel_malloc_fast(size_t size) {
     keel_heap_cache_t *cache = &heap->cache[cls];
     keel_block_t *b = cache->head;
     if (keel_likely(b != NULL)) { /* the thread cache: the block freed last */
-      uintptr_t next = b->next ^ heap->cache_secret;
-      /* A block freed twice sits twice on the list (a cycle), or on it and
-       * on a list of its page: its second hand-out finds the word that
-       * malloc cleared, or the program's data, where a link should be. */
+      uintptr_t next = *_keel_cache_link(b) ^ heap->cache_secret;
+      /* A link a write after free or a double free changed: heap.c. */
       if (keel_unlikely(!_keel_cache_link_ok(next))) _keel_cache_bad_link(b);
       cache->head = (keel_block_t *)next;
+      *_keel_cache_link(b) = 0; /* no cache link left in a live block */
       b->next = 0;
       KEEL_TRACK_ALLOC(b, _keel_class_size[cls]);
       _keel_counter_add_imm(&cache->ctr, 255); /* one more hand-out, one block fewer */
@@ -151,15 +150,15 @@ KEEL_INLINE void _keel_free_fast(void *p, const char *call) {
     if (keel_likely(owner == heap &&
                     keel_load_acquire(&page->flags) == 0 && /* pairs with a collector's unfull */
                     _keel_page_is_carved(page, off))) {
-      if (keel_likely(cls < KEEL_CACHE_CLASSES)) {
-        /* Onto the thread cache, without reading the block (heap.c): the
-         * list has room, and b is not its head (free(p); free(p)). */
+      if (keel_likely(cls - 1u < KEEL_CACHE_CLASSES - 1u)) {
+        /* Onto the thread cache, without reading the block (heap.c): if
+         * the list has room and b is not its head (free(p); free(p)). */
         keel_heap_cache_t *cache = &heap->cache[cls];
         keel_block_t *head = cache->head;
         uint64_t ctr = keel_load_relaxed(&cache->ctr);
         if (keel_likely(KEEL_CACHE_CTR_N(ctr) < KEEL_CACHE_N && head != b)) {
           KEEL_TRACK_FREE(b, page->bsize);
-          b->next = _keel_cache_encode(heap->cache_secret, head);
+          *_keel_cache_link(b) = _keel_cache_encode(heap->cache_secret, head);
           cache->head = b;
           keel_store_relaxed(&cache->ctr, ctr + 1);
           return;

@@ -78,7 +78,7 @@ static void classes_build(void) {
     while (_keel_class_size[c] < i * 8) c++;
     _keel_class_small[i] = (uint8_t)c;
   }
-  /* The thread cache has a stack for exactly the fast path's classes. */
+  /* The thread cache has a list for the fast path's classes (all but the 8-byte one). */
   if (_keel_class_small[KEEL_SMALL_MAX / 8] != KEEL_CACHE_CLASSES - 1) abort();
 }
 

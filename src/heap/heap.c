@@ -45,10 +45,10 @@
  * paths test that word; the owner's slow path confirms by walking the
  * page's lists, a remote freer by the same walk made racily
  * (_keel_page_has_free_block_remote), before it would push the block a
- * second time. A block in a thread cache has a cache link instead, which
- * they recognise too. The owner's free onto its cache does not read the
- * block; what that leaves is caught before a second hand-out (the thread
- * cache, below).
+ * second time. A block in a thread cache has a cache link in its second
+ * word, which they recognise too. The owner's free onto its cache does not
+ * read the block; what that leaves is caught before the block can be handed
+ * out twice (the thread cache, below).
  *
  * Locks: owner slow paths take no lock (the handshake below); collectors
  * and the fork handler take heap->lock; order: registry_lock > heap (lock
@@ -431,8 +431,11 @@ static keel_heap_t *heap_get(void) {
       z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
       z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
       /* Bit 63 set and 62 clear: a word of ordinary data (bit 63 clear, or
-       * a small negative number) never decodes to a user-space address. */
-      _keel_cache_secret = ((z ^ (z >> 31)) | ((uintptr_t)1 << 63)) & ~((uintptr_t)1 << 62);
+       * a small negative number) never decodes to a user-space address.
+       * Bit 0 set: a page's link (8-aligned, as its key is) never decodes to
+       * an 8-aligned one, so the two kinds of link cannot be taken for each
+       * other. */
+      _keel_cache_secret = ((z ^ (z >> 31)) | ((uintptr_t)1 << 63) | 1u) & ~((uintptr_t)1 << 62);
     }
     heap->cache_secret = _keel_cache_secret;
     heap->active = true;
@@ -500,10 +503,13 @@ static void __heap_abandon_pages(keel_heap_t *heap) {
 
 static void heap_thread_exit(void *arg) {
   keel_heap_t *heap = arg;
-  _keel_cache_flush_all(heap);
-  /* From here this thread frees like a stranger (remote path). */
+  /* From here this thread frees like a stranger (remote path), also while
+   * the flush below runs: it may start the purge thread, and a free that
+   * pthread_create makes on this thread must not land in the cache being
+   * emptied (the heap would go to the next thread with a stale block). */
   _keel_heap_tls = &_keel_empty_heap;
   tls_exited = true;
+  _keel_cache_flush_all(heap);
   owner_enter(heap);
   __heap_abandon_pages(heap);
   owner_exit(heap);
@@ -515,7 +521,8 @@ static void heap_thread_exit(void *arg) {
   for (unsigned c = 0; c < KEEL_CACHE_CLASSES; c++) {
     size_t n = KEEL_CACHE_CTR_POPS(keel_load_relaxed(&heap->cache[c].ctr));
     if (n != 0) keel_fetch_add_relaxed(&_keel_orphan_cache_pops[c], n);
-    keel_store_relaxed(&heap->cache[c].ctr, 0); /* flushed: no block on it */
+    KEEL_ASSERT(heap->cache[c].head == NULL); /* flushed, and nothing came back */
+    keel_store_relaxed(&heap->cache[c].ctr, 0);
   }
   for (unsigned c = 0; c < KEEL_CLASS_COUNT_MAX; c++) {
     size_t n = keel_load_relaxed(&heap->remote_frees[c]);
@@ -709,41 +716,56 @@ void *_keel_malloc_in_class(unsigned cls, size_t size) {
 
 /* ---- the thread cache ----
  *
- * A list of recently freed blocks per class up to 1 KiB, in front of the
- * pages: tcmalloc's per-thread free lists, bounded. The owner's free pushes
- * a block of its own page there; malloc pops the block freed last, which is
- * still in the CPU's cache, where a page's free list handed out a block
- * freed long ago. And free no longer reads the block (the page-list
- * double-free test did): for a block the program last touched long ago a
- * store does not stall, a load did. Measured (heap/churn, paired runs
- * against the build before): +23-28% at 1 thread, +7% at 8, level at 64
- * and 256; heap/pairs 4% faster. Blocks of other threads' pages still go to
- * their page (one CAS): caching them would keep memory a consumer thread
- * freed out of its owner's reach (mimalloc #333).
+ * A list of recently freed blocks per class from 16 bytes to 1 KiB, in
+ * front of the pages: tcmalloc's per-thread free lists, bounded. The
+ * owner's free of a block of its own page pushes it there, and malloc pops
+ * the block freed last, which is still in the CPU's cache, where a page's
+ * free list handed out a block freed long ago. Free does not read the
+ * block: for one the program last touched long ago a store does not stall,
+ * the load of the page lists' double-free test did. Measured (heap/churn,
+ * paired runs against the build before): +30% at 1 thread, level within
+ * noise from 8 to 256 threads; reading the block cost half of that gain.
+ * Blocks of other threads' pages still go to their page (one CAS): caching
+ * them would keep memory a consumer thread freed out of its owner's reach
+ * (mimalloc #333).
+ *
+ * The list runs through the blocks' second words, so the first keeps what
+ * it held at the free: a live block's data (or the 0 malloc left), or, for
+ * a block freed twice, the link of the page list it was already on. Every
+ * way out of the cache checks what it must:
+ *   - malloc's pop checks the cache link (a block cached twice is a cycle:
+ *     its second pop finds the 0 the first left) and clears both words;
+ *   - a give-back to the page (a trim, keel_heap_collect, thread exit)
+ *     checks the first word for a page link and confirms by a walk: handed
+ *     back twice, a block would count twice as free on its page, which
+ *     would then be retired under a live block (found by review);
+ *   - a page's pop checks its link stays in the segment (_keel_page_pop):
+ *     a block the cache handed out meanwhile has a 0 there.
+ * So a double free dies at the free when the block is the list's head
+ * (free(p); free(p)), when either free was another thread's, or when the
+ * page was full; otherwise at the next hand-out or give-back of that block,
+ * before it can be handed out twice. Other threads' frees and realloc
+ * recognise a cache link (_keel_block_cached). The secret has bit 63 set
+ * (ordinary data and 0 decode to non-canonical addresses) and bit 0 set (a
+ * page's 8-aligned link never decodes to an 8-aligned address).
  *
  * A list that reaches KEEL_CACHE_N gives its older half back to the pages,
- * as the free fast path did before the cache; thread exit and
- * keel_heap_collect give back all of it. So at most 32 blocks per class
- * per thread stay cached (at most 32 x 17.5 KiB, the sum of the 40 classes'
- * sizes), and they keep their pages in use until then.
- *
- * Double frees without reading the block. free dies at once for the block
- * freed last (the list's head: free(p); free(p)). Other threads' frees and
- * realloc read the block and recognise a cache link. Otherwise the block is
- * now twice on the list (a cycle), or on it and on a list of its page
- * (whose link the cache's overwrote), and the second of its two hand-outs
- * finds a word that is no link: the 0 malloc left, or the program's data;
- * it dies naming the block, and so does a trim's walk. Links are checked
- * before use: a cache link must decode to NULL or an 8-aligned user-space
- * address (the secret has bit 63 set and 62 clear, so ordinary data fails),
- * a page link must stay in its segment (_keel_page_pop). A block is never
- * handed out twice, which is what the check is for; the price is that the
- * abort can come at a later malloc than the free that caused it. */
+ * as the free fast path did before the cache; thread exit and the thread's
+ * own keel_heap_collect give back all of it. A cached block keeps its page
+ * in use: an idle thread keeps up to 32 blocks per class, on up to 32
+ * pages per class in the worst case, until it runs again or exits (another
+ * thread's keel_heap_collect cannot reach them: the cache has no lock). */
 
-/* A cached block back to its page, as the fast path freed before the cache. */
+/* A cached block back to its page, as the fast path freed before the cache;
+ * its first word is still what it was when the block was freed. */
 static void cache_give_back(keel_heap_t *heap, keel_block_t *b) {
   keel_page_t *page = _keel_page_of(_keel_segment_of(b), b);
   KEEL_ASSERT(keel_load_relaxed(&page->heap) == heap);
+  /* Freed twice, the second time while on a list of its page: its first
+   * word is that list's link (confirmed by a walk). */
+  if (keel_unlikely(_keel_block_maybe_free(page, b)) && _keel_page_has_free_block(page, b))
+    _keel_die_double_free("free", b);
+  *_keel_cache_link(b) = 0; /* on a page's list, no cache link */
   if (keel_load_acquire(&page->flags) == 0) {
     _keel_push_local(page, b);
     if (_keel_used_dec(page) && page != heap->direct[page->cls])
@@ -766,17 +788,17 @@ static void cache_trim(keel_heap_t *heap, unsigned cls, uint32_t keep) {
   keel_block_t *b = cache->head, *last = NULL;
   for (uint32_t i = 0; i < keep; i++) {
     last = b;
-    uintptr_t next = b->next ^ heap->cache_secret;
+    uintptr_t next = *_keel_cache_link(b) ^ heap->cache_secret;
     if (!_keel_cache_link_ok(next) || (next == 0 && i + 1 < n)) _keel_cache_bad_link(b);
     b = (keel_block_t *)next;
   }
   if (last != NULL)
-    last->next = _keel_cache_encode(heap->cache_secret, NULL);
+    *_keel_cache_link(last) = _keel_cache_encode(heap->cache_secret, NULL);
   else
     cache->head = NULL;
   keel_store_relaxed(&cache->ctr, ctr - n + keep);
   for (uint32_t i = keep; i < n; i++) {
-    uintptr_t next = b->next ^ heap->cache_secret;
+    uintptr_t next = *_keel_cache_link(b) ^ heap->cache_secret;
     if (!_keel_cache_link_ok(next) || (next == 0) != (i + 1 == n)) _keel_cache_bad_link(b);
     cache_give_back(heap, b);
     b = (keel_block_t *)next;
@@ -793,10 +815,10 @@ void _keel_cache_free_slow(keel_heap_t *heap, keel_page_t *page, keel_block_t *b
                            const char *call) {
   unsigned cls = page->cls;
   keel_heap_cache_t *cache = &heap->cache[cls];
-  /* Rare enough to read the block: a link of a thread cache is a block
-   * cached deeper in a list; a link into its segment, one that may be on a
-   * list of its page (thread_free is one), confirmed by a walk. */
-  if (cache->head == b || _keel_block_cached(b) ||
+  /* A cache link: b is on a thread cache's list; a link into its segment:
+   * b may be on a list of its page, confirmed by a walk. A live block whose
+   * word only looked like one of them is pushed. */
+  if (cache->head == b || _keel_block_cached(page, b) ||
       (_keel_block_maybe_free(page, b) && _keel_page_has_free_block(page, b)))
     _keel_die_double_free(call, b);
   /* >=: frees made while the trim ran (it may start the purge thread,
@@ -804,15 +826,14 @@ void _keel_cache_free_slow(keel_heap_t *heap, keel_page_t *page, keel_block_t *b
   if (KEEL_CACHE_CTR_N(keel_load_relaxed(&cache->ctr)) >= KEEL_CACHE_N)
     cache_trim(heap, cls, KEEL_CACHE_N / 2);
   KEEL_TRACK_FREE(b, page->bsize);
-  b->next = _keel_cache_encode(heap->cache_secret, cache->head);
+  *_keel_cache_link(b) = _keel_cache_encode(heap->cache_secret, cache->head);
   cache->head = b;
   keel_store_relaxed(&cache->ctr, keel_load_relaxed(&cache->ctr) + 1);
 }
 
 void _keel_cache_bad_link(keel_block_t *b) {
-  keel_die("free",
-           "double free of %p (found by a later malloc or cache flush; or its first word was "
-           "written after free)",
+  keel_die("malloc",
+           "double free of %p, or a write to it after free (its free-list link is overwritten)",
            (void *)b);
 }
 
@@ -834,8 +855,9 @@ static void free_remote(keel_heap_t *me, keel_page_t *page, keel_block_t *b, con
    * owner's free or local_free, or thread_free) has a link into its own
    * segment; a live block almost never does, and then the walk clears it.
    * Pushing it again would make the list a cycle. */
-  if (keel_unlikely(_keel_block_cached(b)) || (keel_unlikely(_keel_block_maybe_free(page, b)) &&
-                                               _keel_page_has_free_block_remote(page, b))) {
+  if (keel_unlikely(_keel_block_cached(page, b)) ||
+      (keel_unlikely(_keel_block_maybe_free(page, b)) &&
+       _keel_page_has_free_block_remote(page, b))) {
     _keel_die_double_free(call, b);
   }
   KEEL_TRACK_FREE(b, page->bsize);
@@ -945,8 +967,8 @@ void _keel_check_not_free(keel_page_t *page, void *p, const char *call) {
   keel_heap_t *heap = _keel_heap_tls;
   if (keel_load_relaxed(&page->heap) != heap) {
     if ((sh = shard_of(page)) == NULL) {
-      if (_keel_block_cached(b) || (keel_unlikely(_keel_block_maybe_free(page, b)) &&
-                                    _keel_page_has_free_block_remote(page, b)))
+      if (_keel_block_cached(page, b) || (keel_unlikely(_keel_block_maybe_free(page, b)) &&
+                                          _keel_page_has_free_block_remote(page, b)))
         _keel_die_double_free(call, p);
       return;
     }
@@ -954,7 +976,7 @@ void _keel_check_not_free(keel_page_t *page, void *p, const char *call) {
   } else {
     check_not_delayed(heap, page, p, call);
   }
-  bool freed = _keel_block_cached(b) ||
+  bool freed = _keel_block_cached(page, b) ||
                (_keel_block_maybe_free(page, b) && _keel_page_has_free_block(page, b));
   if (sh != NULL) pthread_mutex_unlock(&sh->lock);
   if (freed) _keel_die_double_free(call, p);
@@ -1001,7 +1023,7 @@ void _keel_free_generic(void *p, const char *call) {
   check_not_delayed(heap, page, p, call);
   /* In a thread cache (its tag), or on a list of the page: its first word
    * decodes to a link into this segment, confirmed by a walk. */
-  if (_keel_block_cached(b) ||
+  if (_keel_block_cached(page, b) ||
       (_keel_block_maybe_free(page, b) && _keel_page_has_free_block(page, b))) {
     _keel_die_double_free(call, p);
   }

@@ -225,13 +225,14 @@ KEEL_INLINE void __keel_page_queue_push_front(keel_page_queue_t *q, keel_page_t 
  * heap from another thread, so an exited thread's heap may be unmapped. */
 /* The thread cache (heap.c, alloc.h): a list of recently freed blocks per
  * class up to KEEL_SMALL_MAX, in front of the pages. */
-#define KEEL_CACHE_CLASSES 40 /* classes 0..39: 8 to 1024 bytes (checked by classes.c) */
+#define KEEL_CACHE_CLASSES 40 /* classes 1..39: 16 to 1024 bytes (checked by classes.c) */
 #define KEEL_CACHE_N       32 /* blocks per class; a full list gives back its older half */
 
-/* One class's list: linked through the blocks' first words, each holding
- * the next block's address ^ the cache secret (NULL ^ secret at the end).
- * Written by the owning thread only; n and pops are read by keel_heap_stats
- * (relaxed). */
+/* One class's list: linked through the blocks' second words (the first
+ * keeps what it held: see heap.c), each holding the next block's address ^
+ * the cache secret (NULL ^ secret at the end). Classes from 16 bytes up:
+ * an 8-byte block has no second word. Written by the owning thread only;
+ * ctr is read by keel_heap_stats (relaxed). */
 typedef struct keel_heap_cache {
   keel_block_t *head; /* the block freed last */
   /* (blocks handed out from this list << 8) | blocks on it: one word, so
@@ -544,25 +545,33 @@ KEEL_INLINE size_t __keel_page_frees(const keel_page_t *page) {
  * block's first word does that with probability about 2^-42 (key bit 63 is
  * set, so user pointers and small values decode outside user space; malloc
  * clears the word of the block it hands out). */
+KEEL_INLINE bool _keel_word_maybe_free(const keel_page_t *page, const keel_block_t *b,
+                                       uintptr_t w) {
+  return (((uintptr_t)_keel_decode(page, w) ^ (uintptr_t)b) >> KEEL_SEGMENT_SHIFT) == 0;
+}
 KEEL_INLINE bool _keel_block_maybe_free(const keel_page_t *page, const keel_block_t *b) {
-  return (((uintptr_t)_keel_decode(page, b->next) ^ (uintptr_t)b) >> KEEL_SEGMENT_SHIFT) == 0;
+  return _keel_word_maybe_free(page, b, b->next);
 }
 
-/* A thread cache's link (see keel_heap_cache_t). */
+/* A thread cache's link (see keel_heap_cache_t): the block's second word. */
+KEEL_INLINE uintptr_t *_keel_cache_link(keel_block_t *b) {
+  return &((uintptr_t *)b)[1];
+}
 KEEL_INLINE uintptr_t _keel_cache_encode(uintptr_t secret, const keel_block_t *next) {
   return (uintptr_t)next ^ secret;
 }
 /* Whether a decoded cache link can be one: NULL or an 8-aligned user-space
- * address. The secret has bit 63 set, so a live block's word (user data,
- * or the 0 malloc leaves) decodes to a non-canonical value. */
+ * address. The secret has bit 63 set, so ordinary data (bit 63 clear), and
+ * the 0 that malloc and the trims leave, decode to a non-canonical value. */
 KEEL_INLINE bool _keel_cache_link_ok(uintptr_t next) {
   return (next & ~(uintptr_t)((((uintptr_t)1 << 47) - 1) & ~(uintptr_t)7)) == 0;
 }
-/* Whether b's first word is a thread cache's link: b is in some thread's
- * cache, i.e. freed. A live block's word passes only if the program wrote
- * a keel block's address (or NULL) ^ the secret there. */
-KEEL_INLINE bool _keel_block_cached(const keel_block_t *b) {
-  uintptr_t next = b->next ^ _keel_cache_secret;
+/* Whether b, a block of page, is on a thread cache's list (freed): its
+ * second word is a cache link. A live block's passes only if the program
+ * wrote a keel block's address (or NULL) ^ the secret there. */
+KEEL_INLINE bool _keel_block_cached(const keel_page_t *page, keel_block_t *b) {
+  if (page->cls == 0) return false; /* 8-byte blocks are never cached */
+  uintptr_t next = *_keel_cache_link(b) ^ _keel_cache_secret;
   return _keel_cache_link_ok(next) && (next == 0 || _keel_segmap_has((const void *)next));
 }
 

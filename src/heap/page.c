@@ -34,8 +34,8 @@ void _keel_die_double_free(const char *call, void *p) {
 }
 
 void _keel_die_bad_link(const keel_page_t *page, keel_block_t *b) {
-  (void)page;
-  if (_keel_block_cached(b)) _keel_die_double_free("free", b); /* freed again while on this list */
+  if (_keel_block_cached(page, b))
+    _keel_die_double_free("free", b); /* freed again while on this list */
   keel_die("malloc",
            "double free of %p, or a write to it after free (its free-list link is overwritten)",
            (void *)b);

@@ -1126,6 +1126,72 @@ static void free_twice_across_trim_child(void *p) {
   for (int i = 0; i < 20000; i++) ht_launder(keel_malloc(48));
 }
 
+/* Regression (found by review): a block on a list of its page (given back
+ * by a trim, or freed by another thread) freed again by its owner goes on
+ * the thread cache; giving it back a second time (keel_heap_collect, a
+ * trim, thread exit) lowered its page's in-use count twice, the page was
+ * retired under a live block q, and q was handed out again. The give-back
+ * must die naming the block instead. */
+static void *gb_p;
+static void *gb_free_p(void *arg) {
+  (void)arg;
+  keel_free(gb_p);
+  return NULL;
+}
+
+static void giveback_twice_child(void *arg) {
+  bool cross = arg != NULL;
+  void *a[128], *c[40];
+  for (int i = 0; i < 128; i++) a[i] = keel_malloc(512);
+  for (int i = 0; i < 40; i++) c[i] = keel_malloc(512); /* a's pages full, c's current */
+  void *q = a[0], *p = a[1];
+  memset(q, 'Q', 512);
+  keel_free(a[127]); /* a's last page back in the queue */
+  if (cross) {
+    gb_p = p;
+    pthread_t t;
+    if (pthread_create(&t, NULL, gb_free_p, NULL) == 0) pthread_join(t, NULL);
+  } else {
+    keel_free(p);                                 /* onto the cache */
+    for (int i = 0; i < 32; i++) keel_free(c[i]); /* the trim gives p back */
+  }
+  keel_free(ht_launder(p)); /* the double free: onto the cache */
+  for (int i = 2; i < 127; i++) keel_free(a[i]);
+  for (int i = cross ? 0 : 32; i < 40; i++) keel_free(c[i]);
+  keel_heap_collect(false);
+  for (int i = 0; i < 400; i++) memset(ht_launder(keel_malloc(512)), 'R', 512);
+  if (((char *)q)[0] != 'Q') fprintf(stderr, "live block overwritten\n");
+}
+
+static void *giveback_exit_thread(void *arg) {
+  void **out = arg, *a[64], *b[64];
+  for (int i = 0; i < 64; i++) a[i] = keel_malloc(1024);
+  for (int i = 0; i < 64; i++) b[i] = keel_malloc(1024);
+  out[0] = a[0];
+  out[1] = a[1];
+  keel_free(a[1]);
+  keel_free(a[2]);             /* a[1] is no longer the cache's head */
+  keel_free(ht_launder(a[1])); /* the double free */
+  for (int i = 3; i < 64; i++) keel_free(a[i]);
+  (void)b;
+  return NULL; /* exit: the cache goes back to the pages */
+}
+
+static void giveback_at_exit_child(void *arg) {
+  (void)arg;
+  void *out[2];
+  pthread_t t;
+  if (pthread_create(&t, NULL, giveback_exit_thread, out) == 0) pthread_join(t, NULL);
+  memset(out[0], 'Q', 1024);
+  for (int i = 0; i < 200; i++) memset(ht_launder(keel_malloc(1024)), 'R', 1024);
+}
+
+static void double_free_given_back_twice(void) {
+  KT_EXPECT_ABORT(giveback_twice_child, NULL, "keel: free: double free of 0x");
+  KT_EXPECT_ABORT(giveback_twice_child, "cross", "keel: free: double free of 0x");
+  KT_EXPECT_ABORT(giveback_at_exit_child, NULL, "keel: free: double free of 0x");
+}
+
 static void double_free_found_before_second_handout(void) {
   void (*children[])(void *) = {free_twice_apart_child, free_twice_across_collect_child,
                                 free_twice_across_trim_child};
@@ -1423,8 +1489,9 @@ KT_MAIN(KT_CASE(malloc_zero_unique), KT_CASE(free_null), KT_CASE(malloc_alignmen
         KT_CASE(purge_after_delay), KT_CASE(bad_free_stack_address),
         KT_CASE(bad_free_interior_pointer), KT_CASE(bad_free_foreign_mmap),
         KT_CASE(bad_realloc_invalid_pointer), KT_CASE(double_free_small),
-        KT_CASE(double_free_found_before_second_handout), KT_CASE(double_free_across_threads),
-        KT_CASE(double_free_through_delayed_list), KT_CASE(realloc_of_block_on_delayed_list_aborts),
-        KT_CASE(double_free_large), KT_CASE(double_free_stale_span),
-        KT_CASE(aligned_alloc_size_zero), KT_CASE(realloc_freed_from_other_thread_aborts),
-        KT_CASE(realloc_after_free_aborts), KT_CASE(realloc_in_place_of_freed_block_aborts))
+        KT_CASE(double_free_found_before_second_handout), KT_CASE(double_free_given_back_twice),
+        KT_CASE(double_free_across_threads), KT_CASE(double_free_through_delayed_list),
+        KT_CASE(realloc_of_block_on_delayed_list_aborts), KT_CASE(double_free_large),
+        KT_CASE(double_free_stale_span), KT_CASE(aligned_alloc_size_zero),
+        KT_CASE(realloc_freed_from_other_thread_aborts), KT_CASE(realloc_after_free_aborts),
+        KT_CASE(realloc_in_place_of_freed_block_aborts))

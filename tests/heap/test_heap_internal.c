@@ -101,16 +101,20 @@ static void test_encoded_lists(void) {
   keel_page_t *page = page_of(a);
   keel_free(a);
   keel_free(b);
-  /* In the thread cache: b (freed last) links to a through the secret. */
-  uintptr_t raw = *(uintptr_t *)b;
+  /* In the thread cache: b (freed last) links to a through the secret, in
+   * its second word; the first still holds what the program left there. */
+  uintptr_t raw = ((uintptr_t *)b)[1];
   KT_CHECK(raw != (uintptr_t)a); /* not a plain pointer */
   KT_CHECK((raw >> 63) == 1);    /* secret bit 63: non-canonical if corrupted */
   KT_CHECK((raw ^ _keel_cache_secret) == (uintptr_t)a);
-  KT_CHECK(_keel_block_cached((keel_block_t *)a) && _keel_block_cached((keel_block_t *)b));
-  /* Given back to the page (b first, then a): a links to b through the key. */
+  KT_CHECK(_keel_block_cached(page, (keel_block_t *)a) &&
+           _keel_block_cached(page, (keel_block_t *)b));
+  /* Given back to the page (b first, then a): a links to b through the key,
+   * in its first word, and has no cache link left. */
   keel_heap_collect(false);
   raw = *(uintptr_t *)a;
-  KT_CHECK(!_keel_block_cached((keel_block_t *)a));
+  KT_CHECK(!_keel_block_cached(page, (keel_block_t *)a));
+  KT_EQ(((uintptr_t *)a)[1], 0);
   KT_CHECK((raw >> 63) == 1); /* key bit 63 */
   KT_CHECK((uintptr_t)_keel_decode(page, raw) == (uintptr_t)b);
   KT_CHECK(_keel_page_validate(page));
