@@ -756,16 +756,10 @@ void *_keel_malloc_in_class(unsigned cls, size_t size) {
  * pages per class in the worst case, until it runs again or exits (another
  * thread's keel_heap_collect cannot reach them: the cache has no lock). */
 
-/* A cached block back to its page, as the fast path freed before the cache;
- * its first word is still what it was when the block was freed. */
-static void cache_give_back(keel_heap_t *heap, keel_block_t *b) {
-  keel_page_t *page = _keel_page_of(_keel_segment_of(b), b);
-  KEEL_ASSERT(keel_load_relaxed(&page->heap) == heap);
-  /* Freed twice, the second time while on a list of its page: its first
-   * word is that list's link (confirmed by a walk). */
-  if (keel_unlikely(_keel_block_maybe_free(page, b)) && _keel_page_has_free_block(page, b))
-    _keel_die_double_free("free", b);
-  *_keel_cache_link(b) = 0; /* on a page's list, no cache link */
+/* A block of a page this heap owns, checked, back on its page: pushed as the
+ * free fast path did before the cache, or, if the page is full, under the
+ * owner/collector exclusion. */
+static void free_owned(keel_heap_t *heap, keel_page_t *page, keel_block_t *b) {
   if (keel_load_acquire(&page->flags) == 0) {
     _keel_push_local(page, b);
     if (_keel_used_dec(page) && page != heap->direct[page->cls])
@@ -776,6 +770,19 @@ static void cache_give_back(keel_heap_t *heap, keel_block_t *b) {
   __free_local(heap, page, b, true);
   owner_exit(heap);
   _keel_purge_schedule();
+}
+
+/* A cached block back to its page, as the fast path freed before the cache;
+ * its first word is still what it was when the block was freed. */
+static void cache_give_back(keel_heap_t *heap, keel_block_t *b) {
+  keel_page_t *page = _keel_page_of(_keel_segment_of(b), b);
+  KEEL_ASSERT(keel_load_relaxed(&page->heap) == heap);
+  /* Freed twice, the second time while on a list of its page: its first
+   * word is that list's link (confirmed by a walk). */
+  if (keel_unlikely(_keel_block_maybe_free(page, b)) && _keel_page_has_free_block(page, b))
+    _keel_die_double_free("free", b);
+  *_keel_cache_link(b) = 0; /* on a page's list, no cache link */
+  free_owned(heap, page, b);
 }
 
 /* Gives back every block of class cls's list after the first `keep`. The
@@ -1021,23 +1028,14 @@ void _keel_free_generic(void *p, const char *call) {
     return;
   }
   check_not_delayed(heap, page, p, call);
-  /* In a thread cache (its tag), or on a list of the page: its first word
-   * decodes to a link into this segment, confirmed by a walk. */
+  /* In a thread cache (a cache link in its second word), or on a list of
+   * the page: its first word decodes to a link into this segment, confirmed
+   * by a walk. */
   if (_keel_block_cached(page, b) ||
       (_keel_block_maybe_free(page, b) && _keel_page_has_free_block(page, b))) {
     _keel_die_double_free(call, p);
   }
-  if (keel_load_relaxed(&page->flags) == 0) {
-    /* The fast path's case, reached by a false link hint. */
-    _keel_push_local(page, b);
-    if (_keel_used_dec(page) && page != heap->direct[page->cls])
-      _keel_heap_page_emptied(heap, page);
-    return;
-  }
-  owner_enter(heap);
-  __free_local(heap, page, b, true);
-  owner_exit(heap);
-  _keel_purge_schedule();
+  free_owned(heap, page, b); /* the fast path's case too, reached by a false link hint */
 }
 
 /* ---- collection ---- */
