@@ -8,10 +8,7 @@
  *
  * Misuse aborts with one line on stderr: keel_free of a pointer keel never
  * returned ("keel: free: invalid pointer 0x..."), or of one already free
- * ("keel: free: double free of 0x..."). A double free that the second free
- * cannot see without reading the block (the owner's free of a block it
- * freed before, not the last one) dies at the next malloc or cache flush
- * that meets the block, before it can be handed out twice.
+ * ("keel: free: double free of 0x...").
  */
 #ifndef KEEL_HEAP_H
 #define KEEL_HEAP_H
@@ -59,10 +56,7 @@ KEEL_API size_t keel_usable_size(const void *p);
 
 /* Returns free memory to the OS: with force, everything free now (including
  * other threads' cached pages and delayed purges); without it, only what has
- * been free longer than the purge delay (option heap_purge_ms). The calling
- * thread's cache of freed blocks goes back to its pages first; another
- * thread's (at most 32 blocks per size class) stays until that thread
- * allocates, frees or exits. */
+ * been free longer than the purge delay (option heap_purge_ms). */
 KEEL_API void keel_heap_collect(bool force);
 
 /* Size classes. */

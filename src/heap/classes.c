@@ -40,7 +40,6 @@
  * of the highest bit, in a few instructions, off the fast path.
  */
 #include <errno.h>
-#include <stdlib.h>
 
 #include "heap/internal.h"
 
@@ -78,8 +77,6 @@ static void classes_build(void) {
     while (_keel_class_size[c] < i * 8) c++;
     _keel_class_small[i] = (uint8_t)c;
   }
-  /* The thread cache has a list for the fast path's classes (all but the 8-byte one). */
-  if (_keel_class_small[KEEL_SMALL_MAX / 8] != KEEL_CACHE_CLASSES - 1) abort();
 }
 
 void _keel_classes_init(void) {

@@ -1,8 +1,5 @@
-/* Thread heaps: the thread cache, the slow paths of malloc and free,
- * cross-thread frees, thread exit, and collection.
- *
- * Thread cache: a short list of recently freed blocks per class up to
- * 1 KiB, in front of the pages (see "the thread cache" below).
+/* Thread heaps: the slow paths of malloc and free, cross-thread frees, thread
+ * exit, and collection.
  *
  * Cross-thread free (no lock): a block freed by a thread that does not own
  * its page is pushed on the page's `thread_free` with one CAS; the owner
@@ -41,14 +38,10 @@
  * Double free: every list of a page (free, local_free, thread_free) links
  * its blocks with links encoded by the page key, so a block on one of them
  * has a first word that decodes into its own segment, which a live block's
- * almost never does (malloc clears it). Remote frees and the owner's slow
- * paths test that word; the owner's slow path confirms by walking the
- * page's lists, a remote freer by the same walk made racily
- * (_keel_page_has_free_block_remote), before it would push the block a
- * second time. A block in a thread cache has a cache link in its second
- * word, which they recognise too. The owner's free onto its cache does not
- * read the block; what that leaves is caught before the block can be handed
- * out twice (the thread cache, below).
+ * almost never does (malloc clears it). Both free paths test that word; the
+ * owner's slow path confirms by walking the page's lists, a remote freer by
+ * the same walk made racily (_keel_page_has_free_block_remote), before it
+ * would push the block a second time.
  *
  * Locks: owner slow paths take no lock (the handshake below); collectors
  * and the fork handler take heap->lock; order: registry_lock > heap (lock
@@ -78,8 +71,6 @@ keel_page_t _keel_empty_page; /* free == NULL: always empty */
 keel_heap_t _keel_empty_heap = {.direct = {[0 ... KEEL_CLASS_COUNT_MAX - 1] = &_keel_empty_page}};
 KEEL_TLS keel_heap_t *_keel_heap_tls = &_keel_empty_heap;
 keel_atomic(size_t) _keel_orphan_frees[KEEL_CLASS_COUNT_MAX];
-keel_atomic(size_t) _keel_orphan_cache_pops[KEEL_CACHE_CLASSES];
-uintptr_t _keel_cache_secret; /* set with the first heap, before any block is cached */
 
 static pthread_mutex_t registry_lock = PTHREAD_MUTEX_INITIALIZER;
 static keel_heap_t *heaps_all;  /* every mapped heap */
@@ -425,21 +416,7 @@ static keel_heap_t *heap_get(void) {
       heap->rng = (heap_seed += 0x9e3779b97f4a7c15ull) ^ keel_clock_ns() ^ (uintptr_t)heap;
     }
   }
-  if (heap != NULL) {
-    if (_keel_cache_secret == 0) {
-      uint64_t z = heap->rng ^ (uintptr_t)&heap_seed;
-      z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-      z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-      /* Bit 63 set and 62 clear: a word of ordinary data (bit 63 clear, or
-       * a small negative number) never decodes to a user-space address.
-       * Bit 0 set: a page's link (8-aligned, as its key is) never decodes to
-       * an 8-aligned one, so the two kinds of link cannot be taken for each
-       * other. */
-      _keel_cache_secret = ((z ^ (z >> 31)) | ((uintptr_t)1 << 63) | 1u) & ~((uintptr_t)1 << 62);
-    }
-    heap->cache_secret = _keel_cache_secret;
-    heap->active = true;
-  }
+  if (heap != NULL) heap->active = true;
   pthread_mutex_unlock(&registry_lock);
   return heap;
 }
@@ -503,27 +480,16 @@ static void __heap_abandon_pages(keel_heap_t *heap) {
 
 static void heap_thread_exit(void *arg) {
   keel_heap_t *heap = arg;
-  /* From here this thread frees like a stranger (remote path), also while
-   * the flush below runs: it may start the purge thread, and a free that
-   * pthread_create makes on this thread must not land in the cache being
-   * emptied (the heap would go to the next thread with a stale block). */
+  /* From here this thread frees like a stranger (remote path). */
   _keel_heap_tls = &_keel_empty_heap;
   tls_exited = true;
-  _keel_cache_flush_all(heap);
   owner_enter(heap);
   __heap_abandon_pages(heap);
   owner_exit(heap);
   keel_fetch_sub_relaxed(&heaps_active, 1);
   pthread_mutex_lock(&registry_lock);
   heap->active = false;
-  /* Its frees of other threads' blocks, and its cache's hand-outs, count
-   * on in the global counters. */
-  for (unsigned c = 0; c < KEEL_CACHE_CLASSES; c++) {
-    size_t n = KEEL_CACHE_CTR_POPS(keel_load_relaxed(&heap->cache[c].ctr));
-    if (n != 0) keel_fetch_add_relaxed(&_keel_orphan_cache_pops[c], n);
-    KEEL_ASSERT(heap->cache[c].head == NULL); /* flushed, and nothing came back */
-    keel_store_relaxed(&heap->cache[c].ctr, 0);
-  }
+  /* Its frees of other threads' blocks count on in the global counters. */
   for (unsigned c = 0; c < KEEL_CLASS_COUNT_MAX; c++) {
     size_t n = keel_load_relaxed(&heap->remote_frees[c]);
     if (n != 0) keel_fetch_add_relaxed(&_keel_orphan_frees[c], n);
@@ -714,136 +680,6 @@ void *_keel_malloc_in_class(unsigned cls, size_t size) {
 
 /* ---- free slow path ---- */
 
-/* ---- the thread cache ----
- *
- * A list of recently freed blocks per class from 16 bytes to 1 KiB, in
- * front of the pages: tcmalloc's per-thread free lists, bounded. The
- * owner's free of a block of its own page pushes it there, and malloc pops
- * the block freed last, which is still in the CPU's cache, where a page's
- * free list handed out a block freed long ago. Free does not read the
- * block: for one the program last touched long ago a store does not stall,
- * the load of the page lists' double-free test did. Measured (heap/churn,
- * paired runs against the build before): +30% at 1 thread, level within
- * noise from 8 to 256 threads; reading the block cost half of that gain.
- * Blocks of other threads' pages still go to their page (one CAS): caching
- * them would keep memory a consumer thread freed out of its owner's reach
- * (mimalloc #333).
- *
- * The list runs through the blocks' second words, so the first keeps what
- * it held at the free: a live block's data (or the 0 malloc left), or, for
- * a block freed twice, the link of the page list it was already on. Every
- * way out of the cache checks what it must:
- *   - malloc's pop checks the cache link (a block cached twice is a cycle:
- *     its second pop finds the 0 the first left) and clears both words;
- *   - a give-back to the page (a trim, keel_heap_collect, thread exit)
- *     checks the first word for a page link and confirms by a walk: handed
- *     back twice, a block would count twice as free on its page, which
- *     would then be retired under a live block (found by review);
- *   - a page's pop checks its link stays in the segment (_keel_page_pop):
- *     a block the cache handed out meanwhile has a 0 there.
- * So a double free dies at the free when the block is the list's head
- * (free(p); free(p)), when either free was another thread's, or when the
- * page was full; otherwise at the next hand-out or give-back of that block,
- * before it can be handed out twice. Other threads' frees and realloc
- * recognise a cache link (_keel_block_cached). The secret has bit 63 set
- * (ordinary data and 0 decode to non-canonical addresses) and bit 0 set (a
- * page's 8-aligned link never decodes to an 8-aligned address).
- *
- * A list that reaches KEEL_CACHE_N gives its older half back to the pages,
- * as the free fast path did before the cache; thread exit and the thread's
- * own keel_heap_collect give back all of it. A cached block keeps its page
- * in use: an idle thread keeps up to 32 blocks per class, on up to 32
- * pages per class in the worst case, until it runs again or exits (another
- * thread's keel_heap_collect cannot reach them: the cache has no lock). */
-
-/* A block of a page this heap owns, checked, back on its page: pushed as the
- * free fast path did before the cache, or, if the page is full, under the
- * owner/collector exclusion. */
-static void free_owned(keel_heap_t *heap, keel_page_t *page, keel_block_t *b) {
-  if (keel_load_acquire(&page->flags) == 0) {
-    _keel_push_local(page, b);
-    if (_keel_used_dec(page) && page != heap->direct[page->cls])
-      _keel_heap_page_emptied(heap, page);
-    return;
-  }
-  owner_enter(heap);
-  __free_local(heap, page, b, true);
-  owner_exit(heap);
-  _keel_purge_schedule();
-}
-
-/* A cached block back to its page, as the fast path freed before the cache;
- * its first word is still what it was when the block was freed. */
-static void cache_give_back(keel_heap_t *heap, keel_block_t *b) {
-  keel_page_t *page = _keel_page_of(_keel_segment_of(b), b);
-  KEEL_ASSERT(keel_load_relaxed(&page->heap) == heap);
-  /* Freed twice, the second time while on a list of its page: its first
-   * word is that list's link (confirmed by a walk). */
-  if (keel_unlikely(_keel_block_maybe_free(page, b)) && _keel_page_has_free_block(page, b))
-    _keel_die_double_free("free", b);
-  *_keel_cache_link(b) = 0; /* on a page's list, no cache link */
-  free_owned(heap, page, b);
-}
-
-/* Gives back every block of class cls's list after the first `keep`. The
- * links are checked as the walk reads them (a block freed twice makes the
- * list a cycle, which the count bounds, or leaves a bad link). */
-static void cache_trim(keel_heap_t *heap, unsigned cls, uint32_t keep) {
-  keel_heap_cache_t *cache = &heap->cache[cls];
-  uint64_t ctr = keel_load_relaxed(&cache->ctr);
-  uint32_t n = KEEL_CACHE_CTR_N(ctr);
-  keel_block_t *b = cache->head, *last = NULL;
-  for (uint32_t i = 0; i < keep; i++) {
-    last = b;
-    uintptr_t next = *_keel_cache_link(b) ^ heap->cache_secret;
-    if (!_keel_cache_link_ok(next) || (next == 0 && i + 1 < n)) _keel_cache_bad_link(b);
-    b = (keel_block_t *)next;
-  }
-  if (last != NULL)
-    *_keel_cache_link(last) = _keel_cache_encode(heap->cache_secret, NULL);
-  else
-    cache->head = NULL;
-  keel_store_relaxed(&cache->ctr, ctr - n + keep);
-  for (uint32_t i = keep; i < n; i++) {
-    uintptr_t next = *_keel_cache_link(b) ^ heap->cache_secret;
-    if (!_keel_cache_link_ok(next) || (next == 0) != (i + 1 == n)) _keel_cache_bad_link(b);
-    cache_give_back(heap, b);
-    b = (keel_block_t *)next;
-  }
-}
-
-void _keel_cache_flush_all(keel_heap_t *heap) {
-  for (unsigned c = 0; c < KEEL_CACHE_CLASSES; c++) {
-    if (KEEL_CACHE_CTR_N(keel_load_relaxed(&heap->cache[c].ctr)) != 0) cache_trim(heap, c, 0);
-  }
-}
-
-void _keel_cache_free_slow(keel_heap_t *heap, keel_page_t *page, keel_block_t *b,
-                           const char *call) {
-  unsigned cls = page->cls;
-  keel_heap_cache_t *cache = &heap->cache[cls];
-  /* A cache link: b is on a thread cache's list; a link into its segment:
-   * b may be on a list of its page, confirmed by a walk. A live block whose
-   * word only looked like one of them is pushed. */
-  if (cache->head == b || _keel_block_cached(page, b) ||
-      (_keel_block_maybe_free(page, b) && _keel_page_has_free_block(page, b)))
-    _keel_die_double_free(call, b);
-  /* >=: frees made while the trim ran (it may start the purge thread,
-   * which allocates) may have filled the list again meanwhile. */
-  if (KEEL_CACHE_CTR_N(keel_load_relaxed(&cache->ctr)) >= KEEL_CACHE_N)
-    cache_trim(heap, cls, KEEL_CACHE_N / 2);
-  KEEL_TRACK_FREE(b, page->bsize);
-  *_keel_cache_link(b) = _keel_cache_encode(heap->cache_secret, cache->head);
-  cache->head = b;
-  keel_store_relaxed(&cache->ctr, keel_load_relaxed(&cache->ctr) + 1);
-}
-
-void _keel_cache_bad_link(keel_block_t *b) {
-  keel_die("malloc",
-           "double free of %p, or a write to it after free (its free-list link is overwritten)",
-           (void *)b);
-}
-
 void _keel_heap_page_emptied(keel_heap_t *heap, keel_page_t *page) {
   owner_enter(heap);
   keel_page_queue_t *q = &heap->queue[page->cls];
@@ -862,9 +698,7 @@ static void free_remote(keel_heap_t *me, keel_page_t *page, keel_block_t *b, con
    * owner's free or local_free, or thread_free) has a link into its own
    * segment; a live block almost never does, and then the walk clears it.
    * Pushing it again would make the list a cycle. */
-  if (keel_unlikely(_keel_block_cached(page, b)) ||
-      (keel_unlikely(_keel_block_maybe_free(page, b)) &&
-       _keel_page_has_free_block_remote(page, b))) {
+  if (keel_unlikely(_keel_block_maybe_free(page, b)) && _keel_page_has_free_block_remote(page, b)) {
     _keel_die_double_free(call, b);
   }
   KEEL_TRACK_FREE(b, page->bsize);
@@ -974,8 +808,8 @@ void _keel_check_not_free(keel_page_t *page, void *p, const char *call) {
   keel_heap_t *heap = _keel_heap_tls;
   if (keel_load_relaxed(&page->heap) != heap) {
     if ((sh = shard_of(page)) == NULL) {
-      if (_keel_block_cached(page, b) || (keel_unlikely(_keel_block_maybe_free(page, b)) &&
-                                          _keel_page_has_free_block_remote(page, b)))
+      if (keel_unlikely(_keel_block_maybe_free(page, b)) &&
+          _keel_page_has_free_block_remote(page, b))
         _keel_die_double_free(call, p);
       return;
     }
@@ -983,8 +817,7 @@ void _keel_check_not_free(keel_page_t *page, void *p, const char *call) {
   } else {
     check_not_delayed(heap, page, p, call);
   }
-  bool freed = _keel_block_cached(page, b) ||
-               (_keel_block_maybe_free(page, b) && _keel_page_has_free_block(page, b));
+  bool freed = _keel_block_maybe_free(page, b) && _keel_page_has_free_block(page, b);
   if (sh != NULL) pthread_mutex_unlock(&sh->lock);
   if (freed) _keel_die_double_free(call, p);
 }
@@ -1028,14 +861,22 @@ void _keel_free_generic(void *p, const char *call) {
     return;
   }
   check_not_delayed(heap, page, p, call);
-  /* In a thread cache (a cache link in its second word), or on a list of
-   * the page: its first word decodes to a link into this segment, confirmed
-   * by a walk. */
-  if (_keel_block_cached(page, b) ||
-      (_keel_block_maybe_free(page, b) && _keel_page_has_free_block(page, b))) {
+  /* On a list of the page: its first word decodes to a link into this
+   * segment, confirmed by a walk. */
+  if (_keel_block_maybe_free(page, b) && _keel_page_has_free_block(page, b)) {
     _keel_die_double_free(call, p);
   }
-  free_owned(heap, page, b); /* the fast path's case too, reached by a false link hint */
+  if (keel_load_relaxed(&page->flags) == 0) {
+    /* The fast path's case, reached by a false link hint. */
+    _keel_push_local(page, b);
+    if (_keel_used_dec(page) && page != heap->direct[page->cls])
+      _keel_heap_page_emptied(heap, page);
+    return;
+  }
+  owner_enter(heap);
+  __free_local(heap, page, b, true);
+  owner_exit(heap);
+  _keel_purge_schedule();
 }
 
 /* ---- collection ---- */
@@ -1043,7 +884,6 @@ void _keel_free_generic(void *p, const char *call) {
 /* The calling thread's own heap: everything free goes back. */
 static void heap_collect_own(keel_heap_t *heap, bool force, bool retire_current) {
   size_t purged = 0;
-  _keel_cache_flush_all(heap);
   owner_enter(heap);
   __drain_delayed(heap, true);
   for (unsigned c = 0; c < _keel_class_count; c++) {

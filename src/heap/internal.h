@@ -20,11 +20,6 @@
  *            so free() of a pointer keel never returned is detected before
  *            anything is read through it.
  *
- * Thread caches (heap.c) keep up to 32 freed blocks per class and thread
- * in front of the pages, linked through the blocks' first words with a
- * process-wide secret (keel_heap_cache_t); a cached block still counts as
- * used on its page.
- *
  * Free lists are singly linked through the first word of each free block.
  * That word holds `next ^ page->key` (encode/decode below): the key is random
  * per page with bit 63 set, so an overflow that writes ordinary data (text,
@@ -156,10 +151,6 @@ enum { KEEL_SEG_SMALL = 0x5e6a11, KEEL_SEG_LARGE = 0x5e61a6e, KEEL_SEG_LARGE_CAC
 typedef struct keel_segment {
   uint32_t kind;
   uint8_t slice_head[KEEL_SLICES]; /* slice -> first slice of its span */
-  /* slice -> its page's class (page->cls), for the free fast path: read
-   * beside slice_head, it indexes the thread cache without waiting for the
-   * page descriptor (a load later). Meaningful only where the page is. */
-  uint8_t slice_cls[KEEL_SLICES];
   /* small segments, under the segment lock: */
   uint64_t used_mask;               /* slices in use (bit 0: this header) */
   uint64_t dirty_mask;              /* free slices whose memory is still resident */
@@ -223,31 +214,8 @@ KEEL_INLINE void __keel_page_queue_push_front(keel_page_queue_t *q, keel_page_t 
  * owner/collector exclusion). Nothing but the registry (under its lock) and
  * remote freers in the DELAYING state (which abandonment waits out) reach a
  * heap from another thread, so an exited thread's heap may be unmapped. */
-/* The thread cache (heap.c, alloc.h): a list of recently freed blocks per
- * class up to KEEL_SMALL_MAX, in front of the pages. */
-#define KEEL_CACHE_CLASSES 40 /* classes 1..39: 16 to 1024 bytes (checked by classes.c) */
-#define KEEL_CACHE_N       32 /* blocks per class; a full list gives back its older half */
-
-/* One class's list: linked through the blocks' second words (the first
- * keeps what it held: see heap.c), each holding the next block's address ^
- * the cache secret (NULL ^ secret at the end). Classes from 16 bytes up:
- * an 8-byte block has no second word. Written by the owning thread only;
- * ctr is read by keel_heap_stats (relaxed). */
-typedef struct keel_heap_cache {
-  keel_block_t *head; /* the block freed last */
-  /* (blocks handed out from this list << 8) | blocks on it: one word, so
-   * a hand-out changes both with one add (of 255) and a reader sees a
-   * consistent pair. */
-  keel_atomic(uint64_t) ctr;
-} keel_heap_cache_t;
-#define KEEL_CACHE_CTR_N(w)    ((uint32_t)((w)&0xffu))
-#define KEEL_CACHE_CTR_POPS(w) ((size_t)((w) >> 8))
-_Static_assert(KEEL_CACHE_N < 256, "the count has 8 bits");
-
 typedef struct keel_heap {
-  keel_page_t *direct[KEEL_CLASS_COUNT_MAX];   /* current page per class, or &_keel_empty_page */
-  uintptr_t cache_secret;                      /* a copy of _keel_cache_secret */
-  keel_heap_cache_t cache[KEEL_CACHE_CLASSES]; /* a cached block still counts as used on its page */
+  keel_page_t *direct[KEEL_CLASS_COUNT_MAX]; /* current page per class, or &_keel_empty_page */
   /* Blocks of other threads' pages this thread freed, per class: written by
    * this thread only (relaxed load+store), summed by keel_heap_stats. */
   keel_atomic(size_t) remote_frees[KEEL_CLASS_COUNT_MAX];
@@ -363,20 +331,6 @@ void _keel_check_not_free(keel_page_t *page, void *p, const char *call) KEEL_HID
 void _keel_free_other(keel_page_t *page, void *p, const char *call) KEEL_HIDDEN;
 void __keel_heap_free_local_slow(keel_heap_t *heap, keel_page_t *page, keel_block_t *b) KEEL_HIDDEN;
 void _keel_heap_page_emptied(keel_heap_t *heap, keel_page_t *page) KEEL_HIDDEN;
-/* The thread cache's slow paths: a free that the fast path's checks sent
- * here (a full list, the same block on top, remote frees pending on the
- * page), and a cached block whose link is not one. */
-void _keel_cache_free_slow(keel_heap_t *heap, keel_page_t *page, keel_block_t *b,
-                           const char *call) KEEL_HIDDEN;
-KEEL_NORETURN void _keel_cache_bad_link(keel_block_t *b) KEEL_HIDDEN;
-/* A page's pop found a link leading out of the block's segment. */
-KEEL_NORETURN void _keel_die_bad_link(const keel_page_t *page, keel_block_t *b) KEEL_HIDDEN;
-/* Gives every cached block of this (the calling thread's) heap back to its page. */
-void _keel_cache_flush_all(keel_heap_t *heap) KEEL_HIDDEN;
-/* Secret of the cache tags, bit 63 set; the same in every heap. */
-extern uintptr_t _keel_cache_secret KEEL_HIDDEN;
-/* Blocks handed out from the caches of exited threads (stats). */
-extern keel_atomic(size_t) _keel_orphan_cache_pops[KEEL_CACHE_CLASSES] KEEL_HIDDEN;
 void _keel_heaps_collect(bool force) KEEL_HIDDEN;
 typedef void (*keel_heap_visit_fn)(keel_heap_t *heap, void *arg);
 void _keel_heaps_visit(keel_heap_visit_fn fn, void *arg) KEEL_HIDDEN;
@@ -545,34 +499,8 @@ KEEL_INLINE size_t __keel_page_frees(const keel_page_t *page) {
  * block's first word does that with probability about 2^-42 (key bit 63 is
  * set, so user pointers and small values decode outside user space; malloc
  * clears the word of the block it hands out). */
-KEEL_INLINE bool _keel_word_maybe_free(const keel_page_t *page, const keel_block_t *b,
-                                       uintptr_t w) {
-  return (((uintptr_t)_keel_decode(page, w) ^ (uintptr_t)b) >> KEEL_SEGMENT_SHIFT) == 0;
-}
 KEEL_INLINE bool _keel_block_maybe_free(const keel_page_t *page, const keel_block_t *b) {
-  return _keel_word_maybe_free(page, b, b->next);
-}
-
-/* A thread cache's link (see keel_heap_cache_t): the block's second word. */
-KEEL_INLINE uintptr_t *_keel_cache_link(keel_block_t *b) {
-  return &((uintptr_t *)b)[1];
-}
-KEEL_INLINE uintptr_t _keel_cache_encode(uintptr_t secret, const keel_block_t *next) {
-  return (uintptr_t)next ^ secret;
-}
-/* Whether a decoded cache link can be one: NULL or an 8-aligned user-space
- * address. The secret has bit 63 set, so ordinary data (bit 63 clear), and
- * the 0 that malloc and the trims leave, decode to a non-canonical value. */
-KEEL_INLINE bool _keel_cache_link_ok(uintptr_t next) {
-  return (next & ~(uintptr_t)((((uintptr_t)1 << 47) - 1) & ~(uintptr_t)7)) == 0;
-}
-/* Whether b, a block of page, is on a thread cache's list (freed): its
- * second word is a cache link. A live block's passes only if the program
- * wrote a keel block's address (or NULL) ^ the secret there. */
-KEEL_INLINE bool _keel_block_cached(const keel_page_t *page, keel_block_t *b) {
-  if (page->cls == 0) return false; /* 8-byte blocks are never cached */
-  uintptr_t next = *_keel_cache_link(b) ^ _keel_cache_secret;
-  return _keel_cache_link_ok(next) && (next == 0 || _keel_segmap_has((const void *)next));
+  return (((uintptr_t)_keel_decode(page, b->next) ^ (uintptr_t)b) >> KEEL_SEGMENT_SHIFT) == 0;
 }
 
 /* Whether offset `off` from page->start is a block the page has carved:

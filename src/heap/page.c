@@ -33,14 +33,6 @@ void _keel_die_double_free(const char *call, void *p) {
   keel_die(call, "double free of %p", p);
 }
 
-void _keel_die_bad_link(const keel_page_t *page, keel_block_t *b) {
-  if (_keel_block_cached(page, b))
-    _keel_die_double_free("free", b); /* freed again while on this list */
-  keel_die("malloc",
-           "double free of %p, or a write to it after free (its free-list link is overwritten)",
-           (void *)b);
-}
-
 void _keel_die_invalid(const char *call, const void *p) {
   keel_die(call, "invalid pointer %p", p);
 }
@@ -109,11 +101,7 @@ static void page_append_free(keel_page_t *page, keel_block_t *head) {
     return;
   }
   keel_block_t *tail = head;
-  for (keel_block_t *n; !_keel_list_empty(n = _keel_decode(page, tail->next)); tail = n) {
-    /* A link out of the segment was overwritten (see _keel_page_pop). */
-    if (keel_unlikely((((uintptr_t)n ^ (uintptr_t)tail) >> KEEL_SEGMENT_SHIFT) != 0))
-      _keel_die_bad_link(page, tail);
-  }
+  for (keel_block_t *n; !_keel_list_empty(n = _keel_decode(page, tail->next));) tail = n;
   tail->next = _keel_encode(page, page->free);
   page->free = head;
 }

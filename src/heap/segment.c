@@ -173,10 +173,7 @@ keel_page_t *_keel_page_alloc(unsigned cls, keel_heap_t *heap) {
   used_slices += n;
   seg->used_mask |= m;
   seg->dirty_mask &= ~m;
-  for (unsigned i = 0; i < n; i++) {
-    seg->slice_head[first + (int)i] = (uint8_t)first;
-    seg->slice_cls[first + (int)i] = (uint8_t)cls;
-  }
+  for (unsigned i = 0; i < n; i++) seg->slice_head[first + (int)i] = (uint8_t)first;
   class_pages[cls]++;
   keel_page_t *page = &seg->pages[first];
   page->slices = (uint8_t)n;

@@ -23,7 +23,6 @@
 
 typedef struct {
   size_t remote_frees[KEEL_CLASS_COUNT_MAX];
-  size_t cached[KEEL_CACHE_CLASSES], cache_pops[KEEL_CACHE_CLASSES];
 } sums_t;
 
 /* keel_heap_stats's static sums, and print_table's static table. Both
@@ -49,11 +48,6 @@ static void sum_heap(keel_heap_t *h, void *arg) {
   for (unsigned c = 0; c < _keel_class_count; c++) {
     s->remote_frees[c] += keel_load_relaxed(&h->remote_frees[c]);
   }
-  for (unsigned c = 0; c < KEEL_CACHE_CLASSES; c++) {
-    uint64_t ctr = keel_load_relaxed(&h->cache[c].ctr);
-    s->cached[c] += KEEL_CACHE_CTR_N(ctr);
-    s->cache_pops[c] += KEEL_CACHE_CTR_POPS(ctr);
-  }
 }
 
 KEEL_API void keel_heap_stats(keel_heap_stats_t *st) {
@@ -71,21 +65,13 @@ KEEL_API void keel_heap_stats(keel_heap_stats_t *st) {
   st->n_classes = _keel_class_count;
   for (unsigned c = 0; c < _keel_class_count; c++) {
     keel_heap_class_stats_t *cs = &st->classes[c];
-    size_t allocs = seg.allocs[c];
     size_t frees = seg.frees[c] + sums.remote_frees[c] + keel_load_relaxed(&_keel_orphan_frees[c]);
-    if (c < KEEL_CACHE_CLASSES) {
-      /* A block handed out from a thread cache was freed into it first; a
-       * cached block is freed but still used on its page. */
-      size_t pops = sums.cache_pops[c] + keel_load_relaxed(&_keel_orphan_cache_pops[c]);
-      allocs += pops;
-      frees += pops + sums.cached[c];
-    }
     cs->size = _keel_class_size[c];
-    cs->allocs = allocs;
+    cs->allocs = seg.allocs[c];
     cs->frees = frees;
     /* Counters are read one by one while others run: clamp a transient
      * negative to zero. */
-    cs->live = allocs > frees ? allocs - frees : 0;
+    cs->live = seg.allocs[c] > frees ? seg.allocs[c] - frees : 0;
     cs->usable_bytes = cs->live * cs->size;
     cs->requested_bytes =
         seg.samples[c] == 0

@@ -1,9 +1,8 @@
 /* What the heap tells ASan about its blocks: the one place that does.
  *
  * Under ASan (debug builds of keel and the tests) a freed small block is
- * poisoned except its first two words, which hold the links the heap itself
- * reads and writes (a page's free list in the first, a thread cache's list
- * in the second); a block is unpoisoned when handed out. So a use
+ * poisoned except its first word, which holds the free-list link the heap
+ * itself reads and writes; a block is unpoisoned when handed out. So a use
  * after free of a keel block is reported by ASan like one of a malloc block,
  * at the first access past the link word. A page's whole span is unpoisoned
  * when it is (re)initialised for a class, and a segment before it is
@@ -23,10 +22,7 @@
 #include <sanitizer/asan_interface.h>
 #define KEEL_TRACK_ALLOC(p, bsize) ASAN_UNPOISON_MEMORY_REGION((p), (bsize))
 #define KEEL_TRACK_FREE(p, bsize)                                                                  \
-  do {                                                                                             \
-    if ((bsize) > 2 * sizeof(void *))                                                              \
-      ASAN_POISON_MEMORY_REGION((char *)(p) + 2 * sizeof(void *), (bsize)-2 * sizeof(void *));     \
-  } while (0)
+  ASAN_POISON_MEMORY_REGION((char *)(p) + sizeof(void *), (bsize) - sizeof(void *))
 #define KEEL_TRACK_RESET(p, size) ASAN_UNPOISON_MEMORY_REGION((p), (size))
 #else
 #define KEEL_TRACK_ALLOC(p, bsize) ((void)0)
