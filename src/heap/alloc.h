@@ -3,12 +3,13 @@
  *
  * Cost (x86-64, gcc 12 -O2, libkeel-malloc.so; counted in the disassembly
  * and checked with `valgrind --tool=callgrind` on a loop of malloc(8..1024,
- * 256 random sizes)/free pairs: 22 instructions per malloc call including
+ * 256 random sizes)/free pairs: 25 instructions per malloc call including
  * the amortised refills and slow paths, 51 per free call, 3 of them the
  * keep-the-current-page test that every free of such a loop reaches):
- *   malloc: 20 instructions: TLS load (2), size test (2), class table (4),
- *           current page and emptiness test (4), pop + decode (3), prefetch
- *           of the next block (1), clear the handed-out block's link (1),
+ *   malloc: 23 instructions: TLS load (2), size test (2), class table (4),
+ *           current page and emptiness test (4), pop + decode (3), the
+ *           link's check (it stays in the segment: overwritten links, 3),
+ *           prefetch of the next block (1), clear the handed-out block's link (1),
  *           used++ (1), allocs counter (one unlocked add, 1), return (1).
  *           An empty `free` with blocks on `local_free` (left there by
  *           slow-path frees) takes those in 6 more.
@@ -66,9 +67,13 @@ KEEL_INLINE void _keel_counter_inc(keel_atomic(size_t) * c) {
 KEEL_INLINE void *_keel_page_pop(keel_page_t *page) {
   keel_block_t *b = page->free;
   keel_block_t *next = _keel_decode(page, b->next);
+  /* Every correct link stays in the block's segment (the list end is its
+   * base). One that does not was overwritten while b was free: a write
+   * after free, or an overflow out of the block before it. */
+  if (keel_unlikely((((uintptr_t)next ^ (uintptr_t)b) >> KEEL_SEGMENT_SHIFT) != 0))
+    return _keel_page_bad_link(b); /* a tail call: no stack frame on the fast path */
   page->free = next;
-  /* A prefetch never faults: at the list end it touches the segment header,
-   * and a link an overflow corrupted still faults at the next pop. */
+  /* A prefetch never faults; at the list end it touches the segment header. */
   __builtin_prefetch(next);
   b->next = 0; /* a stale link would look like a free block to the double-free check */
   KEEL_TRACK_ALLOC(b, page->bsize);

@@ -24,8 +24,9 @@
  * That word holds `next ^ page->key` (encode/decode below): the key is random
  * per page with bit 63 set, so an overflow that writes ordinary data (text,
  * small integers, pointers: bit 63 clear) over a link decodes to a
- * non-canonical address and faults at the next allocation from that page
- * instead of handing out a wild pointer. Lists end with the encoded segment
+ * non-canonical address; the pop that meets it dies naming the block
+ * ("free-list link of 0x... overwritten") instead of handing out a wild
+ * pointer. Lists end with the encoded segment
  * base, never NULL: every correctly decoded link then lies in the same
  * segment as its block, which is what the double-free check keys on.
  */
@@ -306,6 +307,10 @@ size_t __keel_page_purge_free(keel_page_t *page) KEEL_HIDDEN;
 void __keel_page_collect_thread_free(keel_page_t *page) KEEL_HIDDEN;
 KEEL_NORETURN void _keel_die_double_free(const char *call, void *p) KEEL_HIDDEN;
 KEEL_NORETURN void _keel_die_invalid(const char *call, const void *p) KEEL_HIDDEN;
+/* A page's pop found b's link leading out of b's segment: dies naming b.
+ * Declared to return (it never does) so the pop reaches it by a tail jump. */
+KEEL_NORETURN void _keel_die_bad_link(const void *b) KEEL_HIDDEN;
+void *_keel_page_bad_link(const void *b) KEEL_HIDDEN;
 bool _keel_page_has_free_block(keel_page_t *page, keel_block_t *b) KEEL_HIDDEN;
 /* The same walk made by a thread that does not own the page, for a block
  * whose link already says it is free (a cross-thread double free). The

@@ -1093,6 +1093,43 @@ static void double_free_small(void) {
   }
 }
 
+/* A free block's link overwritten (a write after free, or an overflow out
+ * of the block before it in the page) must make the malloc that meets it
+ * die naming the block, not hand out a wild pointer or fault. Blocks a and
+ * b are neighbours: b is freed, then a overflows into b by one word. */
+static void overflow_into_free_child(void *arg) {
+  const char *data = arg;
+  uint8_t *v[256], *a = NULL, *b = NULL;
+  for (int i = 0; i < 256 && b == NULL; i++) {
+    v[i] = keel_malloc(64);
+    for (int j = 0; j < i && b == NULL; j++) {
+      if (v[j] + 64 == v[i]) a = v[j], b = v[i];
+      if (v[i] + 64 == v[j]) a = v[i], b = v[j];
+    }
+  }
+  if (b == NULL) _exit(3); /* no neighbours: the test cannot run */
+  keel_free(b);
+  memcpy(a + 64, data, 8); /* the overflow */
+  for (int i = 0; i < 8; i++) ht_launder(keel_malloc(64));
+}
+
+static void write_after_free_child(void *arg) {
+  (void)arg;
+  uint64_t *p = keel_malloc(200);
+  keel_free(p);
+  p[0] = 12345; /* the first word of a freed block: its link */
+  for (int i = 0; i < 8; i++) ht_launder(keel_malloc(200));
+}
+
+static void overwritten_link_is_named(void) {
+  static const char *const words[] = {"ABCDEFGH", "\x01\x00\x00\x00\x00\x00\x00\x00",
+                                      "\xff\xff\xff\xff\xff\xff\xff\xff"};
+  for (size_t i = 0; i < sizeof(words) / sizeof(words[0]); i++)
+    KT_EXPECT_ABORT(overflow_into_free_child, (void *)words[i],
+                    "keel: malloc: free-list link of 0x");
+  KT_EXPECT_ABORT(write_after_free_child, NULL, "keel: malloc: free-list link of 0x");
+}
+
 /* Double frees where one free or both come from a thread that does not own
  * the block: the first free puts it on a list of its page (the owner's
  * local free list, or the page's remote list until the owner collects it),
@@ -1358,8 +1395,8 @@ KT_MAIN(KT_CASE(malloc_zero_unique), KT_CASE(free_null), KT_CASE(malloc_alignmen
         KT_CASE(purge_after_delay), KT_CASE(bad_free_stack_address),
         KT_CASE(bad_free_interior_pointer), KT_CASE(bad_free_foreign_mmap),
         KT_CASE(bad_realloc_invalid_pointer), KT_CASE(double_free_small),
-        KT_CASE(double_free_across_threads), KT_CASE(double_free_through_delayed_list),
-        KT_CASE(realloc_of_block_on_delayed_list_aborts), KT_CASE(double_free_large),
-        KT_CASE(double_free_stale_span), KT_CASE(aligned_alloc_size_zero),
-        KT_CASE(realloc_freed_from_other_thread_aborts), KT_CASE(realloc_after_free_aborts),
-        KT_CASE(realloc_in_place_of_freed_block_aborts))
+        KT_CASE(overwritten_link_is_named), KT_CASE(double_free_across_threads),
+        KT_CASE(double_free_through_delayed_list), KT_CASE(realloc_of_block_on_delayed_list_aborts),
+        KT_CASE(double_free_large), KT_CASE(double_free_stale_span),
+        KT_CASE(aligned_alloc_size_zero), KT_CASE(realloc_freed_from_other_thread_aborts),
+        KT_CASE(realloc_after_free_aborts), KT_CASE(realloc_in_place_of_freed_block_aborts))
