@@ -79,7 +79,7 @@ KEEL_INLINE void *_keel_page_pop(keel_page_t *page) {
   /* Every correct link stays in the block's segment (the list end is its
    * base). One that does not was overwritten while b was free: a write
    * after free, or an overflow out of the block before it. */
-  if (keel_unlikely((((uintptr_t)next ^ (uintptr_t)b) >> KEEL_SEGMENT_SHIFT) != 0))
+  if (keel_unlikely(!_keel_same_segment(next, b)))
     return _keel_page_bad_link(b); /* a tail call: no stack frame on the fast path */
   page->free = next;
   /* A prefetch never faults; at the list end it touches the segment header. */

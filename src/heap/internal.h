@@ -26,9 +26,9 @@
  * small integers, pointers: bit 63 clear) over a link decodes to a
  * non-canonical address; the pop that meets it dies naming the block
  * ("free-list link of 0x... overwritten") instead of handing out a wild
- * pointer. Lists end with the encoded segment
- * base, never NULL: every correctly decoded link then lies in the same
- * segment as its block, which is what the double-free check keys on.
+ * pointer. Lists end with the encoded segment base, never NULL: every
+ * correctly decoded link then lies in the same segment as its block, which
+ * is what that check and the double-free check key on.
  */
 #ifndef KEEL_HEAP_INTERNAL_H
 #define KEEL_HEAP_INTERNAL_H
@@ -307,9 +307,8 @@ size_t __keel_page_purge_free(keel_page_t *page) KEEL_HIDDEN;
 void __keel_page_collect_thread_free(keel_page_t *page) KEEL_HIDDEN;
 KEEL_NORETURN void _keel_die_double_free(const char *call, void *p) KEEL_HIDDEN;
 KEEL_NORETURN void _keel_die_invalid(const char *call, const void *p) KEEL_HIDDEN;
-/* A page's pop found b's link leading out of b's segment: dies naming b.
+/* A page list's link leads out of its block b's segment: dies naming b.
  * Declared to return (it never does) so the pop reaches it by a tail jump. */
-KEEL_NORETURN void _keel_die_bad_link(const void *b) KEEL_HIDDEN;
 void *_keel_page_bad_link(const void *b) KEEL_HIDDEN;
 bool _keel_page_has_free_block(keel_page_t *page, keel_block_t *b) KEEL_HIDDEN;
 /* The same walk made by a thread that does not own the page, for a block
@@ -401,6 +400,11 @@ void _keel_collect(bool force) KEEL_HIDDEN;
 void _keel_heap_print_stats_fd(int fd) KEEL_HIDDEN;
 
 /* --- inline helpers --- */
+/* Whether a and b lie in the same segment (a decoded link and its block). */
+KEEL_INLINE bool _keel_same_segment(const void *a, const void *b) {
+  return (((uintptr_t)a ^ (uintptr_t)b) >> KEEL_SEGMENT_SHIFT) == 0;
+}
+
 KEEL_INLINE keel_segment_t *_keel_segment_of(const void *p) {
   return (keel_segment_t *)((uintptr_t)p & ~(uintptr_t)KEEL_SEGMENT_MASK);
 }
@@ -505,7 +509,7 @@ KEEL_INLINE size_t __keel_page_frees(const keel_page_t *page) {
  * set, so user pointers and small values decode outside user space; malloc
  * clears the word of the block it hands out). */
 KEEL_INLINE bool _keel_block_maybe_free(const keel_page_t *page, const keel_block_t *b) {
-  return (((uintptr_t)_keel_decode(page, b->next) ^ (uintptr_t)b) >> KEEL_SEGMENT_SHIFT) == 0;
+  return _keel_same_segment(_keel_decode(page, b->next), b);
 }
 
 /* Whether offset `off` from page->start is a block the page has carved:

@@ -33,15 +33,11 @@ void _keel_die_double_free(const char *call, void *p) {
   keel_die(call, "double free of %p", p);
 }
 
-void _keel_die_bad_link(const void *b) {
+void *_keel_page_bad_link(const void *b) {
   keel_die("malloc",
            "free-list link of %p overwritten (a write after free, or an overflow of the block "
            "before it)",
            b);
-}
-
-void *_keel_page_bad_link(const void *b) {
-  _keel_die_bad_link(b);
 }
 
 void _keel_die_invalid(const char *call, const void *p) {
@@ -113,8 +109,7 @@ static void page_append_free(keel_page_t *page, keel_block_t *head) {
   }
   keel_block_t *tail = head;
   for (keel_block_t *n; !_keel_list_empty(n = _keel_decode(page, tail->next)); tail = n) {
-    if (keel_unlikely((((uintptr_t)n ^ (uintptr_t)tail) >> KEEL_SEGMENT_SHIFT) != 0))
-      _keel_die_bad_link(tail); /* as _keel_page_pop */
+    if (keel_unlikely(!_keel_same_segment(n, tail))) _keel_page_bad_link(tail); /* as the pop */
   }
   tail->next = _keel_encode(page, page->free);
   page->free = head;
