@@ -333,7 +333,6 @@ void _keel_check_not_free(keel_page_t *page, void *p, const char *call) KEEL_HID
 /* free of a block whose page another heap owns (or nobody): the segment map
  * was checked; validates the offset and pushes on the page's thread_free. */
 void _keel_free_other(keel_page_t *page, void *p, const char *call) KEEL_HIDDEN;
-void __keel_heap_free_local_slow(keel_heap_t *heap, keel_page_t *page, keel_block_t *b) KEEL_HIDDEN;
 void _keel_heap_page_emptied(keel_heap_t *heap, keel_page_t *page) KEEL_HIDDEN;
 void _keel_heaps_collect(bool force) KEEL_HIDDEN;
 typedef void (*keel_heap_visit_fn)(keel_heap_t *heap, void *arg);
@@ -410,8 +409,8 @@ KEEL_INLINE keel_segment_t *_keel_segment_of(const void *p) {
 }
 
 KEEL_INLINE bool _keel_segmap_has(const void *seg) {
+  if (keel_unlikely(!_keel_segmap_covers(seg))) return false; /* not user space */
   uintptr_t u = (uintptr_t)seg >> KEEL_SEGMENT_SHIFT;
-  if (keel_unlikely(u >> (47 - KEEL_SEGMENT_SHIFT) != 0)) return false; /* not user space */
   /* Relaxed: a block reaches its freer through the program's own
    * synchronisation, which orders the bit's setting before it. */
   return (keel_load_relaxed(&_keel_segmap[u >> 6]) >> (u & 63)) & 1;
