@@ -141,18 +141,7 @@ static unsigned log_lines(size_t n) {
   return (unsigned)((PH_REDO_HDR + n * sizeof(ph_redo_entry_t) + PH_LINE - 1) / PH_LINE);
 }
 
-uint64_t _keel_ph_log_write(keel_pheap_t *ph, ph_tcache_t *tc, ph_lane_t *l, uint64_t tx,
-                            const ph_redo_entry_t *e, size_t n) {
-  unsigned lines = log_lines(n);
-  unsigned limit = _keel_ph_ring_limit > lines && _keel_ph_ring_limit <= PH_RING_LINES
-                       ? _keel_ph_ring_limit
-                       : PH_RING_LINES;
-  if (l->ring_pos + lines > limit) {
-    /* Reuse the ring only once the watermark covers every log in it, so no
-     * log above the watermark is ever overwritten (see the file comment). */
-    _keel_ph_checkpoint_past(ph, tc, keel_load_relaxed(&l->ring_max_seq));
-    l->ring_pos = 0;
-  }
+uint64_t _keel_ph_log_seq(keel_pheap_t *ph, ph_lane_t *l) {
   /* Announce a lower bound of our seq before drawing it: the checkpoint
    * reads the counter, then the lanes (seq_cst), so either it sees the bound
    * or we draw a seq above the counter it read. The seq_cst fence orders the
@@ -164,6 +153,23 @@ uint64_t _keel_ph_log_write(keel_pheap_t *ph, ph_tcache_t *tc, ph_lane_t *l, uin
 #endif
   uint64_t seq = atomic_fetch_add(&ph->seq, 1) + 1;
   keel_store_relaxed(&l->inflight, seq);
+  return seq;
+}
+
+void _keel_ph_log_write(keel_pheap_t *ph, ph_tcache_t *tc, ph_lane_t *l, uint64_t seq, uint64_t tx,
+                        const ph_redo_entry_t *e, size_t n) {
+  unsigned lines = log_lines(n);
+  unsigned limit = _keel_ph_ring_limit > lines && _keel_ph_ring_limit <= PH_RING_LINES
+                       ? _keel_ph_ring_limit
+                       : PH_RING_LINES;
+  if (l->ring_pos + lines > limit) {
+    /* Reuse the ring only once the watermark covers every log in it, so no
+     * log above the watermark is ever overwritten (see the file comment).
+     * Our own seq, drawn already, is above every log in the ring, so the
+     * watermark can pass them while we are in flight. */
+    _keel_ph_checkpoint_past(ph, tc, keel_load_relaxed(&l->ring_max_seq));
+    l->ring_pos = 0;
+  }
   union {
     ph_redo_t r;
     char b[PH_REDO_BYTES];
@@ -186,7 +192,6 @@ uint64_t _keel_ph_log_write(keel_pheap_t *ph, ph_tcache_t *tc, ph_lane_t *l, uin
   /* Past half the ring: a background checkpoint now usually spares the
    * wrap above its wait. */
   if (ph->defer && l->ring_pos > limit / 2) _keel_ph_checkpoint_soon(ph);
-  return seq;
 }
 
 /* Records lines for the next checkpoint (deduplicated against the recent
