@@ -91,8 +91,12 @@ ph_lane_t *_keel_ph_lane_get(keel_pheap_t *ph, ph_tcache_t *tc) {
       return l;
     }
   }
+  /* More threads than lanes: wait for ours, unless it is the one this
+   * thread's open transaction holds (an atomic operation inside it): the
+   * mutex is not recursive, so that wait would never end. */
+  if (&ph->lanes[h] == tc->tx_lane) h = (h + 1) % PH_NLANES;
   ph_lane_t *l = &ph->lanes[h];
-  pthread_mutex_lock(&l->lock); /* more threads than lanes: wait for ours */
+  pthread_mutex_lock(&l->lock);
   return l;
 }
 

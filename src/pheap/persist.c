@@ -5,8 +5,9 @@
  * flushed before it by this thread is durable. Modes (KEEL_OPTIONS
  * pheap_flush):
  *   clwb / clflushopt / clflush  flush = one instruction per 64-byte line,
- *                  drain = SFENCE (none needed after CLFLUSH, which is
- *                  ordered). Only correct where the mapping is DAX (stores in
+ *                  drain = SFENCE (after CLFLUSH too: it is ordered, but
+ *                  the logs' non-temporal stores are not). Only correct
+ *                  where the mapping is DAX (stores in
  *                  the CPU caches are the only volatile copy); "auto" picks
  *                  the best the CPU has when the MAP_SYNC mapping succeeded.
  *   msync          flush records the page range, drain msyncs the ranges
@@ -168,10 +169,11 @@ void _keel_pm_drain(keel_pheap_t *ph, ph_tcache_t *tc) {
     switch (ph->flush_mode) {
       case KEEL_FLUSH_CLWB:
       case KEEL_FLUSH_CLFLUSHOPT:
-        __asm__ __volatile__("sfence" ::: "memory");
-        break;
       case KEEL_FLUSH_CLFLUSH:
-        __asm__ __volatile__("" ::: "memory");
+        /* CLFLUSH itself is ordered with stores, but the logs' non-temporal
+         * stores (_keel_pm_write_nt) are not: without the fence a later
+         * store (the apply) could reach the media before the log. */
+        __asm__ __volatile__("sfence" ::: "memory");
         break;
       case KEEL_FLUSH_MSYNC:
         /* The raw system call: glibc's msync() is a cancellation point, and

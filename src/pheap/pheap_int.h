@@ -261,7 +261,8 @@ struct ph_tcache {
   uint64_t id;
   ph_tcache_t *next; /* ph->caches, under ph->lock */
   unsigned lane_hint;
-  unsigned arena; /* whose runs refill this cache */
+  ph_lane_t *tx_lane; /* held by this thread's open transaction, or NULL */
+  unsigned arena;     /* whose runs refill this cache */
   uint64_t flushes, barriers;
   uint64_t tx_commits, tx_aborts; /* per cache: a shared counter cost a line transfer per tx */
   uint64_t ms_lo[PH_MS_RANGES], ms_hi[PH_MS_RANGES];
@@ -495,7 +496,8 @@ const ph_redo_t *_keel_ph_ring_log(const char *ring, unsigned pos, uint64_t abov
 enum { PH_ACT_NONE = 0, PH_ACT_RESERVE = 1, PH_ACT_SET = 2, PH_ACT_FREE = 3 };
 /* Writes the entries that publish block `off` into e (its two header words,
  * then its allocation bit or chunk word); returns PH_PUBLISH_ENTRIES. */
-#define PH_PUBLISH_ENTRIES 3u
+#define PH_PUBLISH_ENTRIES     3u
+#define PH_PUBLISH_HDR_ENTRIES 2u /* the header words lead */
 size_t _keel_ph_publish_entries(keel_pheap_t *ph, int cls, keel_poff_t off,
                                 ph_redo_entry_t *e) KEEL_HIDDEN;
 /* Redo entries for n actions into e (capacity cap); -1 if too many. */

@@ -190,6 +190,7 @@ int keel_tx_begin(keel_pheap_t *ph) {
   tx.ph = ph;
   tx.tc = tc;
   tx.lane = _keel_ph_lane_get(ph, tc);
+  tc->tx_lane = tx.lane;
   tx.depth = 1;
   tx.err = 0;
   tx.committed = tx.aborted = tx.undo_started = false;
@@ -485,32 +486,22 @@ static bool flush_new_objects(keel_pheap_t *ph, ph_tcache_t *tc, ph_redo_entry_t
   return any;
 }
 
-/* Drops from e, in place, the entries that rewrite a new object's header
- * and returns how many are left to apply. Those words already hold the
- * values (the allocation wrote them, and flush_new_objects made them durable
- * before the commit log): the entries are there for replay only. Applying
- * them would store to a line the flush just evicted (CLWB does on AMD), and
- * the next locked instruction would wait for that line to come back from
- * memory (4% of tx-alloc here). The log was written before this, whole. */
+/* Drops from e, in place, the entries that rewrite the headers of the
+ * objects tx_alloc'ed in this transaction (each object's publish entries
+ * lead the log, headers first: _keel_ph_publish_entries), and returns how
+ * many are left to apply. Those words already hold the values (the
+ * allocation wrote them, and flush_new_objects made them durable before the
+ * commit log): the entries are there for replay only. Applying them would
+ * store to a line the flush just evicted (CLWB does on AMD), and the next
+ * locked instruction would wait for that line to come back from memory (4%
+ * of tx-alloc here). The log was written before this, whole. Reservations
+ * published with the transaction and the caller's own SETs are applied. */
 static size_t to_apply(ph_redo_entry_t *e, size_t n) {
-  size_t m = 0;
-  for (size_t i = 0; i < n; i++) {
-    uint64_t off = e[i].off_op & ~(uint64_t)7;
-    bool hdr = false;
-    if ((e[i].off_op & 7) == PH_OP_SET)
-      for (size_t j = 0; j < tx.nn + tx.na && !hdr; j++) {
-        keel_poff_t o;
-        if (j < tx.nn)
-          o = tx.news[j].off;
-        else if (tx.acts[j - tx.nn].kind == PH_ACT_RESERVE)
-          o = tx.acts[j - tx.nn].off;
-        else
-          continue;
-        hdr = off >= o - PH_OBJ_HDR && off < o;
-      }
-    if (!hdr) e[m++] = e[i];
-  }
-  return m;
+  size_t m = 0, lead = tx.nn * PH_PUBLISH_ENTRIES;
+  for (size_t i = 0; i < lead; i += PH_PUBLISH_ENTRIES)
+    for (size_t j = PH_PUBLISH_HDR_ENTRIES; j < PH_PUBLISH_ENTRIES; j++) e[m++] = e[i + j];
+  memmove(e + m, e + lead, (n - lead) * sizeof *e);
+  return m + n - lead;
 }
 
 static int tx_commit_outer(void) {
@@ -619,6 +610,7 @@ int keel_tx_end(void) {
   if (--tx.depth > 0) return tx.aborted ? tx.err : 0;
   if (!tx.committed && !tx.aborted) tx_fail(KEEL_ECANCELED);
   int rc = tx.committed ? 0 : tx.err;
+  tx.tc->tx_lane = NULL;
   _keel_ph_lane_put(tx.ph, tx.lane);
   _keel_ph_tcache_unpin(tx.tc);
   tx.ph = NULL;

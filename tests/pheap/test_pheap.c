@@ -1884,6 +1884,55 @@ static void test_grow_into_next_zone(void) {
   unlink(p);
 }
 
+/* Bug: an atomic operation inside a transaction, with every other lane
+ * held, waited for its hint lane, which was its own transaction's: the
+ * mutex is not recursive, so it waited forever. Here PH_NLANES - 1 threads
+ * hold the other lanes in open transactions until the main thread's
+ * allocation has waited a while; it must then take one of theirs (the
+ * alarm fails a hang). */
+typedef struct lane_arg {
+  keel_pheap_t *ph;
+  atomic_int *ready;
+  atomic_int *release;
+} lane_arg_t;
+
+static void *lane_holder(void *p) {
+  lane_arg_t *a = p;
+  KT_EQ(keel_tx_begin(a->ph), 0);
+  atomic_fetch_add(a->ready, 1);
+  while (!atomic_load(a->release)) usleep(1000);
+  usleep(20000); /* the main thread is waiting for a lane by now */
+  KT_EQ(keel_tx_commit(), 0);
+  KT_EQ(keel_tx_end(), 0);
+  return NULL;
+}
+
+static void test_atomic_op_in_tx_all_lanes_busy(void) {
+  char p[256];
+  tp_path(p, sizeof p, "lanes");
+  keel_pheap_t *ph = keel_pheap_create(p, LAYOUT, KEEL_PHEAP_MIN_SIZE, 0);
+  KT_REQUIRE(ph != NULL);
+  root_t *r = keel_pheap_root(ph, sizeof *r);
+  KT_EQ(keel_tx_begin(ph), 0); /* our lane, and our hint */
+  atomic_int ready = 0, release = 0;
+  lane_arg_t a = {ph, &ready, &release};
+  pthread_t t[PH_NLANES - 1];
+  for (unsigned i = 0; i < PH_NLANES - 1; i++)
+    KT_REQUIRE(pthread_create(&t[i], NULL, lane_holder, &a) == 0);
+  while (atomic_load(&ready) < (int)PH_NLANES - 1) usleep(1000);
+  atomic_store(&release, 1);
+  alarm(60);
+  KT_EQ(keel_pheap_alloc(ph, &r->slot[0], 64, 7), 0); /* every lane is held */
+  alarm(0);
+  KT_EQ(keel_tx_commit(), 0);
+  KT_EQ(keel_tx_end(), 0);
+  for (unsigned i = 0; i < PH_NLANES - 1; i++) pthread_join(t[i], NULL);
+  KT_EQ(count_type(ph, 7), 1);
+  KT_EQ(keel_pheap_close(ph), 0);
+  KT_EQ(keel_pheap_check(p), 0);
+  unlink(p);
+}
+
 static void test_classes_fragmentation(void) {
   _keel_ph_classes_init();
   double sum = 0;
@@ -1918,4 +1967,5 @@ KT_MAIN(KT_CASE(test_create_open_close), KT_CASE(test_bad_wrong_layout),
         KT_CASE(test_tx_counts_thread_exit), KT_CASE(test_check_detects_corruption),
         KT_CASE(test_stress_threads), KT_CASE(test_tx_cache_not_evicted),
         KT_CASE(test_close_while_other_thread_caches), KT_CASE(test_classes_fragmentation),
-        KT_CASE(test_huge_objects), KT_CASE(test_huge_limits), KT_CASE(test_grow_into_next_zone))
+        KT_CASE(test_huge_objects), KT_CASE(test_huge_limits), KT_CASE(test_grow_into_next_zone),
+        KT_CASE(test_atomic_op_in_tx_all_lanes_busy))
