@@ -38,7 +38,7 @@ size_t _keel_ph_publish_entries(keel_pheap_t *ph, int cls, keel_poff_t off, ph_r
  * checkpoint). */
 static void atomic_op(keel_pheap_t *ph, ph_tcache_t *tc, const ph_redo_entry_t *e, size_t n) {
   ph_lane_t *l = _keel_ph_lane_get(ph, tc);
-  _keel_ph_log_write(ph, tc, l, _keel_ph_log_seq(ph, l), 0, e, n);
+  _keel_ph_log_write(ph, tc, l, _keel_ph_log_seq(ph, tc, l, n), 0, e, n);
   _keel_pm_drain(ph, tc);
   _keel_ph_log_apply(ph, tc, l, e, n, true);
   _keel_ph_lane_put(ph, l);

@@ -440,14 +440,16 @@ void _keel_ph_init_obj(keel_pheap_t *ph, ph_tcache_t *tc, keel_poff_t off, size_
 ph_lane_t *_keel_ph_lane_get(keel_pheap_t *ph, ph_tcache_t *tc) KEEL_HIDDEN;
 void _keel_ph_lane_put(keel_pheap_t *ph, ph_lane_t *l) KEEL_HIDDEN;
 uint64_t _keel_ph_next_seq(keel_pheap_t *ph) KEEL_HIDDEN;
-/* Draws the seq of the lane's next log and marks the lane in flight until
- * _keel_ph_log_apply (deferred) or _keel_ph_log_end. The draw is a locked
- * add, which waits for the write-back of every line flushed before it: an
- * operation that flushes data ahead of its log draws first, so that
+/* Makes room in the lane's ring for a log of n entries (a wrap waits for
+ * the watermark), then draws the log's seq and marks the lane in flight
+ * until _keel_ph_log_apply (deferred) or _keel_ph_log_end. The draw is a
+ * locked add, which waits for the write-back of every line flushed before
+ * it: an operation that flushes data ahead of its log draws first, so that
  * write-back overlaps the log's and one barrier waits for both. */
-uint64_t _keel_ph_log_seq(keel_pheap_t *ph, ph_lane_t *l) KEEL_HIDDEN;
+uint64_t _keel_ph_log_seq(keel_pheap_t *ph, ph_tcache_t *tc, ph_lane_t *l, size_t n) KEEL_HIDDEN;
 /* Writes log `seq` of n entries (committing undo seq `tx`, or 0) into the
- * lane's ring and starts its write-back; the caller then drains. */
+ * lane's ring, where _keel_ph_log_seq made room for them, and starts its
+ * write-back; the caller then drains. */
 void _keel_ph_log_write(keel_pheap_t *ph, ph_tcache_t *tc, ph_lane_t *l, uint64_t seq, uint64_t tx,
                         const ph_redo_entry_t *e, size_t n) KEEL_HIDDEN;
 /* Applies entries in place. deferred: the touched lines are left for the

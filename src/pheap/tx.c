@@ -460,30 +460,44 @@ static bool name_range(ph_redo_entry_t *e, size_t *k, uint64_t off, uint64_t len
   return true;
 }
 
-/* Flushes every object this transaction created (tx_alloc'ed, or reserved
- * and published with it) and names it in the commit log, so recovery
- * replays no older log's store into its body. Returns whether there was
- * one; *named turns false once the log has no room left. */
-static bool flush_new_objects(keel_pheap_t *ph, ph_tcache_t *tc, ph_redo_entry_t *e, size_t *k,
-                              uint64_t *chk, bool *vouched, bool *named) {
+/* The header of the i-th object this transaction created (tx_alloc'ed, or
+ * reserved and published with it), or NULL where act i is no reservation. */
+static const ph_objhdr_t *new_object(keel_pheap_t *ph, size_t i) {
+  keel_poff_t off;
+  if (i < tx.nn)
+    off = tx.news[i].off;
+  else if (tx.acts[i - tx.nn].kind == PH_ACT_RESERVE)
+    off = tx.acts[i - tx.nn].off;
+  else
+    return NULL;
+  return (const ph_objhdr_t *)(ph->view.base + off - PH_OBJ_HDR);
+}
+
+/* Names every object this transaction created in the commit log, so
+ * recovery replays no older log's store into its body. Returns whether
+ * there was one; *named turns false once the log has no room left. */
+static bool name_new_objects(keel_pheap_t *ph, ph_redo_entry_t *e, size_t *k, uint64_t *chk,
+                             bool *vouched, bool *named) {
   bool any = false;
   for (size_t i = 0; i < tx.nn + tx.na; i++) {
-    keel_poff_t off;
-    if (i < tx.nn)
-      off = tx.news[i].off;
-    else if (tx.acts[i - tx.nn].kind == PH_ACT_RESERVE)
-      off = tx.acts[i - tx.nn].off;
-    else
-      continue;
-    const ph_objhdr_t *h = (const ph_objhdr_t *)(ph->view.base + off - PH_OBJ_HDR);
-    /* Read before the flush: clwb may evict the line (it does on AMD), and
-     * reading it after costs a trip to memory (a fifth of tx-alloc). */
-    uint64_t len = PH_OBJ_HDR + h->size;
-    _keel_pm_flush(ph, tc, h, len, PH_S_TXNEW);
-    if (*named) *named = name_range(e, k, off - PH_OBJ_HDR, len, chk, vouched);
+    const ph_objhdr_t *h = new_object(ph, i);
+    if (h == NULL) continue;
+    if (*named)
+      *named = name_range(e, k, (uint64_t)((const char *)h - ph->view.base), PH_OBJ_HDR + h->size,
+                          chk, vouched);
     any = true;
   }
   return any;
+}
+
+/* Flushes those objects, header and body. Each header is read before its
+ * own flush: CLWB may evict the line (it does on AMD), and reading it after
+ * costs a trip to memory (a fifth of tx-alloc). */
+static void flush_new_objects(keel_pheap_t *ph, ph_tcache_t *tc) {
+  for (size_t i = 0; i < tx.nn + tx.na; i++) {
+    const ph_objhdr_t *h = new_object(ph, i);
+    if (h != NULL) _keel_pm_flush(ph, tc, h, PH_OBJ_HDR + h->size, PH_S_TXNEW);
+  }
 }
 
 /* Drops from e, in place, the entries that rewrite the headers of the
@@ -530,8 +544,9 @@ static int tx_commit_outer(void) {
      * (COVER) so recovery replays no older store into their bodies. */
     bool vouched = false, named = true;
     uint64_t chk = 0;
-    uint64_t seq = _keel_ph_log_seq(ph, tx.lane); /* before the flushes (pheap_int.h) */
-    bool data = flush_new_objects(ph, tc, e, &k, &chk, &vouched, &named);
+    bool data = name_new_objects(ph, e, &k, &chk, &vouched, &named);
+    uint64_t seq = _keel_ph_log_seq(ph, tc, tx.lane, k); /* before the flushes (pheap_int.h) */
+    flush_new_objects(ph, tc);
     if (!named)
       _keel_ph_checkpoint(ph, tc); /* drains our flushes too */
     else if (data)
@@ -548,7 +563,6 @@ static int tx_commit_outer(void) {
      * logs instead. */
     uint64_t chk = 0;
     bool vouched = true, named = true;
-    uint64_t seq = _keel_ph_log_seq(ph, tx.lane); /* before the flushes (pheap_int.h) */
     /* Queued stores into bytes the log vouches for (a snapshot range or a
      * new object) are made now, before the checksum is taken: made by the
      * apply after it, they would change vouched-for bytes, and a crash once
@@ -560,14 +574,17 @@ static int tx_commit_outer(void) {
       if (tx.acts[i].kind == PH_ACT_SET &&
           covered((uint64_t)((char *)tx.acts[i].dest - ph->view.base)))
         *tx.acts[i].dest = tx.acts[i].value;
-    for (size_t i = 0; i < tx.nr; i++) {
-      uint64_t lo = tx.ranges[i].lo, len = tx.ranges[i].hi - lo;
-      _keel_pm_flush(ph, tc, ph->view.base + lo, len, PH_S_TXDATA);
-      uint64_t alo = KEEL_ALIGN_DOWN(lo, (uint64_t)8);
-      uint64_t alen = KEEL_ALIGN_UP(lo + len, (uint64_t)8) - alo;
-      if (named) named = name_range(e, &k, alo, alen, &chk, &vouched);
+    for (size_t i = 0; i < tx.nr && named; i++) {
+      uint64_t alo = KEEL_ALIGN_DOWN(tx.ranges[i].lo, (uint64_t)8);
+      uint64_t alen = KEEL_ALIGN_UP(tx.ranges[i].hi, (uint64_t)8) - alo;
+      named = name_range(e, &k, alo, alen, &chk, &vouched);
     }
-    flush_new_objects(ph, tc, e, &k, &chk, &vouched, &named);
+    name_new_objects(ph, e, &k, &chk, &vouched, &named);
+    uint64_t seq = _keel_ph_log_seq(ph, tc, tx.lane, k); /* before the flushes (pheap_int.h) */
+    for (size_t i = 0; i < tx.nr; i++)
+      _keel_pm_flush(ph, tc, ph->view.base + tx.ranges[i].lo, tx.ranges[i].hi - tx.ranges[i].lo,
+                     PH_S_TXDATA);
+    flush_new_objects(ph, tc);
     if (!named)
       _keel_ph_checkpoint(ph, tc); /* drains our flushes too */
     else if (!vouched)
