@@ -41,7 +41,7 @@ static void atomic_op(keel_pheap_t *ph, ph_tcache_t *tc, const ph_redo_entry_t *
   _keel_ph_log_write(ph, tc, l, _keel_ph_log_seq(ph, tc, l, n), 0, e, n);
   _keel_pm_drain(ph, tc);
   _keel_ph_log_apply(ph, tc, l, e, n, true);
-  _keel_ph_lane_put(ph, l);
+  _keel_ph_lane_put(tc, l);
 }
 
 static int alloc_common(keel_pheap_t *ph, keel_poff_t *dest, size_t size, uint64_t type,

@@ -83,6 +83,12 @@ uint64_t _keel_ph_next_seq(keel_pheap_t *ph) {
 }
 
 ph_lane_t *_keel_ph_lane_get(keel_pheap_t *ph, ph_tcache_t *tc) {
+  /* An atomic operation inside this thread's transaction logs in the
+   * transaction's lane, which is not in flight until its commit. Waiting
+   * for a second lane while holding one could close a cycle: 64 threads
+   * each allocating inside a transaction held every lane and each waited
+   * for the next one. */
+  if (tc->tx_lane != NULL) return tc->tx_lane;
   unsigned h = tc->lane_hint;
   for (unsigned i = 0; i < PH_NLANES; i++) {
     ph_lane_t *l = &ph->lanes[(h + i) % PH_NLANES];
@@ -91,18 +97,13 @@ ph_lane_t *_keel_ph_lane_get(keel_pheap_t *ph, ph_tcache_t *tc) {
       return l;
     }
   }
-  /* More threads than lanes: wait for ours, unless it is the one this
-   * thread's open transaction holds (an atomic operation inside it): the
-   * mutex is not recursive, so that wait would never end. */
-  if (&ph->lanes[h] == tc->tx_lane) h = (h + 1) % PH_NLANES;
   ph_lane_t *l = &ph->lanes[h];
-  pthread_mutex_lock(&l->lock);
+  pthread_mutex_lock(&l->lock); /* more threads than lanes: wait for ours */
   return l;
 }
 
-void _keel_ph_lane_put(keel_pheap_t *ph, ph_lane_t *l) {
-  (void)ph;
-  pthread_mutex_unlock(&l->lock);
+void _keel_ph_lane_put(ph_tcache_t *tc, ph_lane_t *l) {
+  if (l != tc->tx_lane) pthread_mutex_unlock(&l->lock);
 }
 
 static uint64_t redo_csum(const ph_redo_t *r) {
@@ -178,7 +179,8 @@ uint64_t _keel_ph_log_seq(keel_pheap_t *ph, ph_tcache_t *tc, ph_lane_t *l, size_
 void _keel_ph_log_write(keel_pheap_t *ph, ph_tcache_t *tc, ph_lane_t *l, uint64_t seq, uint64_t tx,
                         const ph_redo_entry_t *e, size_t n) {
   unsigned lines = log_lines(n), limit = ring_limit(lines);
-  KEEL_ASSERT(l->ring_pos + lines <= limit); /* _keel_ph_log_seq made room for n */
+  if (keel_unlikely(l->ring_pos + lines > limit)) /* the undo log follows the ring */
+    keel_die("keel_pheap log", "a log of %zu entries has no room in its ring (%s)", n, ph->path);
   union {
     ph_redo_t r;
     char b[PH_REDO_BYTES];

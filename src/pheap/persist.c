@@ -139,17 +139,30 @@ void _keel_pm_flush(keel_pheap_t *ph, ph_tcache_t *tc, const void *p, size_t len
   }
 }
 
+/* Writes [off, off + len) of the mapping to the file, 8-aligned. The bytes
+ * go through word-sized atomic loads, as a cache line's write-back reads
+ * each word whole: other threads may be storing to the same lines (their
+ * own words), which a byte copy by pwrite would race with. */
+static void sim_pwrite(keel_pheap_t *ph, uint64_t off, uint64_t len) {
+  uint64_t buf[512];
+  while (len) {
+    uint64_t n = len < sizeof buf ? len : sizeof buf;
+    for (uint64_t i = 0; i < n / 8; i++)
+      buf[i] =
+          __atomic_load_n((const uint64_t *)(void *)(ph->view.base + off) + i, __ATOMIC_RELAXED);
+    if (pwrite(ph->fd, buf, n, (off_t)off) != (ssize_t)n) keel_die("pheap sim", "pwrite failed");
+    off += n;
+    len -= n;
+  }
+}
+
 static void sim_write_line(keel_pheap_t *ph, uint64_t off, unsigned mask) {
   if (mask == 0xff) {
-    if (pwrite(ph->fd, ph->view.base + off, PH_LINE, (off_t)off) != PH_LINE)
-      keel_die("pheap sim", "pwrite failed");
+    sim_pwrite(ph, off, PH_LINE);
     return;
   }
-  for (unsigned w = 0; w < PH_LINE / 8; w++) {
-    if (!(mask & (1u << w))) continue;
-    if (pwrite(ph->fd, ph->view.base + off + w * 8, 8, (off_t)(off + w * 8)) != 8)
-      keel_die("pheap sim", "pwrite failed");
-  }
+  for (unsigned w = 0; w < PH_LINE / 8; w++)
+    if (mask & (1u << w)) sim_pwrite(ph, off + w * 8, 8);
 }
 
 void _keel_pm_drain(keel_pheap_t *ph, ph_tcache_t *tc) {
@@ -159,10 +172,7 @@ void _keel_pm_drain(keel_pheap_t *ph, ph_tcache_t *tc) {
     /* Runs of consecutive lines go out in one pwrite. */
     for (unsigned i = 0, j; i < tc->sim_n; i = j) {
       for (j = i + 1; j < tc->sim_n && tc->sim_lines[j] == tc->sim_lines[j - 1] + PH_LINE; j++) {}
-      size_t len = (size_t)(j - i) * PH_LINE;
-      if (pwrite(ph->fd, ph->view.base + tc->sim_lines[i], len, (off_t)tc->sim_lines[i]) !=
-          (ssize_t)len)
-        keel_die("pheap sim", "pwrite failed");
+      sim_pwrite(ph, tc->sim_lines[i], (uint64_t)(j - i) * PH_LINE);
     }
     tc->sim_n = 0;
   } else {
@@ -234,10 +244,5 @@ void _keel_pm_sim_crash(keel_pheap_t *ph, ph_tcache_t *tc, uint64_t seed, bool t
 
 void _keel_pm_sim_writeall(keel_pheap_t *ph) {
   uint64_t size = keel_load_relaxed(&ph->size);
-  for (uint64_t off = 0; off < size;) {
-    uint64_t n = size - off > (1u << 20) ? (1u << 20) : size - off;
-    if (pwrite(ph->fd, ph->view.base + off, n, (off_t)off) != (ssize_t)n)
-      keel_die("pheap sim", "pwrite failed");
-    off += n;
-  }
+  sim_pwrite(ph, 0, size);
 }

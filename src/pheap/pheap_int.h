@@ -438,7 +438,9 @@ void _keel_ph_init_obj(keel_pheap_t *ph, ph_tcache_t *tc, keel_poff_t off, size_
 
 /* ---- logs and lanes (log.c) ---- */
 ph_lane_t *_keel_ph_lane_get(keel_pheap_t *ph, ph_tcache_t *tc) KEEL_HIDDEN;
-void _keel_ph_lane_put(keel_pheap_t *ph, ph_lane_t *l) KEEL_HIDDEN;
+/* A lane for one operation: inside a transaction, the transaction's own;
+ * put releases any other. */
+void _keel_ph_lane_put(ph_tcache_t *tc, ph_lane_t *l) KEEL_HIDDEN;
 uint64_t _keel_ph_next_seq(keel_pheap_t *ph) KEEL_HIDDEN;
 /* Makes room in the lane's ring for a log of n entries (a wrap waits for
  * the watermark), then draws the log's seq and marks the lane in flight

@@ -518,6 +518,18 @@ static size_t to_apply(ph_redo_entry_t *e, size_t n) {
   return m + n - lead;
 }
 
+/* A commit log that cannot name every range it covers: instead, the
+ * watermark passes every older log, so recovery replays none of their
+ * stores into our ranges. A plain checkpoint stops below an older operation
+ * still in flight (whose log may store into a block we took since), so this
+ * waits for them; our seq is drawn, and no operation in flight waits on the
+ * watermark for anything newer than itself, so the oldest always finishes.
+ * Then our own flushes are drained (the checkpoint may have been another's). */
+static void retire_older(keel_pheap_t *ph, ph_tcache_t *tc, uint64_t seq) {
+  _keel_ph_checkpoint_past(ph, tc, seq - 1);
+  _keel_pm_drain(ph, tc);
+}
+
 static int tx_commit_outer(void) {
   keel_pheap_t *ph = tx.ph;
   ph_tcache_t *tc = tx.tc;
@@ -548,7 +560,7 @@ static int tx_commit_outer(void) {
     uint64_t seq = _keel_ph_log_seq(ph, tc, tx.lane, k); /* before the flushes (pheap_int.h) */
     flush_new_objects(ph, tc);
     if (!named)
-      _keel_ph_checkpoint(ph, tc); /* drains our flushes too */
+      retire_older(ph, tc, seq);
     else if (data)
       _keel_pm_drain(ph, tc);
     _keel_ph_log_write(ph, tc, tx.lane, seq, 0, e, k);
@@ -586,7 +598,7 @@ static int tx_commit_outer(void) {
                      PH_S_TXDATA);
     flush_new_objects(ph, tc);
     if (!named)
-      _keel_ph_checkpoint(ph, tc); /* drains our flushes too */
+      retire_older(ph, tc, seq);
     else if (!vouched)
       _keel_pm_drain(ph, tc);
     _keel_ph_log_write(ph, tc, tx.lane, seq, tx.seq, e, k);
@@ -628,7 +640,7 @@ int keel_tx_end(void) {
   if (!tx.committed && !tx.aborted) tx_fail(KEEL_ECANCELED);
   int rc = tx.committed ? 0 : tx.err;
   tx.tc->tx_lane = NULL;
-  _keel_ph_lane_put(tx.ph, tx.lane);
+  _keel_ph_lane_put(tx.tc, tx.lane);
   _keel_ph_tcache_unpin(tx.tc);
   tx.ph = NULL;
   tx.tc = NULL;

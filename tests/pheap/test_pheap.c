@@ -1884,24 +1884,22 @@ static void test_grow_into_next_zone(void) {
   unlink(p);
 }
 
-/* Bug: an atomic operation inside a transaction, with every other lane
- * held, waited for its hint lane, which was its own transaction's: the
- * mutex is not recursive, so it waited forever. Here PH_NLANES - 1 threads
- * hold the other lanes in open transactions until the main thread's
- * allocation has waited a while; it must then take one of theirs (the
- * alarm fails a hang). */
+/* Bug: an atomic operation inside a transaction waited for a second lane
+ * while its transaction held one. With every lane held by a transaction
+ * whose thread then allocated, each waited for the next lane: a cycle, and
+ * a hang (first seen with the waiter's own lane as its hint). Here
+ * PH_NLANES threads do exactly that; the alarm fails a hang. */
 typedef struct lane_arg {
   keel_pheap_t *ph;
-  atomic_int *ready;
-  atomic_int *release;
+  keel_poff_t *slot;
+  pthread_barrier_t *bar;
 } lane_arg_t;
 
 static void *lane_holder(void *p) {
   lane_arg_t *a = p;
   KT_EQ(keel_tx_begin(a->ph), 0);
-  atomic_fetch_add(a->ready, 1);
-  while (!atomic_load(a->release)) usleep(1000);
-  usleep(20000); /* the main thread is waiting for a lane by now */
+  pthread_barrier_wait(a->bar); /* every lane is held now */
+  KT_EQ(keel_pheap_alloc(a->ph, a->slot, 64, 7), 0);
   KT_EQ(keel_tx_commit(), 0);
   KT_EQ(keel_tx_end(), 0);
   return NULL;
@@ -1913,24 +1911,141 @@ static void test_atomic_op_in_tx_all_lanes_busy(void) {
   keel_pheap_t *ph = keel_pheap_create(p, LAYOUT, KEEL_PHEAP_MIN_SIZE, 0);
   KT_REQUIRE(ph != NULL);
   root_t *r = keel_pheap_root(ph, sizeof *r);
-  KT_EQ(keel_tx_begin(ph), 0); /* our lane, and our hint */
-  atomic_int ready = 0, release = 0;
-  lane_arg_t a = {ph, &ready, &release};
-  pthread_t t[PH_NLANES - 1];
-  for (unsigned i = 0; i < PH_NLANES - 1; i++)
-    KT_REQUIRE(pthread_create(&t[i], NULL, lane_holder, &a) == 0);
-  while (atomic_load(&ready) < (int)PH_NLANES - 1) usleep(1000);
-  atomic_store(&release, 1);
+  pthread_barrier_t bar;
+  pthread_barrier_init(&bar, NULL, PH_NLANES);
+  lane_arg_t a[PH_NLANES];
+  pthread_t t[PH_NLANES];
   alarm(60);
-  KT_EQ(keel_pheap_alloc(ph, &r->slot[0], 64, 7), 0); /* every lane is held */
+  for (unsigned i = 0; i < PH_NLANES; i++) {
+    a[i] = (lane_arg_t){ph, &r->slot[i], &bar};
+    KT_REQUIRE(pthread_create(&t[i], NULL, lane_holder, &a[i]) == 0);
+  }
+  for (unsigned i = 0; i < PH_NLANES; i++) pthread_join(t[i], NULL);
   alarm(0);
-  KT_EQ(keel_tx_commit(), 0);
-  KT_EQ(keel_tx_end(), 0);
-  for (unsigned i = 0; i < PH_NLANES - 1; i++) pthread_join(t[i], NULL);
-  KT_EQ(count_type(ph, 7), 1);
+  pthread_barrier_destroy(&bar);
+  KT_EQ(count_type(ph, 7), PH_NLANES);
   KT_EQ(keel_pheap_close(ph), 0);
   KT_EQ(keel_pheap_check(p), 0);
   unlink(p);
+}
+
+/* Threads mixing transactions (with and without snapshots, up to 250
+ * tx_allocs each: past what a commit log can name, which takes the
+ * checkpoint path) with atomic alloc/free, on rings of 8 lines so that
+ * wraps, their waits and deferred checkpoints happen every few operations.
+ * Each thread's transaction replaces its chain of objects; at the end the
+ * chains and slots must account for every live object, and the offline
+ * check must pass. Run on the real mapping with a deferrer, and on
+ * simulated media without one. Under TSan the simulated run has one thread:
+ * its drains copy whole lines to the file, which models a cache line's
+ * write-back but reads words other threads store to with plain stores
+ * (their own objects' bytes), and TSan cannot tell that from a race. */
+#define TXS_THREADS 8
+#define TXS_TYPE    71
+typedef struct txs_node {
+  keel_poff_t next;
+  uint64_t v;
+} txs_node_t;
+typedef struct txs_root {
+  keel_poff_t chain[TXS_THREADS];
+  keel_poff_t slot[TXS_THREADS][16];
+} txs_root_t;
+typedef struct txs_arg {
+  keel_pheap_t *ph;
+  txs_root_t *r;
+  int t;
+  long iters;
+} txs_arg_t;
+
+static void *txs_thread(void *p) {
+  txs_arg_t *a = p;
+  unsigned seed = (unsigned)a->t * 7919u + 1u;
+  keel_poff_t *chain = &a->r->chain[a->t];
+  for (long it = 0; it < a->iters; it++) {
+    int op = rand_r(&seed) % 4;
+    if (op >= 2) { /* atomic operations on this thread's slots */
+      for (int j = 0; j < 20; j++) {
+        keel_poff_t *s = &a->r->slot[a->t][rand_r(&seed) % 16];
+        int rc = *s ? keel_pheap_free(a->ph, s)
+                    : keel_pheap_alloc(a->ph, s, 24 + (size_t)(rand_r(&seed) % 300), TXS_TYPE + 1);
+        KT_EQ(rc, 0);
+      }
+      continue;
+    }
+    bool snap = op == 1; /* the destination snapshot, or published by a SET */
+    int n = 1 + rand_r(&seed) % (snap ? 40 : 250);
+    KT_EQ(keel_tx_begin(a->ph), 0);
+    if (snap) KT_EQ(keel_tx_add_range(chain, sizeof *chain), 0);
+    for (keel_poff_t h = *chain; h;) {
+      keel_poff_t next = ((txs_node_t *)keel_pheap_ptr(a->ph, h))->next;
+      KT_EQ(keel_tx_free(h), 0);
+      h = next;
+    }
+    keel_poff_t head = 0;
+    for (int i = 0; i < n; i++) {
+      keel_poff_t o =
+          keel_tx_alloc(sizeof(txs_node_t) + (size_t)(rand_r(&seed) % 3) * 100, TXS_TYPE);
+      KT_REQUIRE(o != 0);
+      txs_node_t *nd = keel_pheap_ptr(a->ph, o);
+      nd->next = head;
+      nd->v = (uint64_t)it;
+      head = o;
+    }
+    if (snap) {
+      *chain = head;
+    } else {
+      keel_pheap_act_t act;
+      keel_pheap_set_value(a->ph, &act, chain, head);
+      KT_EQ(keel_tx_publish(&act, 1), 0);
+    }
+    KT_EQ(keel_tx_commit(), 0);
+    KT_EQ(keel_tx_end(), 0);
+  }
+  return NULL;
+}
+
+static void txs_run(bool sim) {
+  char p[256];
+  tp_path(p, sizeof p, sim ? "txs-sim" : "txs");
+  unsigned limit = _keel_ph_ring_limit;
+  _keel_ph_ring_limit = 8;
+  _keel_ph_sim_next = sim;
+  keel_pheap_t *ph = keel_pheap_create(p, LAYOUT, (size_t)64 << 20, 0);
+  KT_REQUIRE(ph != NULL);
+  txs_root_t *r = keel_pheap_root(ph, sizeof *r);
+  tp_worker_t w;
+  if (!sim) {
+    tp_worker_start(&w);
+    keel_pheap_set_deferrer(ph, tp_defer, &w);
+  }
+  pthread_t th[TXS_THREADS];
+  txs_arg_t a[TXS_THREADS];
+  int nt = TXS_THREADS;
+#ifdef KEEL_TSAN
+  if (sim) nt = 1;
+#endif
+  for (int i = 0; i < nt; i++) {
+    a[i] = (txs_arg_t){ph, r, i, kt_scale(sim ? 100 : 300)};
+    KT_REQUIRE(pthread_create(&th[i], NULL, txs_thread, &a[i]) == 0);
+  }
+  for (int i = 0; i < nt; i++) pthread_join(th[i], NULL);
+  uint64_t chained = 0, slotted = 0;
+  for (int t = 0; t < TXS_THREADS; t++) {
+    for (keel_poff_t h = r->chain[t]; h; h = ((txs_node_t *)keel_pheap_ptr(ph, h))->next) chained++;
+    for (int j = 0; j < 16; j++) slotted += r->slot[t][j] != 0;
+  }
+  KT_EQ(count_type(ph, TXS_TYPE), chained);
+  KT_EQ(count_type(ph, TXS_TYPE + 1), slotted);
+  KT_EQ(keel_pheap_close(ph), 0);
+  if (!sim) tp_worker_stop(&w);
+  KT_EQ(keel_pheap_check(p), 0);
+  _keel_ph_ring_limit = limit;
+  unlink(p);
+}
+
+static void test_tx_stress_wraps_and_full_logs(void) {
+  txs_run(false);
+  txs_run(true);
 }
 
 static void test_classes_fragmentation(void) {
@@ -1968,4 +2083,4 @@ KT_MAIN(KT_CASE(test_create_open_close), KT_CASE(test_bad_wrong_layout),
         KT_CASE(test_stress_threads), KT_CASE(test_tx_cache_not_evicted),
         KT_CASE(test_close_while_other_thread_caches), KT_CASE(test_classes_fragmentation),
         KT_CASE(test_huge_objects), KT_CASE(test_huge_limits), KT_CASE(test_grow_into_next_zone),
-        KT_CASE(test_atomic_op_in_tx_all_lanes_busy))
+        KT_CASE(test_atomic_op_in_tx_all_lanes_busy), KT_CASE(test_tx_stress_wraps_and_full_logs))
