@@ -97,7 +97,9 @@ KEEL_API int keel_pheap_close(keel_pheap_t *ph);
  * Used for checkpoints: a lane past half its log ring or dirty list asks for
  * one, so the lanes rarely stop for a checkpoint of their own. At most one
  * request is outstanding per pool. NULL turns it off. Set it while no other
- * thread uses the pool; fn may block briefly (flushes, two barriers). */
+ * thread uses the pool; fn may block briefly (flushes, two barriers).
+ * defer is called from inside pool operations: it may run fn itself, but
+ * must not call the pool (that dies with a message naming the file). */
 typedef void (*keel_pheap_work_fn)(void *work_arg);
 typedef int (*keel_pheap_defer_fn)(void *arg, keel_pheap_work_fn fn, void *work_arg);
 KEEL_API void keel_pheap_set_deferrer(keel_pheap_t *ph, keel_pheap_defer_fn defer, void *arg);

@@ -83,11 +83,22 @@ uint64_t _keel_ph_next_seq(keel_pheap_t *ph) {
 }
 
 ph_lane_t *_keel_ph_lane_get(keel_pheap_t *ph, ph_tcache_t *tc) {
+  /* This thread has a log in flight: we were called back from inside a
+   * pheap operation (a deferrer that runs pool work itself). Going on could
+   * wait forever: a ring wrap waits for the watermark, which that log holds
+   * below it. */
+  if (keel_unlikely(tc->flying))
+    keel_die("keel_pheap",
+             "%s: a pool operation from inside another one's commit (a deferrer "
+             "must queue its work and return, not call the pool)",
+             ph->path);
   /* An atomic operation inside this thread's transaction logs in the
    * transaction's lane, which is not in flight until its commit. Waiting
    * for a second lane while holding one could close a cycle: 64 threads
    * each allocating inside a transaction held every lane and each waited
-   * for the next one. */
+   * for the next one. Left open: a transaction on pool A whose atomic
+   * operations on pool B find every B lane held by transactions doing the
+   * same on A. */
   if (tc->tx_lane != NULL) return tc->tx_lane;
   unsigned h = tc->lane_hint;
   for (unsigned i = 0; i < PH_NLANES; i++) {
@@ -173,6 +184,7 @@ uint64_t _keel_ph_log_seq(keel_pheap_t *ph, ph_tcache_t *tc, ph_lane_t *l, size_
 #endif
   uint64_t seq = atomic_fetch_add(&ph->seq, 1) + 1;
   keel_store_relaxed(&l->inflight, seq);
+  tc->flying = true;
   return seq;
 }
 
@@ -270,11 +282,15 @@ void _keel_ph_log_apply(keel_pheap_t *ph, ph_tcache_t *tc, ph_lane_t *l, const p
   }
   if (nl) dirty_add(ph, tc, l, lines, nl);
   /* Release: a checkpoint that sees us done also sees our dirty lines. */
-  if (deferred) keel_store_release(&l->inflight, 0);
+  if (deferred) {
+    keel_store_release(&l->inflight, 0);
+    tc->flying = false;
+  }
 }
 
-void _keel_ph_log_end(ph_lane_t *l) {
+void _keel_ph_log_end(ph_tcache_t *tc, ph_lane_t *l) {
   keel_store_release(&l->inflight, 0);
+  tc->flying = false;
 }
 
 bool _keel_ph_deferred(keel_pheap_t *ph) {

@@ -262,6 +262,7 @@ struct ph_tcache {
   ph_tcache_t *next; /* ph->caches, under ph->lock */
   unsigned lane_hint;
   ph_lane_t *tx_lane; /* held by this thread's open transaction, or NULL */
+  bool flying;        /* a log of this thread is in flight (_keel_ph_log_seq) */
   unsigned arena;     /* whose runs refill this cache */
   uint64_t flushes, barriers;
   uint64_t tx_commits, tx_aborts; /* per cache: a shared counter cost a line transfer per tx */
@@ -462,7 +463,7 @@ void _keel_ph_log_apply(keel_pheap_t *ph, ph_tcache_t *tc, ph_lane_t *l, const p
                         size_t n, bool deferred) KEEL_HIDDEN;
 /* Ends the in-flight state of a log applied with deferred = false: from here
  * a checkpoint may raise the watermark past it. */
-void _keel_ph_log_end(ph_lane_t *l) KEEL_HIDDEN;
+void _keel_ph_log_end(ph_tcache_t *tc, ph_lane_t *l) KEEL_HIDDEN;
 /* Lines of the ring a lane uses before it wraps (PH_RING_LINES; tests
  * shrink it to make wraps and checkpoints frequent). */
 extern unsigned _keel_ph_ring_limit KEEL_HIDDEN;

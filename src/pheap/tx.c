@@ -571,8 +571,8 @@ static int tx_commit_outer(void) {
      * vouches for them by checksum (CHK entries), or past the budget a
      * barrier orders them first. Either way the log names every range
      * (CHK or COVER) so that recovery replays no older log's store over
-     * them; if the log cannot name them all, a checkpoint retires the older
-     * logs instead. */
+     * them; if the log cannot name them all, retire_older retires the
+     * older logs instead. */
     uint64_t chk = 0;
     bool vouched = true, named = true;
     /* Queued stores into bytes the log vouches for (a snapshot range or a
@@ -611,7 +611,7 @@ static int tx_commit_outer(void) {
     _keel_pm_drain(ph, tc);
     /* Only now may the watermark pass the commit log: recovery finds a
      * still-valid undo log's commit only above it (log.c). */
-    _keel_ph_log_end(tx.lane);
+    _keel_ph_log_end(tc, tx.lane);
     ovf_release();
   }
   tx.undo_started = false;

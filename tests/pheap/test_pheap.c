@@ -1932,7 +1932,8 @@ static void test_atomic_op_in_tx_all_lanes_busy(void) {
 /* Threads mixing transactions (with and without snapshots, up to 250
  * tx_allocs each: past what a commit log can name, which takes the
  * checkpoint path) with atomic alloc/free, on rings of 8 lines so that
- * wraps, their waits and deferred checkpoints happen every few operations.
+ * wraps, their waits and deferred checkpoints happen every few operations;
+ * transactions also make atomic ones of their own, in their lane.
  * Each thread's transaction replaces its chain of objects; at the end the
  * chains and slots must account for every live object, and the offline
  * check must pass. Run on the real mapping with a deferrer, and on
@@ -1957,19 +1958,24 @@ typedef struct txs_arg {
   long iters;
 } txs_arg_t;
 
+/* n atomic allocs or frees on this thread's slots. */
+static void txs_slots(txs_arg_t *a, unsigned *seed, int n) {
+  for (int j = 0; j < n; j++) {
+    keel_poff_t *s = &a->r->slot[a->t][rand_r(seed) % 16];
+    int rc = *s ? keel_pheap_free(a->ph, s)
+                : keel_pheap_alloc(a->ph, s, 24 + (size_t)(rand_r(seed) % 300), TXS_TYPE + 1);
+    KT_EQ(rc, 0);
+  }
+}
+
 static void *txs_thread(void *p) {
   txs_arg_t *a = p;
   unsigned seed = (unsigned)a->t * 7919u + 1u;
   keel_poff_t *chain = &a->r->chain[a->t];
   for (long it = 0; it < a->iters; it++) {
     int op = rand_r(&seed) % 4;
-    if (op >= 2) { /* atomic operations on this thread's slots */
-      for (int j = 0; j < 20; j++) {
-        keel_poff_t *s = &a->r->slot[a->t][rand_r(&seed) % 16];
-        int rc = *s ? keel_pheap_free(a->ph, s)
-                    : keel_pheap_alloc(a->ph, s, 24 + (size_t)(rand_r(&seed) % 300), TXS_TYPE + 1);
-        KT_EQ(rc, 0);
-      }
+    if (op >= 2) {
+      txs_slots(a, &seed, 20);
       continue;
     }
     bool snap = op == 1; /* the destination snapshot, or published by a SET */
@@ -1990,6 +1996,7 @@ static void *txs_thread(void *p) {
       nd->next = head;
       nd->v = (uint64_t)it;
       head = o;
+      if (i % 64 == 0) txs_slots(a, &seed, 2); /* atomic operations inside it */
     }
     if (snap) {
       *chain = head;
@@ -2048,6 +2055,66 @@ static void test_tx_stress_wraps_and_full_logs(void) {
   txs_run(true);
 }
 
+/* A deferrer is called from inside pool operations, with a log in flight.
+ * One that ran the checkpoint at once was fine; one that also called the
+ * pool could wait forever (a ring wrap waits for the watermark, which the
+ * caller's log holds back) or, in a transaction's lane, clear the commit's
+ * in-flight mark. Such a call now dies naming the file. */
+static keel_pheap_t *reent_ph;
+static keel_poff_t *reent_slots;
+static bool reent_call_pool;
+static long reent_calls;
+
+static int reent_defer(void *arg, keel_pheap_work_fn fn, void *work_arg) {
+  (void)arg;
+  reent_calls++;
+  if (reent_call_pool) {
+    keel_poff_t *s = &reent_slots[reent_calls % 8];
+    if (*s)
+      keel_pheap_free(reent_ph, s);
+    else
+      keel_pheap_alloc(reent_ph, s, 64, 9);
+  }
+  fn(work_arg);
+  return 0;
+}
+
+/* 200 transactions on a pool of its own at `arg` (a path): the aborting
+ * run is a forked child, whose stores would land in a pool the parent
+ * shares. */
+static void reent_run(void *arg) {
+  const char *p = arg;
+  unsigned limit = _keel_ph_ring_limit;
+  _keel_ph_ring_limit = 8;
+  reent_ph = keel_pheap_create(p, LAYOUT, KEEL_PHEAP_MIN_SIZE, 0);
+  KT_REQUIRE(reent_ph != NULL);
+  reent_slots = keel_pheap_root(reent_ph, 8 * sizeof(keel_poff_t));
+  keel_pheap_set_deferrer(reent_ph, reent_defer, NULL);
+  for (int it = 0; it < 200; it++) {
+    KT_EQ(keel_tx_begin(reent_ph), 0);
+    KT_EQ(keel_tx_add_range(reent_slots, 8), 0);
+    KT_CHECK(keel_tx_alloc(32, 5) != 0);
+    KT_EQ(keel_tx_commit(), 0);
+    KT_EQ(keel_tx_end(), 0);
+  }
+  KT_EQ(count_type(reent_ph, 5), 200);
+  KT_EQ(keel_pheap_close(reent_ph), 0);
+  _keel_ph_ring_limit = limit;
+}
+
+static void test_deferrer_calls_back_into_pool(void) {
+  char p[256];
+  tp_path(p, sizeof p, "reent");
+  reent_call_pool = false; /* running fn inline is allowed */
+  reent_run(p);
+  KT_CHECK(reent_calls > 0);
+  KT_EQ(keel_pheap_check(p), 0);
+  unlink(p);
+  reent_call_pool = true;
+  KT_EXPECT_ABORT(reent_run, p, "from inside another one's commit");
+  unlink(p);
+}
+
 static void test_classes_fragmentation(void) {
   _keel_ph_classes_init();
   double sum = 0;
@@ -2083,4 +2150,5 @@ KT_MAIN(KT_CASE(test_create_open_close), KT_CASE(test_bad_wrong_layout),
         KT_CASE(test_stress_threads), KT_CASE(test_tx_cache_not_evicted),
         KT_CASE(test_close_while_other_thread_caches), KT_CASE(test_classes_fragmentation),
         KT_CASE(test_huge_objects), KT_CASE(test_huge_limits), KT_CASE(test_grow_into_next_zone),
-        KT_CASE(test_atomic_op_in_tx_all_lanes_busy), KT_CASE(test_tx_stress_wraps_and_full_logs))
+        KT_CASE(test_atomic_op_in_tx_all_lanes_busy), KT_CASE(test_tx_stress_wraps_and_full_logs),
+        KT_CASE(test_deferrer_calls_back_into_pool))
