@@ -5,11 +5,11 @@
  * flushed before it by this thread is durable. Modes (KEEL_OPTIONS
  * pheap_flush):
  *   clwb / clflushopt / clflush  flush = one instruction per 64-byte line,
- *                  drain = SFENCE (after CLFLUSH too: it is ordered, but
- *                  the logs' non-temporal stores are not). Only correct
- *                  where the mapping is DAX (stores in
- *                  the CPU caches are the only volatile copy); "auto" picks
- *                  the best the CPU has when the MAP_SYNC mapping succeeded.
+ *                  drain = SFENCE (after CLFLUSH too: it is ordered, but the
+ *                  logs' non-temporal stores are not). Only correct where the
+ *                  mapping is DAX (stores in the CPU caches are the only
+ *                  volatile copy); "auto" picks the best the CPU has when the
+ *                  MAP_SYNC mapping succeeded.
  *   msync          flush records the page range, drain msyncs the ranges
  *                  (at most PH_MS_RANGES syscalls, merged); auto's choice for
  *                  any file that is not DAX.
