@@ -96,9 +96,19 @@ typedef struct ph_tx {
 static __thread ph_tx_t tx;
 static __thread keel_thread_hook_t tx_hook;
 
-/* Thread exit: the transaction's arrays (kept between transactions). */
+/* Thread exit: an open transaction, then the transaction's arrays (kept
+ * between transactions). */
 static void tx_thread_exit(void *arg) {
   (void)arg;
+  /* A thread that ends inside a transaction would keep its lane locked for
+   * good (a thread whose lane search starts there then waits forever) and
+   * its reserved blocks: roll the transaction back, end it, and say so. Our
+   * hook was armed after the thread cache's, so the cache is still here. */
+  if (tx.depth > 0) {
+    _keel_warn("keel_tx_end: %s: a thread exited inside a transaction; rolled back", tx.ph->path);
+    keel_tx_abort(KEEL_ECANCELED);
+    while (tx.depth > 0) keel_tx_end();
+  }
   free(tx.ranges);
   free(tx.news);
   free(tx.acts);

@@ -2115,6 +2115,45 @@ static void test_deferrer_calls_back_into_pool(void) {
   unlink(p);
 }
 
+/* A thread that exits inside a transaction: it is rolled back and ended
+ * (its lane unlocked, its new object gone, its snapshot restored), with a
+ * message. Before, the lane stayed locked for good. */
+static void *exit_in_tx(void *p) {
+  keel_pheap_t *ph = p;
+  root_t *r = keel_pheap_root(ph, sizeof *r);
+  KT_EQ(keel_tx_begin(ph), 0);
+  KT_EQ(keel_tx_add_range(&r->counter[0], 8), 0);
+  r->counter[0] = 99;
+  KT_CHECK(keel_tx_alloc(64, 13) != 0);
+  return NULL; /* no commit, no end */
+}
+
+static void test_thread_exit_inside_tx(void) {
+  char p[256];
+  tp_path(p, sizeof p, "exittx");
+  keel_pheap_t *ph = keel_pheap_create(p, LAYOUT, KEEL_PHEAP_MIN_SIZE, 0);
+  KT_REQUIRE(ph != NULL);
+  root_t *r = keel_pheap_root(ph, sizeof *r);
+  r->counter[0] = 7;
+  keel_pheap_persist(ph, &r->counter[0], 8);
+  char err[512];
+  kt_stderr_begin();
+  pthread_t t;
+  KT_REQUIRE(pthread_create(&t, NULL, exit_in_tx, ph) == 0);
+  pthread_join(t, NULL);
+  kt_stderr_end(err, sizeof err);
+  KT_CHECK(strstr(err, "a thread exited inside a transaction; rolled back") != NULL);
+  KT_EQ(r->counter[0], 7);
+  KT_EQ(count_type(ph, 13), 0);
+  for (unsigned i = 0; i < PH_NLANES; i++) { /* every lane free again */
+    KT_EQ(pthread_mutex_trylock(&ph->lanes[i].lock), 0);
+    pthread_mutex_unlock(&ph->lanes[i].lock);
+  }
+  KT_EQ(keel_pheap_close(ph), 0);
+  KT_EQ(keel_pheap_check(p), 0);
+  unlink(p);
+}
+
 static void test_classes_fragmentation(void) {
   _keel_ph_classes_init();
   double sum = 0;
@@ -2151,4 +2190,4 @@ KT_MAIN(KT_CASE(test_create_open_close), KT_CASE(test_bad_wrong_layout),
         KT_CASE(test_close_while_other_thread_caches), KT_CASE(test_classes_fragmentation),
         KT_CASE(test_huge_objects), KT_CASE(test_huge_limits), KT_CASE(test_grow_into_next_zone),
         KT_CASE(test_atomic_op_in_tx_all_lanes_busy), KT_CASE(test_tx_stress_wraps_and_full_logs),
-        KT_CASE(test_deferrer_calls_back_into_pool))
+        KT_CASE(test_deferrer_calls_back_into_pool), KT_CASE(test_thread_exit_inside_tx))
