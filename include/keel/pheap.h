@@ -85,7 +85,8 @@ KEEL_API keel_pheap_t *keel_pheap_create(const char *path, const char *layout, s
 KEEL_API keel_pheap_t *keel_pheap_open(const char *path, const char *layout);
 
 /* Unmaps and unlocks the pool. Nothing may use `ph` concurrently or after.
- * Waits for deferred work the pool handed out (keel_pheap_set_deferrer). */
+ * Waits for deferred work the pool handed out (keel_pheap_set_deferrer).
+ * KEEL_EBUSY, the pool left open, while a transaction on it is open. */
 KEEL_API int keel_pheap_close(keel_pheap_t *ph);
 
 /* Background work: the pool hands `fn(work_arg)` to `defer(arg, fn,

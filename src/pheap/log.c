@@ -99,7 +99,8 @@ ph_lane_t *_keel_ph_lane_get(keel_pheap_t *ph, ph_tcache_t *tc) {
    * for the next one. Left open: a transaction on pool A whose atomic
    * operations on pool B find every B lane held by transactions doing the
    * same on A. */
-  if (tc->tx_lane != NULL) return tc->tx_lane;
+  ph_lane_t *own = keel_load_relaxed(&tc->tx_lane);
+  if (own != NULL) return own;
   unsigned h = tc->lane_hint;
   for (unsigned i = 0; i < PH_NLANES; i++) {
     ph_lane_t *l = &ph->lanes[(h + i) % PH_NLANES];
@@ -114,7 +115,7 @@ ph_lane_t *_keel_ph_lane_get(keel_pheap_t *ph, ph_tcache_t *tc) {
 }
 
 void _keel_ph_lane_put(ph_tcache_t *tc, ph_lane_t *l) {
-  if (l != tc->tx_lane) pthread_mutex_unlock(&l->lock);
+  if (l != keel_load_relaxed(&tc->tx_lane)) pthread_mutex_unlock(&l->lock);
 }
 
 static uint64_t redo_csum(const ph_redo_t *r) {

@@ -261,9 +261,11 @@ struct ph_tcache {
   uint64_t id;
   ph_tcache_t *next; /* ph->caches, under ph->lock */
   unsigned lane_hint;
-  ph_lane_t *tx_lane; /* held by this thread's open transaction, or NULL */
-  bool flying;        /* a log of this thread is in flight (_keel_ph_log_seq) */
-  unsigned arena;     /* whose runs refill this cache */
+  /* Held by this thread's open transaction, or NULL; close reads it from
+   * another thread. */
+  keel_atomic(ph_lane_t *) tx_lane;
+  bool flying;    /* a log of this thread is in flight (_keel_ph_log_seq) */
+  unsigned arena; /* whose runs refill this cache */
   uint64_t flushes, barriers;
   uint64_t tx_commits, tx_aborts; /* per cache: a shared counter cost a line transfer per tx */
   uint64_t ms_lo[PH_MS_RANGES], ms_hi[PH_MS_RANGES];

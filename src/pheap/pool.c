@@ -351,6 +351,16 @@ keel_pheap_t *keel_pheap_create(const char *path, const char *layout, size_t siz
 
 int keel_pheap_close(keel_pheap_t *ph) {
   if (ph == NULL) return KEEL_REJECT(KEEL_EINVAL, "keel_pheap_close", "pool is NULL");
+  /* An open transaction holds a lane and a pinned thread cache that close
+   * would free under it. (A thread that exits inside one rolls it back.) */
+  bool open_tx = false;
+  pthread_mutex_lock(&ph->lock);
+  for (ph_tcache_t *tc = ph->caches; tc && !open_tx; tc = tc->next)
+    open_tx = keel_load_relaxed(&tc->tx_lane) != NULL;
+  pthread_mutex_unlock(&ph->lock);
+  if (open_tx)
+    return KEEL_REJECT(KEEL_EBUSY, "keel_pheap_close", "%s: a transaction on it is still open",
+                       ph->path);
   /* A deferred checkpoint still queued or running holds ph (the deferrer
    * promised to run what it accepted). */
   while (keel_load_acquire(&ph->defer_req)) sched_yield();

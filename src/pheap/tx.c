@@ -200,7 +200,7 @@ int keel_tx_begin(keel_pheap_t *ph) {
   tx.ph = ph;
   tx.tc = tc;
   tx.lane = _keel_ph_lane_get(ph, tc);
-  tc->tx_lane = tx.lane;
+  keel_store_relaxed(&tc->tx_lane, tx.lane);
   tx.depth = 1;
   tx.err = 0;
   tx.committed = tx.aborted = tx.undo_started = false;
@@ -649,7 +649,7 @@ int keel_tx_end(void) {
   if (--tx.depth > 0) return tx.aborted ? tx.err : 0;
   if (!tx.committed && !tx.aborted) tx_fail(KEEL_ECANCELED);
   int rc = tx.committed ? 0 : tx.err;
-  tx.tc->tx_lane = NULL;
+  keel_store_relaxed(&tx.tc->tx_lane, NULL);
   _keel_ph_lane_put(tx.tc, tx.lane);
   _keel_ph_tcache_unpin(tx.tc);
   tx.ph = NULL;

@@ -2154,6 +2154,55 @@ static void test_thread_exit_inside_tx(void) {
   unlink(p);
 }
 
+/* keel_pheap_close while a transaction on the pool is open, in this
+ * thread or another: KEEL_EBUSY and the pool stays usable; once the
+ * transaction ends, close succeeds. */
+typedef struct close_arg {
+  keel_pheap_t *ph;
+  pthread_barrier_t bar;
+} close_arg_t;
+
+static void *tx_held_open(void *p) {
+  close_arg_t *a = p;
+  KT_EQ(keel_tx_begin(a->ph), 0);
+  pthread_barrier_wait(&a->bar); /* open now */
+  pthread_barrier_wait(&a->bar); /* the main thread tried to close */
+  KT_EQ(keel_tx_commit(), 0);
+  KT_EQ(keel_tx_end(), 0);
+  return NULL;
+}
+
+static void test_close_with_open_transaction(void) {
+  char p[256];
+  tp_path(p, sizeof p, "closetx");
+  keel_pheap_t *ph = keel_pheap_create(p, LAYOUT, KEEL_PHEAP_MIN_SIZE, 0);
+  KT_REQUIRE(ph != NULL);
+  root_t *r = keel_pheap_root(ph, sizeof *r);
+  KT_EQ(keel_tx_begin(ph), 0);
+  KT_EQ(keel_pheap_close(ph), KEEL_EBUSY);
+  KT_EQ(keel_tx_add_range(&r->counter[1], 8), 0); /* still usable */
+  r->counter[1] = 3;
+  KT_EQ(keel_tx_commit(), 0);
+  KT_EQ(keel_tx_end(), 0);
+  close_arg_t a = {.ph = ph};
+  pthread_barrier_init(&a.bar, NULL, 2);
+  pthread_t t;
+  KT_REQUIRE(pthread_create(&t, NULL, tx_held_open, &a) == 0);
+  pthread_barrier_wait(&a.bar);
+  KT_EQ(keel_pheap_close(ph), KEEL_EBUSY);
+  pthread_barrier_wait(&a.bar);
+  pthread_join(t, NULL);
+  pthread_barrier_destroy(&a.bar);
+  KT_EQ(keel_pheap_close(ph), 0);
+  KT_EQ(keel_pheap_check(p), 0);
+  ph = keel_pheap_open(p, LAYOUT);
+  KT_REQUIRE(ph != NULL);
+  r = keel_pheap_root(ph, sizeof *r);
+  KT_EQ(r->counter[1], 3);
+  KT_EQ(keel_pheap_close(ph), 0);
+  unlink(p);
+}
+
 static void test_classes_fragmentation(void) {
   _keel_ph_classes_init();
   double sum = 0;
@@ -2190,4 +2239,5 @@ KT_MAIN(KT_CASE(test_create_open_close), KT_CASE(test_bad_wrong_layout),
         KT_CASE(test_close_while_other_thread_caches), KT_CASE(test_classes_fragmentation),
         KT_CASE(test_huge_objects), KT_CASE(test_huge_limits), KT_CASE(test_grow_into_next_zone),
         KT_CASE(test_atomic_op_in_tx_all_lanes_busy), KT_CASE(test_tx_stress_wraps_and_full_logs),
-        KT_CASE(test_deferrer_calls_back_into_pool), KT_CASE(test_thread_exit_inside_tx))
+        KT_CASE(test_deferrer_calls_back_into_pool), KT_CASE(test_thread_exit_inside_tx),
+        KT_CASE(test_close_with_open_transaction))
