@@ -352,7 +352,9 @@ keel_pheap_t *keel_pheap_create(const char *path, const char *layout, size_t siz
 int keel_pheap_close(keel_pheap_t *ph) {
   if (ph == NULL) return KEEL_REJECT(KEEL_EINVAL, "keel_pheap_close", "pool is NULL");
   /* An open transaction holds a lane and a pinned thread cache that close
-   * would free under it. (A thread that exits inside one rolls it back.) */
+   * would free under it. (A thread that exits inside one rolls it back;
+   * close it only after joining that thread, whose exit is still inside
+   * the pool until then.) */
   bool open_tx = false;
   pthread_mutex_lock(&ph->lock);
   for (ph_tcache_t *tc = ph->caches; tc && !open_tx; tc = tc->next)

@@ -105,8 +105,9 @@ static void tx_thread_exit(void *arg) {
    * its reserved blocks: roll the transaction back, end it, and say so. Our
    * hook was armed after the thread cache's, so the cache is still here. */
   if (tx.depth > 0) {
-    _keel_warn("keel_tx_end: %s: a thread exited inside a transaction; rolled back", tx.ph->path);
-    keel_tx_abort(KEEL_ECANCELED);
+    _keel_warn("keel_tx_end: %s: a thread exited inside a transaction; %s", tx.ph->path,
+               tx.committed ? "it had committed: ended" : "rolled back");
+    keel_tx_abort(KEEL_ECANCELED); /* nothing to undo once committed */
     while (tx.depth > 0) keel_tx_end();
   }
   free(tx.ranges);
@@ -193,10 +194,11 @@ int keel_tx_begin(keel_pheap_t *ph) {
    * (free) the cache tx.tc points to. */
   ph_tcache_t *tc = _keel_ph_tcache_pin(ph);
   if (tc == NULL) return KEEL_ENOMEM;
-  if (tx_hook.fn == NULL) {
-    tx_hook.fn = tx_thread_exit;
-    _keel_thread_hook_arm(&tx_hook);
-  }
+  /* Armed at every begin (a no-op while armed), after the pin armed the
+   * cache's hook: a transaction begun in a late TLS destructor, after our
+   * hooks ran, still gets its exit hook, and it runs before the cache's. */
+  tx_hook.fn = tx_thread_exit;
+  _keel_thread_hook_arm(&tx_hook);
   tx.ph = ph;
   tx.tc = tc;
   tx.lane = _keel_ph_lane_get(ph, tc);

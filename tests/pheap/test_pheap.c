@@ -2117,7 +2117,8 @@ static void test_deferrer_calls_back_into_pool(void) {
 
 /* A thread that exits inside a transaction: it is rolled back and ended
  * (its lane unlocked, its new object gone, its snapshot restored), with a
- * message. Before, the lane stayed locked for good. */
+ * message; one that exits after committing is ended, its work kept. Before,
+ * the lane stayed locked for good. */
 static void *exit_in_tx(void *p) {
   keel_pheap_t *ph = p;
   root_t *r = keel_pheap_root(ph, sizeof *r);
@@ -2126,6 +2127,36 @@ static void *exit_in_tx(void *p) {
   r->counter[0] = 99;
   KT_CHECK(keel_tx_alloc(64, 13) != 0);
   return NULL; /* no commit, no end */
+}
+
+static void *exit_after_commit(void *p) {
+  keel_pheap_t *ph = p;
+  root_t *r = keel_pheap_root(ph, sizeof *r);
+  KT_EQ(keel_tx_begin(ph), 0);
+  KT_EQ(keel_tx_add_range(&r->counter[2], 8), 0);
+  r->counter[2] = 5;
+  KT_EQ(keel_tx_commit(), 0);
+  return NULL; /* committed, not ended */
+}
+
+/* The same, begun in a TLS destructor that runs after keel's thread hooks
+ * (a key created later): the transaction's hook must be armed again. */
+static pthread_key_t late_key;
+static void late_destructor(void *p) {
+  keel_pheap_t *ph = p;
+  root_t *r = keel_pheap_root(ph, sizeof *r);
+  KT_EQ(keel_tx_begin(ph), 0);
+  KT_EQ(keel_tx_add_range(&r->counter[3], 8), 0);
+  r->counter[3] = 77; /* and the thread ends here */
+}
+
+static void *exit_late(void *p) {
+  keel_pheap_t *ph = p;
+  KT_EQ(keel_tx_begin(ph), 0); /* keel's hooks armed in this thread */
+  KT_EQ(keel_tx_commit(), 0);
+  KT_EQ(keel_tx_end(), 0);
+  pthread_setspecific(late_key, ph);
+  return NULL;
 }
 
 static void test_thread_exit_inside_tx(void) {
@@ -2145,6 +2176,20 @@ static void test_thread_exit_inside_tx(void) {
   KT_CHECK(strstr(err, "a thread exited inside a transaction; rolled back") != NULL);
   KT_EQ(r->counter[0], 7);
   KT_EQ(count_type(ph, 13), 0);
+  kt_stderr_begin();
+  KT_REQUIRE(pthread_create(&t, NULL, exit_after_commit, ph) == 0);
+  pthread_join(t, NULL);
+  kt_stderr_end(err, sizeof err);
+  KT_CHECK(strstr(err, "a thread exited inside a transaction; it had committed: ended") != NULL);
+  KT_EQ(r->counter[2], 5);
+  KT_REQUIRE(pthread_key_create(&late_key, late_destructor) == 0);
+  kt_stderr_begin();
+  KT_REQUIRE(pthread_create(&t, NULL, exit_late, ph) == 0);
+  pthread_join(t, NULL);
+  kt_stderr_end(err, sizeof err);
+  pthread_key_delete(late_key);
+  KT_CHECK(strstr(err, "a thread exited inside a transaction; rolled back") != NULL);
+  KT_EQ(r->counter[3], 0);
   for (unsigned i = 0; i < PH_NLANES; i++) { /* every lane free again */
     KT_EQ(pthread_mutex_trylock(&ph->lanes[i].lock), 0);
     pthread_mutex_unlock(&ph->lanes[i].lock);
