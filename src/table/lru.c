@@ -115,6 +115,21 @@ static void lru_unlink(keel_table_t *t, table_shard_t *s, keel_table_node_t *n) 
   lru_count(t, s, (size_t)-1);
 }
 
+/* Clears ON_LRU of a DEAD entry its removal owner has just unlinked (shard
+ * lock held) and, when no reference is left, sets BURIED in the same CAS:
+ * DEAD from a count of zero, none can appear. Returns whether it set
+ * BURIED; the caller then hands the entry to bury_set. With references
+ * left, the last put buries it once ON_LRU is clear. */
+static bool lru_leave(keel_table_node_t *n) {
+  keel_atomic(uint32_t) *ref = node_ref(n);
+  uint32_t v = keel_load_relaxed(ref), nv;
+  do nv = (v & ~REF_ON_LRU) | ((v & REF_COUNT) == 0 ? REF_BURIED : 0);
+  while (!keel_cas_weak_acq_rel(ref, &v, nv));
+  if (!(nv & REF_BURIED)) return false;
+  bury_check(n, v & ~REF_ON_LRU);
+  return true;
+}
+
 static void lru_rotate(table_shard_t *s, keel_table_node_t *n) {
   cds_list_del(node_lru(n));
   cds_list_add_tail(node_lru(n), &s->lru);
@@ -174,20 +189,12 @@ void _keel_table_removed(keel_table_t *t, keel_table_node_t *n) {
     __builtin_prefetch(__atomic_load_n(&l->prev, __ATOMIC_RELAXED), 1);
     __builtin_prefetch(__atomic_load_n(&l->next, __ATOMIC_RELAXED), 1);
 #endif
-    /* Once DEAD, only this thread clears ON_LRU and nobody sets it. With no
-     * reference left none can appear (DEAD from zero), so BURIED goes in
-     * the same CAS; with some, the last put buries it once ON_LRU is
-     * clear. */
+    /* Once DEAD, only this thread clears ON_LRU and nobody sets it. */
     pthread_mutex_lock(&s->lock);
     lru_unlink(t, s, n);
-    uint32_t nv;
-    do nv = (v & ~REF_ON_LRU) | ((v & REF_COUNT) == 0 ? REF_BURIED : 0);
-    while (!keel_cas_weak_acq_rel(ref, &v, nv));
+    bool buried = lru_leave(n);
     pthread_mutex_unlock(&s->lock);
-    if (nv & REF_BURIED) {
-      bury_check(n, v & ~REF_ON_LRU);
-      bury_set(t, n);
-    }
+    if (buried) bury_set(t, n);
   } else if ((v & REF_COUNT) == 0) {
     _keel_table_bury(t, n);
   }
@@ -240,9 +247,8 @@ static bool shrink_step(keel_table_t *t, table_shard_t *s, keel_table_node_t *n,
   if (shard_count_add(s, -1)) *check = true; /* after the shard lock */
   if (t->limited) keel_fetch_sub_relaxed(&t->charge, node_charge(t, n));
   lru_unlink(t, s, n);
-  keel_fetch_and_acq_rel(ref, ~REF_ON_LRU);
   keel_fetch_add_relaxed(&t->evicted, 1);
-  _keel_table_bury(t, n);
+  if (lru_leave(n)) bury_set(t, n); /* always: DEAD from zero */
   return true;
 }
 
