@@ -40,11 +40,18 @@ static uint64_t count_type(keel_pheap_t *ph, uint64_t type) {
   return n;
 }
 
-static void test_create_open_close(void) {
-  char p[256];
-  tp_path(p, sizeof p, "coc");
+/* A fresh pool of the minimum size at a test path named by tag (written
+ * to p); the case stops if it cannot be created. */
+static keel_pheap_t *create_pool(char *p, size_t len, const char *tag) {
+  tp_path(p, len, tag);
   keel_pheap_t *ph = keel_pheap_create(p, LAYOUT, KEEL_PHEAP_MIN_SIZE, 0);
   KT_REQUIRE(ph != NULL);
+  return ph;
+}
+
+static void test_create_open_close(void) {
+  char p[256];
+  keel_pheap_t *ph = create_pool(p, sizeof p, "coc");
   root_t *r = keel_pheap_root(ph, sizeof *r);
   KT_REQUIRE(r != NULL);
   KT_EQ(r->slot[0], 0);
@@ -326,9 +333,7 @@ static void test_bad_epoch(void) {
 
 static void test_bad_already_open(void) {
   char p[256];
-  tp_path(p, sizeof p, "locked");
-  keel_pheap_t *ph = keel_pheap_create(p, LAYOUT, KEEL_PHEAP_MIN_SIZE, 0);
-  KT_REQUIRE(ph != NULL);
+  keel_pheap_t *ph = create_pool(p, sizeof p, "locked");
   expect_open_fails(p, LAYOUT, KEEL_ELOCKED, "already open");
   KT_EQ(keel_pheap_check(p), KEEL_ELOCKED);
   /* From another process too. */
@@ -867,9 +872,7 @@ static void test_deferrer_on_sched_cancelled(void) {
   KT_REQUIRE(keel_sched_run(blocker_fn, NULL, 0) == 0);
   while (!atomic_load(&blocker_in)) usleep(1000);
   char p[256];
-  tp_path(p, sizeof p, "defersched");
-  keel_pheap_t *ph = keel_pheap_create(p, LAYOUT, KEEL_PHEAP_MIN_SIZE, 0);
-  KT_REQUIRE(ph != NULL);
+  keel_pheap_t *ph = create_pool(p, sizeof p, "defersched");
   root_t *r = keel_pheap_root(ph, sizeof *r);
   keel_pheap_set_deferrer(ph, defer_on_sched, NULL);
   for (int i = 0; i < 100000 && atomic_load(&sched_defers) == 0; i++) {
@@ -945,9 +948,7 @@ static void arena_thread(arena_arg_t *a) {
 
 static void test_arenas_separate(void) {
   char p[256];
-  tp_path(p, sizeof p, "arenas1");
-  keel_pheap_t *ph = keel_pheap_create(p, LAYOUT, KEEL_PHEAP_MIN_SIZE, 0);
-  KT_REQUIRE(ph != NULL);
+  keel_pheap_t *ph = create_pool(p, sizeof p, "arenas1");
   keel_poff_t mine, other;
   KT_EQ(keel_pheap_alloc(ph, &mine, 64, 3), 0);
   arena_arg_t a = {ph, &other, 1, 0, 0, 64};
@@ -960,9 +961,7 @@ static void test_arenas_separate(void) {
 
 static void test_arenas_adopt_after_reopen(void) {
   char p[256];
-  tp_path(p, sizeof p, "arenas2");
-  keel_pheap_t *ph = keel_pheap_create(p, LAYOUT, KEEL_PHEAP_MIN_SIZE, 0);
-  KT_REQUIRE(ph != NULL);
+  keel_pheap_t *ph = create_pool(p, sizeof p, "arenas2");
   int n = 60000;
   keel_poff_t *o = calloc((size_t)n, sizeof *o);
   KT_REQUIRE(o != NULL);
@@ -1002,9 +1001,7 @@ static void *adopt_freer(void *p) {
 
 static void test_arenas_adopt_concurrent(void) {
   char p[256];
-  tp_path(p, sizeof p, "arenas5");
-  keel_pheap_t *ph = keel_pheap_create(p, LAYOUT, KEEL_PHEAP_MIN_SIZE, 0);
-  KT_REQUIRE(ph != NULL);
+  keel_pheap_t *ph = create_pool(p, sizeof p, "arenas5");
   int n = (int)kt_scale(40000), m = n / 8;
   keel_poff_t *o = calloc((size_t)n, sizeof *o), *got[2];
   KT_REQUIRE(o != NULL);
@@ -1301,9 +1298,7 @@ static void *txc_thread(void *p) {
 
 static void test_tx_counts_per_thread(void) {
   char p[256];
-  tp_path(p, sizeof p, "txcounts");
-  keel_pheap_t *ph = keel_pheap_create(p, LAYOUT, KEEL_PHEAP_MIN_SIZE, 0);
-  KT_REQUIRE(ph != NULL);
+  keel_pheap_t *ph = create_pool(p, sizeof p, "txcounts");
   txc_arg_t a[3] = {{ph, 100, 40, 7}, {ph, 60, 25, 3}, {ph, 11, 2, 1}};
   pthread_t t[2];
   for (int k = 0; k < 2; k++) pthread_create(&t[k], NULL, txc_thread, &a[k]);
@@ -1907,9 +1902,7 @@ static void *lane_holder(void *p) {
 
 static void test_atomic_op_in_tx_all_lanes_busy(void) {
   char p[256];
-  tp_path(p, sizeof p, "lanes");
-  keel_pheap_t *ph = keel_pheap_create(p, LAYOUT, KEEL_PHEAP_MIN_SIZE, 0);
-  KT_REQUIRE(ph != NULL);
+  keel_pheap_t *ph = create_pool(p, sizeof p, "lanes");
   root_t *r = keel_pheap_root(ph, sizeof *r);
   pthread_barrier_t bar;
   pthread_barrier_init(&bar, NULL, PH_NLANES);
@@ -2161,9 +2154,7 @@ static void *exit_late(void *p) {
 
 static void test_thread_exit_inside_tx(void) {
   char p[256];
-  tp_path(p, sizeof p, "exittx");
-  keel_pheap_t *ph = keel_pheap_create(p, LAYOUT, KEEL_PHEAP_MIN_SIZE, 0);
-  KT_REQUIRE(ph != NULL);
+  keel_pheap_t *ph = create_pool(p, sizeof p, "exittx");
   root_t *r = keel_pheap_root(ph, sizeof *r);
   r->counter[0] = 7;
   keel_pheap_persist(ph, &r->counter[0], 8);
@@ -2219,9 +2210,7 @@ static void *tx_held_open(void *p) {
 
 static void test_close_with_open_transaction(void) {
   char p[256];
-  tp_path(p, sizeof p, "closetx");
-  keel_pheap_t *ph = keel_pheap_create(p, LAYOUT, KEEL_PHEAP_MIN_SIZE, 0);
-  KT_REQUIRE(ph != NULL);
+  keel_pheap_t *ph = create_pool(p, sizeof p, "closetx");
   root_t *r = keel_pheap_root(ph, sizeof *r);
   KT_EQ(keel_tx_begin(ph), 0);
   KT_EQ(keel_pheap_close(ph), KEEL_EBUSY);
