@@ -37,7 +37,7 @@ size_t _keel_ph_publish_entries(keel_pheap_t *ph, int cls, keel_poff_t off, ph_r
 /* One atomic operation: log, barrier, apply in cache (flushed by the next
  * checkpoint). */
 static void atomic_op(keel_pheap_t *ph, ph_tcache_t *tc, const ph_redo_entry_t *e, size_t n) {
-  ph_lane_t *l = _keel_ph_lane_get(ph, tc);
+  ph_lane_t *l = _keel_ph_lane_get(ph, tc, false);
   _keel_ph_log_write(ph, tc, l, _keel_ph_log_seq(ph, tc, l, n), 0, e, n);
   _keel_pm_drain(ph, tc);
   _keel_ph_log_apply(ph, tc, l, e, n, true);
@@ -210,10 +210,12 @@ void *keel_pheap_root(keel_pheap_t *ph, size_t size) {
     return NULL;
   }
   pthread_mutex_lock(&ph->root_lock);
+  _keel_ph_holds++; /* a transaction's thread may wait for root_lock */
   int rc = 0;
   if (ph->hdr->root_off == 0)
     rc = keel_pheap_zalloc(ph, (keel_poff_t *)&ph->hdr->root_off, size, PH_ROOT_TYPE);
   keel_poff_t off = ph->hdr->root_off;
+  _keel_ph_holds--;
   pthread_mutex_unlock(&ph->root_lock);
   if (rc == 0 && keel_pheap_usable_size(ph, off) < size) rc = KEEL_EINVAL;
   if (rc != 0) {

@@ -82,7 +82,19 @@ uint64_t _keel_ph_next_seq(keel_pheap_t *ph) {
   return keel_fetch_add_relaxed(&ph->seq, 1) + 1;
 }
 
-ph_lane_t *_keel_ph_lane_get(keel_pheap_t *ph, ph_tcache_t *tc) {
+__thread unsigned _keel_ph_holds;
+
+/* Lanes [0, PH_TX_LANES) serve transactions and atomic operations; the
+ * last PH_ATOMIC_LANES serve atomic operations only. A thread that holds
+ * what others may wait for (_keel_ph_holds: a transaction's lane on some
+ * pool, or a root_lock) and finds every lane busy waits on one of those:
+ * they are held only by atomic operations, which finish without waiting for
+ * a lane, so its wait ends. Waiting on a transaction's lane instead could
+ * close a cycle: a transaction on pool A whose atomic operation on B finds
+ * every B lane held by transactions doing the same on A; or a root_lock
+ * holder waiting on the lane of a transaction that waits for root_lock.
+ * A thread that holds nothing may wait on any lane: it is in no cycle. */
+ph_lane_t *_keel_ph_lane_get(keel_pheap_t *ph, ph_tcache_t *tc, bool for_tx) {
   /* This thread has a log in flight: we were called back from inside a
    * pheap operation (a deferrer that runs pool work itself). Going on could
    * wait forever: a ring wrap waits for the watermark, which that log holds
@@ -94,23 +106,23 @@ ph_lane_t *_keel_ph_lane_get(keel_pheap_t *ph, ph_tcache_t *tc) {
              ph->path);
   /* An atomic operation inside this thread's transaction logs in the
    * transaction's lane, which is not in flight until its commit. Waiting
-   * for a second lane while holding one could close a cycle: 64 threads
-   * each allocating inside a transaction held every lane and each waited
-   * for the next one. Left open: a transaction on pool A whose atomic
-   * operations on pool B find every B lane held by transactions doing the
-   * same on A. */
+   * for a second lane of the same pool while holding one could close a
+   * cycle: 64 threads each allocating inside a transaction held every lane
+   * and each waited for the next one. */
   ph_lane_t *own = keel_load_relaxed(&tc->tx_lane);
   if (own != NULL) return own;
-  unsigned h = tc->lane_hint;
-  for (unsigned i = 0; i < PH_NLANES; i++) {
-    ph_lane_t *l = &ph->lanes[(h + i) % PH_NLANES];
+  unsigned n = for_tx ? PH_TX_LANES : PH_NLANES, h = tc->lane_hint % n;
+  for (unsigned i = 0; i < n; i++) {
+    ph_lane_t *l = &ph->lanes[(h + i) % n];
     if (pthread_mutex_trylock(&l->lock) == 0) {
       tc->lane_hint = l->idx;
       return l;
     }
   }
+  /* More threads than lanes: wait for ours. */
+  if (!for_tx && _keel_ph_holds) h = PH_TX_LANES + h % PH_ATOMIC_LANES;
   ph_lane_t *l = &ph->lanes[h];
-  pthread_mutex_lock(&l->lock); /* more threads than lanes: wait for ours */
+  pthread_mutex_lock(&l->lock);
   return l;
 }
 

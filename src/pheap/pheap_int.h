@@ -63,6 +63,10 @@
 #define PH_ZONE_BYTES  (PH_ZONE_META + PH_ZONE_CHUNKS * PH_CHUNK)
 #define PH_NLANES                                                                                  \
   64u /* threads beyond this wait for a lane (measured: 16 lanes lost 2x to libpmemobj at 256 threads) */
+/* Lanes no transaction takes: what a thread that holds a lane or root_lock
+ * waits on (log.c). Two, so that such waits do not all queue on one. */
+#define PH_ATOMIC_LANES   2u
+#define PH_TX_LANES       (PH_NLANES - PH_ATOMIC_LANES)
 #define PH_REDO_BYTES     (16u << 10)
 #define PH_LANE_BYTES     ((uint64_t)64 << 10)
 #define PH_UNDO_BYTES     (PH_LANE_BYTES - PH_REDO_BYTES)
@@ -440,9 +444,13 @@ void _keel_ph_init_obj(keel_pheap_t *ph, ph_tcache_t *tc, keel_poff_t off, size_
                        uint64_t type, bool zero, bool flush) KEEL_HIDDEN;
 
 /* ---- logs and lanes (log.c) ---- */
-ph_lane_t *_keel_ph_lane_get(keel_pheap_t *ph, ph_tcache_t *tc) KEEL_HIDDEN;
-/* A lane for one operation: inside a transaction, the transaction's own;
+/* A lane for one operation (for_tx: for a transaction, which never takes
+ * the last PH_ATOMIC_LANES); inside a transaction, the transaction's own.
  * put releases any other. */
+ph_lane_t *_keel_ph_lane_get(keel_pheap_t *ph, ph_tcache_t *tc, bool for_tx) KEEL_HIDDEN;
+/* Nonzero while this thread holds a transaction's lane or a root_lock: its
+ * waits for a lane go to the lanes transactions never take (log.c). */
+extern __thread unsigned _keel_ph_holds KEEL_HIDDEN;
 void _keel_ph_lane_put(ph_tcache_t *tc, ph_lane_t *l) KEEL_HIDDEN;
 uint64_t _keel_ph_next_seq(keel_pheap_t *ph) KEEL_HIDDEN;
 /* Makes room in the lane's ring for a log of n entries (a wrap waits for

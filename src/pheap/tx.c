@@ -201,8 +201,9 @@ int keel_tx_begin(keel_pheap_t *ph) {
   _keel_thread_hook_arm(&tx_hook);
   tx.ph = ph;
   tx.tc = tc;
-  tx.lane = _keel_ph_lane_get(ph, tc);
+  tx.lane = _keel_ph_lane_get(ph, tc, true);
   keel_store_relaxed(&tc->tx_lane, tx.lane);
+  _keel_ph_holds++;
   tx.depth = 1;
   tx.err = 0;
   tx.committed = tx.aborted = tx.undo_started = false;
@@ -653,6 +654,7 @@ int keel_tx_end(void) {
   int rc = tx.committed ? 0 : tx.err;
   keel_store_relaxed(&tx.tc->tx_lane, NULL);
   _keel_ph_lane_put(tx.tc, tx.lane);
+  _keel_ph_holds--;
   _keel_ph_tcache_unpin(tx.tc);
   tx.ph = NULL;
   tx.tc = NULL;

@@ -1883,7 +1883,8 @@ static void test_grow_into_next_zone(void) {
  * while its transaction held one. With every lane held by a transaction
  * whose thread then allocated, each waited for the next lane: a cycle, and
  * a hang (first seen with the waiter's own lane as its hint). Here
- * PH_NLANES threads do exactly that; the alarm fails a hang. */
+ * PH_TX_LANES threads (every lane a transaction may take) do exactly that;
+ * the alarm fails a hang. */
 typedef struct lane_arg {
   keel_pheap_t *ph;
   keel_poff_t *slot;
@@ -1905,18 +1906,126 @@ static void test_atomic_op_in_tx_all_lanes_busy(void) {
   keel_pheap_t *ph = create_pool(p, sizeof p, "lanes");
   root_t *r = keel_pheap_root(ph, sizeof *r);
   pthread_barrier_t bar;
-  pthread_barrier_init(&bar, NULL, PH_NLANES);
-  lane_arg_t a[PH_NLANES];
-  pthread_t t[PH_NLANES];
+  pthread_barrier_init(&bar, NULL, PH_TX_LANES);
+  lane_arg_t a[PH_TX_LANES];
+  pthread_t t[PH_TX_LANES];
   alarm(60);
-  for (unsigned i = 0; i < PH_NLANES; i++) {
+  for (unsigned i = 0; i < PH_TX_LANES; i++) {
     a[i] = (lane_arg_t){ph, &r->slot[i], &bar};
     KT_REQUIRE(pthread_create(&t[i], NULL, lane_holder, &a[i]) == 0);
   }
-  for (unsigned i = 0; i < PH_NLANES; i++) pthread_join(t[i], NULL);
+  for (unsigned i = 0; i < PH_TX_LANES; i++) pthread_join(t[i], NULL);
   alarm(0);
   pthread_barrier_destroy(&bar);
-  KT_EQ(count_type(ph, 7), PH_NLANES);
+  KT_EQ(count_type(ph, 7), PH_TX_LANES);
+  KT_EQ(keel_pheap_close(ph), 0);
+  KT_EQ(keel_pheap_check(p), 0);
+  unlink(p);
+}
+
+/* Waits until `want` threads have entered their transactions, then a
+ * little longer for any that still can: without the lanes kept from
+ * transactions (PH_ATOMIC_LANES) every lane would be taken by now. */
+static void wait_entered(atomic_uint *entered, unsigned want) {
+  while (atomic_load(entered) < want) usleep(1000);
+  usleep(100 * 1000);
+}
+
+/* Bug: a transaction on pool A whose atomic operation on pool B found every
+ * B lane held by transactions doing the same on A waited for a B lane
+ * while holding its A lane, and they for A lanes: a cycle. PH_NLANES threads
+ * per pool each open a transaction on one pool and, once the lanes are
+ * taken, allocate atomically on the other; the alarm fails a hang. This
+ * thread holds the lanes kept from transactions until then, so that the
+ * allocations find every lane busy and must wait on the right ones. */
+typedef struct xpool_arg {
+  keel_pheap_t *tx_ph, *op_ph;
+  keel_poff_t *slot;
+  atomic_uint *entered;
+} xpool_arg_t;
+
+static void *xpool_thread(void *p) {
+  xpool_arg_t *a = p;
+  KT_EQ(keel_tx_begin(a->tx_ph), 0);
+  atomic_fetch_add(a->entered, 1);
+  wait_entered(a->entered, 2 * PH_TX_LANES);
+  KT_EQ(keel_pheap_alloc(a->op_ph, a->slot, 64, 9), 0);
+  KT_EQ(keel_tx_commit(), 0);
+  KT_EQ(keel_tx_end(), 0);
+  return NULL;
+}
+
+static void test_cross_pool_atomic_ops_all_lanes_busy(void) {
+  char pa[256], pb[256];
+  keel_pheap_t *ph[2] = {create_pool(pa, sizeof pa, "xpa"), create_pool(pb, sizeof pb, "xpb")};
+  root_t *r[2] = {keel_pheap_root(ph[0], sizeof(root_t)), keel_pheap_root(ph[1], sizeof(root_t))};
+  KT_REQUIRE(r[0] != NULL && r[1] != NULL);
+  atomic_uint entered = 0;
+  xpool_arg_t a[2 * PH_NLANES];
+  pthread_t t[2 * PH_NLANES];
+  alarm(60);
+  for (unsigned s = 0; s < 2; s++)
+    for (unsigned i = PH_TX_LANES; i < PH_NLANES; i++) pthread_mutex_lock(&ph[s]->lanes[i].lock);
+  for (unsigned i = 0; i < 2 * PH_NLANES; i++) {
+    unsigned side = i & 1;
+    a[i] = (xpool_arg_t){ph[side], ph[!side], &r[!side]->slot[i / 2], &entered};
+    KT_REQUIRE(pthread_create(&t[i], NULL, xpool_thread, &a[i]) == 0);
+  }
+  wait_entered(&entered, 2 * PH_TX_LANES);
+  usleep(50 * 1000); /* the allocations are waiting for a lane now */
+  for (unsigned s = 0; s < 2; s++)
+    for (unsigned i = PH_TX_LANES; i < PH_NLANES; i++) pthread_mutex_unlock(&ph[s]->lanes[i].lock);
+  for (unsigned i = 0; i < 2 * PH_NLANES; i++) pthread_join(t[i], NULL);
+  alarm(0);
+  for (unsigned s = 0; s < 2; s++) {
+    KT_EQ(count_type(ph[s], 9), PH_NLANES);
+    KT_EQ(keel_pheap_close(ph[s]), 0);
+  }
+  KT_EQ(keel_pheap_check(pa), 0);
+  KT_EQ(keel_pheap_check(pb), 0);
+  unlink(pa);
+  unlink(pb);
+}
+
+/* Bug: the first keel_pheap_root allocates under root_lock. With every lane
+ * held by transactions, the root's allocation waited on a transaction's
+ * lane while that transaction's thread waited for root_lock. Here
+ * transactions take the lanes, this thread calls keel_pheap_root, and each
+ * transaction calls it too (after a pause, so that most find root_lock
+ * held); the alarm fails a hang. */
+typedef struct rootw_arg {
+  keel_pheap_t *ph;
+  atomic_uint *entered, *go;
+} rootw_arg_t;
+
+static void *rootw_thread(void *p) {
+  rootw_arg_t *a = p;
+  KT_EQ(keel_tx_begin(a->ph), 0);
+  atomic_fetch_add(a->entered, 1);
+  while (!atomic_load(a->go)) usleep(1000);
+  usleep(20 * 1000);
+  KT_CHECK(keel_pheap_root(a->ph, sizeof(root_t)) != NULL);
+  KT_EQ(keel_tx_commit(), 0);
+  KT_EQ(keel_tx_end(), 0);
+  return NULL;
+}
+
+static void test_root_while_transactions_hold_lanes(void) {
+  char p[256];
+  keel_pheap_t *ph = create_pool(p, sizeof p, "rootw");
+  atomic_uint entered = 0, go = 0;
+  rootw_arg_t a = {ph, &entered, &go};
+  pthread_t t[PH_NLANES];
+  alarm(60);
+  for (unsigned i = 0; i < PH_NLANES; i++)
+    KT_REQUIRE(pthread_create(&t[i], NULL, rootw_thread, &a) == 0);
+  wait_entered(&entered, PH_TX_LANES);
+  atomic_store(&go, 1);
+  root_t *r = keel_pheap_root(ph, sizeof *r);
+  KT_CHECK(r != NULL);
+  for (unsigned i = 0; i < PH_NLANES; i++) pthread_join(t[i], NULL);
+  alarm(0);
+  KT_EQ(count_type(ph, PH_ROOT_TYPE), 1);
   KT_EQ(keel_pheap_close(ph), 0);
   KT_EQ(keel_pheap_check(p), 0);
   unlink(p);
@@ -2272,6 +2381,8 @@ KT_MAIN(KT_CASE(test_create_open_close), KT_CASE(test_bad_wrong_layout),
         KT_CASE(test_stress_threads), KT_CASE(test_tx_cache_not_evicted),
         KT_CASE(test_close_while_other_thread_caches), KT_CASE(test_classes_fragmentation),
         KT_CASE(test_huge_objects), KT_CASE(test_huge_limits), KT_CASE(test_grow_into_next_zone),
-        KT_CASE(test_atomic_op_in_tx_all_lanes_busy), KT_CASE(test_tx_stress_wraps_and_full_logs),
-        KT_CASE(test_deferrer_calls_back_into_pool), KT_CASE(test_thread_exit_inside_tx),
-        KT_CASE(test_close_with_open_transaction))
+        KT_CASE(test_atomic_op_in_tx_all_lanes_busy),
+        KT_CASE(test_cross_pool_atomic_ops_all_lanes_busy),
+        KT_CASE(test_root_while_transactions_hold_lanes),
+        KT_CASE(test_tx_stress_wraps_and_full_logs), KT_CASE(test_deferrer_calls_back_into_pool),
+        KT_CASE(test_thread_exit_inside_tx), KT_CASE(test_close_with_open_transaction))
