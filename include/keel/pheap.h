@@ -12,6 +12,10 @@
  * same pool except keel_pheap_close (nothing may run during or after it).
  * A transaction belongs to the thread that began it. Objects themselves are
  * not locked: two threads changing the same bytes must synchronise.
+ * After fork() the parent's pools stay the parent's: in the child, reads
+ * (keel_pheap_ptr/off/usable_size/type/foreach) work, keel_pheap_close frees
+ * the child's copy and leaves the file alone, and every other call on them
+ * aborts naming the pool (a transaction the parent had open included).
  *
  * Durability costs (persist barriers = fence or msync, see KEEL_OPTIONS
  * pheap_flush): atomic alloc/free/publish 1, plus a 2-barrier checkpoint
@@ -100,7 +104,8 @@ KEEL_API int keel_pheap_close(keel_pheap_t *ph);
  * request is outstanding per pool. NULL turns it off. Set it while no other
  * thread uses the pool; fn may block briefly (flushes, two barriers).
  * defer is called from inside pool operations: it may run fn itself, but
- * must not call the pool (that dies with a message naming the file). */
+ * must not call the pool (that dies with a message naming the file), nor
+ * wait for another thread's pool operation (the caller holds a log lane). */
 typedef void (*keel_pheap_work_fn)(void *work_arg);
 typedef int (*keel_pheap_defer_fn)(void *arg, keel_pheap_work_fn fn, void *work_arg);
 KEEL_API void keel_pheap_set_deferrer(keel_pheap_t *ph, keel_pheap_defer_fn defer, void *arg);

@@ -49,6 +49,7 @@ static int alloc_common(keel_pheap_t *ph, keel_poff_t *dest, size_t size, uint64
   if (ph == NULL || dest == NULL)
     return KEEL_REJECT(KEEL_EINVAL, zero ? "keel_pheap_zalloc" : "keel_pheap_alloc",
                        "pool %p, dest %p", (void *)ph, (void *)dest);
+  PH_NOT_FORKED(ph, zero ? "keel_pheap_zalloc" : "keel_pheap_alloc");
   ph_tcache_t *tc = _keel_ph_tcache(ph);
   if (keel_unlikely(tc == NULL)) return KEEL_ENOMEM;
   int cls;
@@ -88,6 +89,7 @@ int keel_pheap_free(keel_pheap_t *ph, keel_poff_t *dest) {
                        (void *)dest);
   keel_poff_t off = *dest;
   if (off == 0) return 0;
+  PH_NOT_FORKED(ph, "keel_pheap_free");
   ph_tcache_t *tc = _keel_ph_tcache(ph);
   if (keel_unlikely(tc == NULL)) return KEEL_ENOMEM;
   int cls = _keel_ph_live_class(ph, off, "keel_pheap_free");
@@ -116,6 +118,7 @@ int keel_pheap_reserve(keel_pheap_t *ph, keel_pheap_act_t *act, size_t size, uin
   if (ph == NULL || act == NULL)
     return KEEL_REJECT(KEEL_EINVAL, "keel_pheap_reserve", "pool %p, act %p", (void *)ph,
                        (void *)act);
+  PH_NOT_FORKED(ph, "keel_pheap_reserve");
   ph_tcache_t *tc = _keel_ph_tcache(ph);
   if (keel_unlikely(tc == NULL)) return KEEL_ENOMEM;
   int cls;
@@ -182,6 +185,7 @@ int keel_pheap_publish(keel_pheap_t *ph, keel_pheap_act_t *acts, size_t n) {
   if (ph == NULL || (acts == NULL && n))
     return KEEL_REJECT(KEEL_EINVAL, "keel_pheap_publish", "pool %p, %zu acts at %p", (void *)ph, n,
                        (void *)acts);
+  PH_NOT_FORKED(ph, "keel_pheap_publish");
   ph_tcache_t *tc = _keel_ph_tcache(ph);
   if (keel_unlikely(tc == NULL)) return KEEL_ENOMEM;
   ph_redo_entry_t e[PH_REDO_MAX];
@@ -195,6 +199,7 @@ int keel_pheap_publish(keel_pheap_t *ph, keel_pheap_act_t *acts, size_t n) {
 
 void keel_pheap_cancel(keel_pheap_t *ph, keel_pheap_act_t *acts, size_t n) {
   if (ph == NULL || acts == NULL) return;
+  PH_NOT_FORKED(ph, "keel_pheap_cancel");
   ph_tcache_t *tc = _keel_ph_tcache(ph);
   if (tc == NULL) return;
   for (size_t i = 0; i < n; i++) {
@@ -209,6 +214,7 @@ void *keel_pheap_root(keel_pheap_t *ph, size_t size) {
     errno = EINVAL;
     return NULL;
   }
+  PH_NOT_FORKED(ph, "keel_pheap_root");
   pthread_mutex_lock(&ph->root_lock);
   _keel_ph_holds++; /* a transaction's thread may wait for root_lock */
   int rc = 0;
@@ -226,6 +232,7 @@ void *keel_pheap_root(keel_pheap_t *ph, size_t size) {
 }
 
 void keel_pheap_persist(keel_pheap_t *ph, const void *p, size_t len) {
+  PH_NOT_FORKED(ph, "keel_pheap_persist");
   ph_tcache_t *tc = _keel_ph_tcache(ph);
   if (tc == NULL) keel_die("keel_pheap_persist", "out of memory for the thread cache");
   _keel_pm_flush(ph, tc, p, len, PH_S_NONE);

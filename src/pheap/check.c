@@ -189,6 +189,7 @@ int keel_pheap_stats(keel_pheap_t *ph, keel_pheap_stats_t *st) {
   if (ph == NULL || st == NULL)
     return KEEL_REJECT(KEEL_EINVAL, "keel_pheap_stats", "pool %p, stats %p", (void *)ph,
                        (void *)st);
+  PH_NOT_FORKED(ph, "keel_pheap_stats"); /* the parent's counters, under its lock */
   walk_t w;
   memset(&w, 0, sizeof w);
   w.base = ph->view.base;

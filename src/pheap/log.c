@@ -89,7 +89,9 @@ __thread unsigned _keel_ph_holds;
  * what others may wait for (_keel_ph_holds: a transaction's lane on some
  * pool, or a root_lock) and finds every lane busy waits on one of those:
  * they are held only by atomic operations, which finish without waiting for
- * a lane, so its wait ends. Waiting on a transaction's lane instead could
+ * a lane (their other waits are for logs already in flight, or for a
+ * checkpoint, which waits for nothing else; the deferrer they may call must
+ * not block, pheap.h), so its wait ends. Waiting on a transaction's lane instead could
  * close a cycle: a transaction on pool A whose atomic operation on B finds
  * every B lane held by transactions doing the same on A; or a root_lock
  * holder waiting on the lane of a transaction that waits for root_lock.
@@ -434,6 +436,7 @@ void _keel_ph_checkpoint_soon(keel_pheap_t *ph) {
 }
 
 void keel_pheap_set_deferrer(keel_pheap_t *ph, keel_pheap_defer_fn defer, void *arg) {
+  PH_NOT_FORKED(ph, "keel_pheap_set_deferrer");
   ph->defer = defer;
   ph->defer_arg = arg;
 }

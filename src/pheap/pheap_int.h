@@ -62,7 +62,7 @@
 #define PH_ZONE_META   ((uint64_t)PH_ZONE_CHUNKS * 8)
 #define PH_ZONE_BYTES  (PH_ZONE_META + PH_ZONE_CHUNKS * PH_CHUNK)
 #define PH_NLANES                                                                                  \
-  64u /* threads beyond this wait for a lane (measured: 16 lanes lost 2x to libpmemobj at 256 threads) */
+  64u /* threads beyond this wait for a lane (measured: 16 lanes lost 2x to libpmemobj at 256 threads); transactions take PH_TX_LANES of them */
 /* Lanes no transaction takes: what a thread that holds a lane or root_lock
  * waits on (log.c). Two, so that such waits do not all queue on one. */
 #define PH_ATOMIC_LANES   2u
@@ -288,6 +288,7 @@ struct keel_pheap {
   keel_atomic(uint64_t) size;   /* mapped and usable bytes */
   uint64_t reserve;             /* reserved address space */
   uint64_t id;
+  unsigned gen; /* _keel_ph_fork_gen when opened: another means a forked child */
   int fd;
   int flush_mode; /* KEEL_FLUSH_* resolved */
   bool sim;       /* simulated media: private map, pwrite at drain */
@@ -407,6 +408,24 @@ void _keel_pm_sim_writeall(keel_pheap_t *ph) KEEL_HIDDEN;
 
 /* ---- thread caches (tcache.c) ---- */
 ph_tcache_t *_keel_ph_tcache(keel_pheap_t *ph) KEEL_HIDDEN;
+/* Bumped in a forked child (pthread_atfork, tcache.c). A pool opened under
+ * another generation was opened by the parent, which still uses the shared
+ * mapping: the child may read it and close it (forgetting its copy, the
+ * file untouched), nothing else. */
+extern keel_atomic(unsigned) _keel_ph_fork_gen KEEL_HIDDEN;
+KEEL_NORETURN void _keel_ph_forked_die(keel_pheap_t *ph, const char *call) KEEL_HIDDEN;
+static inline bool _keel_ph_forked(keel_pheap_t *ph) {
+  return ph->gen != keel_load_relaxed(&_keel_ph_fork_gen);
+}
+#define PH_NOT_FORKED(ph, call)                                                                    \
+  do {                                                                                             \
+    if (keel_unlikely(_keel_ph_forked(ph))) _keel_ph_forked_die(ph, call);                         \
+  } while (0)
+/* Close in a forked child: this thread's slots and the pool's caches are
+ * forgotten without a lock another (parent) thread may have held at fork. */
+void _keel_ph_tcaches_forget(keel_pheap_t *ph) KEEL_HIDDEN;
+/* The same for this thread's transaction on ph, if one is open (tx.c). */
+void _keel_ph_tx_forget(keel_pheap_t *ph) KEEL_HIDDEN;
 /* As _keel_ph_tcache, and the cache is not evicted (freed) until unpinned:
  * for a caller that keeps the pointer across API calls (a transaction). At
  * most one pin per thread. NULL: out of memory. */

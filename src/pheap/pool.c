@@ -81,19 +81,22 @@ static int map_tail(keel_pheap_t *ph, uint64_t from, uint64_t to, bool first) {
   return p == MAP_FAILED ? -errno : 0;
 }
 
-static void ph_free_volatile(keel_pheap_t *ph) {
-  if (ph->classq) {
+/* locks: destroy the mutexes (not in a forked child, where a thread of
+ * the parent may have held one at fork). */
+static void ph_free_volatile(keel_pheap_t *ph, bool locks) {
+  if (ph->classq && locks)
     for (unsigned i = 0; i < ph->narenas * _keel_ph_nclasses; i++)
       pthread_mutex_destroy(&ph->classq[i].lock);
-    free(ph->classq);
-  }
-  for (unsigned i = 0; i < PH_NLANES; i++) {
+  free(ph->classq);
+  for (unsigned i = 0; i < PH_NLANES && locks; i++) {
     pthread_mutex_destroy(&ph->lanes[i].lock);
     pthread_mutex_destroy(&ph->lanes[i].dirty_lock);
   }
-  pthread_mutex_destroy(&ph->ckpt_lock);
-  pthread_mutex_destroy(&ph->lock);
-  pthread_mutex_destroy(&ph->root_lock);
+  if (locks) {
+    pthread_mutex_destroy(&ph->ckpt_lock);
+    pthread_mutex_destroy(&ph->lock);
+    pthread_mutex_destroy(&ph->root_lock);
+  }
   free(ph->chunk_free);
   free(ph->chunk_run);
   free(ph->path);
@@ -118,6 +121,7 @@ static keel_pheap_t *ph_start(const char *path, int fd, uint64_t size, unsigned 
     return fail_null(_keel_ph_err(KEEL_ENOMEM, path, "out of memory"));
   }
   ph->fd = fd;
+  ph->gen = keel_load_relaxed(&_keel_ph_fork_gen);
   pthread_mutex_init(&ph->lock, NULL);
   pthread_mutex_init(&ph->root_lock, NULL);
   for (unsigned i = 0; i < PH_NLANES; i++) {
@@ -195,7 +199,7 @@ static keel_pheap_t *ph_start(const char *path, int fd, uint64_t size, unsigned 
 fail:
   _keel_ph_tcaches_destroy(ph);
   _keel_ph_heap_fini(ph);
-  ph_free_volatile(ph);
+  ph_free_volatile(ph, true);
   return fail_null(rc);
 }
 
@@ -351,6 +355,15 @@ keel_pheap_t *keel_pheap_create(const char *path, const char *layout, size_t siz
 
 int keel_pheap_close(keel_pheap_t *ph) {
   if (ph == NULL) return KEEL_REJECT(KEEL_EINVAL, "keel_pheap_close", "pool is NULL");
+  if (keel_unlikely(_keel_ph_forked(ph))) {
+    /* The parent's pool: forget our copy; the file, its flock (shared with
+     * the parent's descriptor) and the parent's logs are left alone. */
+    _keel_ph_tx_forget(ph);
+    _keel_ph_tcaches_forget(ph);
+    _keel_ph_heap_fini(ph);
+    ph_free_volatile(ph, false);
+    return 0;
+  }
   /* An open transaction holds a lane and a pinned thread cache that close
    * would free under it. (A thread that exits inside one rolls it back;
    * close it only after joining that thread, whose exit is still inside
@@ -371,7 +384,7 @@ int keel_pheap_close(keel_pheap_t *ph) {
   if (ph->sim) _keel_pm_sim_writeall(ph);
   _keel_ph_tcaches_destroy(ph);
   _keel_ph_heap_fini(ph);
-  ph_free_volatile(ph);
+  ph_free_volatile(ph, true);
   return 0;
 }
 

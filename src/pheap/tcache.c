@@ -14,6 +14,17 @@
  * evicted: the only holder is an open transaction (tx.c keeps tx.tc from
  * begin to end), and a thread has at most one, so with PH_TC_SLOTS >= 2
  * some slot is always unpinned.
+ *
+ * Fork: a child inherits the parent's pools (the MAP_SHARED mapping, the
+ * flock'd file description) and copies of their volatile state, while the
+ * parent goes on using them. Any change the child made (an allocation, a
+ * rollback, close's checkpoint raising the watermark past the parent's logs
+ * in flight) would corrupt the parent's pool, and the locks the parent's
+ * other threads held at fork stay held in the child. So the child handler
+ * bumps _keel_ph_fork_gen: calls that would change such a pool die naming
+ * it, reads work, and close forgets the child's copy without touching the
+ * file or taking a pool lock. registry_lock is held across fork, so the
+ * child finds it free.
  */
 #include <stdlib.h>
 
@@ -39,6 +50,29 @@ _Static_assert(PH_TC_SLOTS >= 2, "a thread's pinned slot must leave one to evict
 static __thread tc_slot_t tc_slots[PH_TC_SLOTS];
 static __thread keel_thread_hook_t tc_hook;
 static pthread_mutex_t registry_lock = PTHREAD_MUTEX_INITIALIZER;
+keel_atomic(unsigned) _keel_ph_fork_gen;
+
+static void atfork_prepare(void) {
+  pthread_mutex_lock(&registry_lock);
+}
+static void atfork_parent(void) {
+  pthread_mutex_unlock(&registry_lock);
+}
+static void atfork_child(void) {
+  pthread_mutex_unlock(&registry_lock);
+  keel_store_relaxed(&_keel_ph_fork_gen, keel_load_relaxed(&_keel_ph_fork_gen) + 1);
+}
+static void atfork_register(void) {
+  if (pthread_atfork(atfork_prepare, atfork_parent, atfork_child) != 0)
+    keel_die("keel_pheap", "pthread_atfork failed");
+}
+
+void _keel_ph_forked_die(keel_pheap_t *ph, const char *call) {
+  keel_die(call,
+           "%s: used in a forked child, but the pool is the parent's (a child may read it "
+           "and close it; to change it, open it after the parent has closed it)",
+           ph->path);
+}
 
 void _keel_ph_tcache_return(keel_pheap_t *ph, ph_tcache_t *tc) KEEL_HIDDEN;
 
@@ -76,6 +110,8 @@ static bool id_live(uint64_t id) {
 
 int _keel_ph_registry_add(keel_pheap_t *ph) KEEL_HIDDEN;
 int _keel_ph_registry_add(keel_pheap_t *ph) {
+  static pthread_once_t once = PTHREAD_ONCE_INIT;
+  pthread_once(&once, atfork_register);
   pthread_mutex_lock(&registry_lock);
   if (nlive == live_cap) {
     size_t cap = live_cap ? live_cap * 2 : 8;
@@ -94,7 +130,8 @@ int _keel_ph_registry_add(keel_pheap_t *ph) {
 
 static void tc_slot_release(tc_slot_t *s) {
   pthread_mutex_lock(&registry_lock);
-  if (s->tc != NULL && id_live(s->id)) tc_retire(s->tc);
+  /* A parent's pool in a forked child: its runs and lock are not ours. */
+  if (s->tc != NULL && id_live(s->id) && !_keel_ph_forked(s->ph)) tc_retire(s->tc);
   pthread_mutex_unlock(&registry_lock);
   *s = (tc_slot_t){NULL, 0, NULL, 0};
 }
@@ -144,6 +181,7 @@ static KEEL_NOINLINE ph_tcache_t *tcache_slow(keel_pheap_t *ph) {
 }
 
 ph_tcache_t *_keel_ph_tcache(keel_pheap_t *ph) {
+  PH_NOT_FORKED(ph, "keel_pheap");
   for (unsigned i = 0; i < PH_TC_SLOTS; i++)
     if (tc_slots[i].ph == ph && tc_slots[i].id == ph->id) return tc_slots[i].tc;
   return tcache_slow(ph);
@@ -169,7 +207,7 @@ void _keel_ph_tcache_unpin(ph_tcache_t *tc) {
   if (s != NULL && s->pins > 0) s->pins--;
 }
 
-void _keel_ph_tcaches_destroy(keel_pheap_t *ph) {
+static void tcaches_free(keel_pheap_t *ph, bool forked) {
   pthread_mutex_lock(&registry_lock);
   for (size_t i = 0; i < nlive; i++)
     if (live_ids[i] == ph->id) live_ids[i] = live_ids[--nlive];
@@ -178,10 +216,10 @@ void _keel_ph_tcaches_destroy(keel_pheap_t *ph) {
     live_ids = NULL;
     live_cap = 0;
   }
-  pthread_mutex_lock(&ph->lock);
+  if (!forked) pthread_mutex_lock(&ph->lock);
   ph_tcache_t *tc = ph->caches;
   ph->caches = NULL;
-  pthread_mutex_unlock(&ph->lock);
+  if (!forked) pthread_mutex_unlock(&ph->lock);
   for (unsigned i = 0; i < PH_TC_SLOTS; i++)
     if (tc_slots[i].id == ph->id) tc_slots[i] = (tc_slot_t){NULL, 0, NULL, 0};
   while (tc) {
@@ -191,4 +229,12 @@ void _keel_ph_tcaches_destroy(keel_pheap_t *ph) {
     tc = next;
   }
   pthread_mutex_unlock(&registry_lock);
+}
+
+void _keel_ph_tcaches_destroy(keel_pheap_t *ph) {
+  tcaches_free(ph, false);
+}
+
+void _keel_ph_tcaches_forget(keel_pheap_t *ph) {
+  tcaches_free(ph, true);
 }

@@ -104,7 +104,9 @@ static void tx_thread_exit(void *arg) {
    * good (a thread whose lane search starts there then waits forever) and
    * its reserved blocks: roll the transaction back, end it, and say so. Our
    * hook was armed after the thread cache's, so the cache is still here. */
-  if (tx.depth > 0) {
+  if (tx.depth > 0 && _keel_ph_forked(tx.ph)) {
+    _keel_ph_tx_forget(tx.ph); /* the parent's: its thread goes on with it */
+  } else if (tx.depth > 0) {
     _keel_warn("keel_tx_end: %s: a thread exited inside a transaction; %s", tx.ph->path,
                tx.committed ? "it had committed: ended" : "rolled back");
     keel_tx_abort(KEEL_ECANCELED); /* nothing to undo once committed */
@@ -174,14 +176,24 @@ static int tx_fail(int err) {
   return err;
 }
 
+/* A transaction open in the parent when it forked lives on in the child's
+ * copy of this thread: the parent's thread goes on with it, so the child
+ * must neither commit nor roll it back. */
+static void tx_not_forked(const char *call) {
+  if (tx.depth > 0) PH_NOT_FORKED(tx.ph, call);
+}
+
 static int tx_check(void) {
   if (tx.depth == 0) return KEEL_EPERM;
+  tx_not_forked("keel_tx");
   if (tx.aborted || tx.committed) return KEEL_ECANCELED;
   return 0;
 }
 
 int keel_tx_begin(keel_pheap_t *ph) {
   if (ph == NULL) return KEEL_REJECT(KEEL_EINVAL, "keel_tx_begin", "pool is NULL");
+  PH_NOT_FORKED(ph, "keel_tx_begin");
+  tx_not_forked("keel_tx_begin");
   if (tx.depth > 0) {
     if (tx.ph != ph)
       return KEEL_REJECT(KEEL_EINVAL, "keel_tx_begin",
@@ -215,6 +227,16 @@ int keel_tx_begin(keel_pheap_t *ph) {
   tx.novf = 0;
   tx.nr = tx.nn = tx.na = 0;
   return 0;
+}
+
+void _keel_ph_tx_forget(keel_pheap_t *ph) {
+  if (tx.depth == 0 || tx.ph != ph) return;
+  _keel_ph_holds--;
+  tx.depth = 0;
+  tx.ph = NULL;
+  tx.tc = NULL;
+  tx.lane = NULL;
+  tx.na = tx.nn = tx.nr = 0;
 }
 
 int keel_tx_depth(void) {
@@ -644,11 +666,13 @@ int keel_tx_commit(void) {
 
 void keel_tx_abort(int err) {
   if (tx.depth == 0) return;
+  tx_not_forked("keel_tx_abort");
   tx_fail(err < 0 ? err : KEEL_ECANCELED);
 }
 
 int keel_tx_end(void) {
   if (tx.depth == 0) return KEEL_EPERM;
+  tx_not_forked("keel_tx_end");
   if (--tx.depth > 0) return tx.aborted ? tx.err : 0;
   if (!tx.committed && !tx.aborted) tx_fail(KEEL_ECANCELED);
   int rc = tx.committed ? 0 : tx.err;

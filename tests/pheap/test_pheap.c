@@ -1963,7 +1963,7 @@ static void test_cross_pool_atomic_ops_all_lanes_busy(void) {
   atomic_uint entered = 0;
   xpool_arg_t a[2 * PH_NLANES];
   pthread_t t[2 * PH_NLANES];
-  alarm(60);
+  alarm(120); /* 16 s under TSan on a loaded 2-core machine */
   for (unsigned s = 0; s < 2; s++)
     for (unsigned i = PH_TX_LANES; i < PH_NLANES; i++) pthread_mutex_lock(&ph[s]->lanes[i].lock);
   for (unsigned i = 0; i < 2 * PH_NLANES; i++) {
@@ -1990,9 +1990,11 @@ static void test_cross_pool_atomic_ops_all_lanes_busy(void) {
 /* Bug: the first keel_pheap_root allocates under root_lock. With every lane
  * held by transactions, the root's allocation waited on a transaction's
  * lane while that transaction's thread waited for root_lock. Here
- * transactions take the lanes, this thread calls keel_pheap_root, and each
- * transaction calls it too (after a pause, so that most find root_lock
- * held); the alarm fails a hang. */
+ * transactions take their lanes and this thread holds the two kept from
+ * them; another thread calls keel_pheap_root, which finds every lane busy
+ * and must wait for a kept one while it holds root_lock; then each
+ * transaction calls keel_pheap_root too, and this thread lets the kept
+ * lanes go. The alarm fails a hang. */
 typedef struct rootw_arg {
   keel_pheap_t *ph;
   atomic_uint *entered, *go;
@@ -2003,10 +2005,17 @@ static void *rootw_thread(void *p) {
   KT_EQ(keel_tx_begin(a->ph), 0);
   atomic_fetch_add(a->entered, 1);
   while (!atomic_load(a->go)) usleep(1000);
-  usleep(20 * 1000);
   KT_CHECK(keel_pheap_root(a->ph, sizeof(root_t)) != NULL);
   KT_EQ(keel_tx_commit(), 0);
   KT_EQ(keel_tx_end(), 0);
+  return NULL;
+}
+
+static void *rootw_first(void *p) {
+  /* Its cache's lane hint is a transaction's lane (the round robin could
+   * have given it a kept one, which would hide the bug). */
+  _keel_ph_tcache(p)->lane_hint = 0;
+  KT_CHECK(keel_pheap_root(p, sizeof(root_t)) != NULL);
   return NULL;
 }
 
@@ -2015,15 +2024,19 @@ static void test_root_while_transactions_hold_lanes(void) {
   keel_pheap_t *ph = create_pool(p, sizeof p, "rootw");
   atomic_uint entered = 0, go = 0;
   rootw_arg_t a = {ph, &entered, &go};
-  pthread_t t[PH_NLANES];
-  alarm(60);
-  for (unsigned i = 0; i < PH_NLANES; i++)
+  pthread_t t[PH_TX_LANES], first;
+  alarm(120);
+  for (unsigned i = PH_TX_LANES; i < PH_NLANES; i++) pthread_mutex_lock(&ph->lanes[i].lock);
+  for (unsigned i = 0; i < PH_TX_LANES; i++)
     KT_REQUIRE(pthread_create(&t[i], NULL, rootw_thread, &a) == 0);
-  wait_entered(&entered, PH_TX_LANES);
+  while (atomic_load(&entered) < PH_TX_LANES) usleep(1000);
+  KT_REQUIRE(pthread_create(&first, NULL, rootw_first, ph) == 0);
+  usleep(50 * 1000); /* it holds root_lock and waits for a lane */
   atomic_store(&go, 1);
-  root_t *r = keel_pheap_root(ph, sizeof *r);
-  KT_CHECK(r != NULL);
-  for (unsigned i = 0; i < PH_NLANES; i++) pthread_join(t[i], NULL);
+  usleep(50 * 1000); /* the transactions wait for root_lock */
+  for (unsigned i = PH_TX_LANES; i < PH_NLANES; i++) pthread_mutex_unlock(&ph->lanes[i].lock);
+  pthread_join(first, NULL);
+  for (unsigned i = 0; i < PH_TX_LANES; i++) pthread_join(t[i], NULL);
   alarm(0);
   KT_EQ(count_type(ph, PH_ROOT_TYPE), 1);
   KT_EQ(keel_pheap_close(ph), 0);
@@ -2299,6 +2312,102 @@ static void test_thread_exit_inside_tx(void) {
   unlink(p);
 }
 
+/* A forked child and its parent's pools. The parent goes on using them, so
+ * a child's change would corrupt them (close's checkpoint raised the
+ * watermark past the parent's logs; a rollback of the parent's open
+ * transaction undid its stores under it). Calls that would change the pool
+ * die naming it; reads work; close forgets the child's copy, leaves the
+ * file as it was, and does not wait for a transaction another thread of the
+ * parent had open (it returned KEEL_EBUSY for good). */
+static keel_pheap_t *fork_ph;
+
+static void forked_alloc_child(void *arg) {
+  keel_poff_t *slot = arg;
+  keel_pheap_alloc(fork_ph, slot, 64, 1);
+}
+
+static void forked_commit_child(void *arg) {
+  (void)arg;
+  keel_tx_commit();
+}
+
+/* A child reads, then closes; true if it all went as it should and the
+ * file is as it was. */
+static bool forked_reads_and_close(const char *p, keel_poff_t obj) {
+  uint64_t before = tp_fingerprint(p);
+  fflush(stdout);
+  fflush(stderr);
+  pid_t pid = fork();
+  if (pid == 0) {
+    bool ok = keel_pheap_usable_size(fork_ph, obj) >= 100 && keel_pheap_type(fork_ph, obj) == 5 &&
+              count_type(fork_ph, 5) == 1 && keel_pheap_close(fork_ph) == 0;
+    _exit(ok ? 0 : 1);
+  }
+  int status = 0;
+  KT_REQUIRE(waitpid(pid, &status, 0) == pid);
+  KT_CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+  return tp_fingerprint(p) == before;
+}
+
+typedef struct fork_tx_arg {
+  keel_pheap_t *ph;
+  root_t *r;
+  pthread_barrier_t bar;
+} fork_tx_arg_t;
+
+static void *fork_tx_thread(void *p) {
+  fork_tx_arg_t *a = p;
+  KT_EQ(keel_tx_begin(a->ph), 0);
+  KT_EQ(keel_tx_add_range(&a->r->counter[1], 8), 0);
+  a->r->counter[1] = 11;
+  pthread_barrier_wait(&a->bar); /* in the transaction: the parent forks */
+  pthread_barrier_wait(&a->bar);
+  KT_EQ(keel_tx_commit(), 0);
+  KT_EQ(keel_tx_end(), 0);
+  return NULL;
+}
+
+static void test_forked_child(void) {
+  char p[256], expect[400];
+  fork_ph = create_pool(p, sizeof p, "fork");
+  root_t *r = keel_pheap_root(fork_ph, sizeof *r);
+  KT_REQUIRE(r != NULL);
+  KT_EQ(keel_pheap_alloc(fork_ph, &r->slot[0], 100, 5), 0);
+  /* A log above the watermark: a checkpoint in close would raise it. */
+  KT_CHECK(fork_ph->seq > fork_ph->hdr->ckpt_seq);
+  KT_CHECK(forked_reads_and_close(p, r->slot[0]));
+  snprintf(expect, sizeof expect,
+           "keel_pheap_alloc: %s: used in a forked child, but the pool is the parent's", p);
+  KT_EXPECT_ABORT(forked_alloc_child, &r->slot[1], expect);
+  /* This thread's transaction, open at fork. */
+  KT_EQ(keel_tx_begin(fork_ph), 0);
+  KT_EQ(keel_tx_add_range(&r->counter[0], 8), 0);
+  r->counter[0] = 7;
+  snprintf(expect, sizeof expect, "keel_tx: %s: used in a forked child", p);
+  KT_EXPECT_ABORT(forked_commit_child, NULL, expect);
+  KT_CHECK(forked_reads_and_close(p, r->slot[0]));
+  KT_EQ(keel_tx_commit(), 0);
+  KT_EQ(keel_tx_end(), 0);
+  KT_EQ(r->counter[0], 7);
+  /* Another thread's transaction, open at fork. */
+  fork_tx_arg_t a = {.ph = fork_ph, .r = r};
+  pthread_barrier_init(&a.bar, NULL, 2);
+  pthread_t t;
+  KT_REQUIRE(pthread_create(&t, NULL, fork_tx_thread, &a) == 0);
+  pthread_barrier_wait(&a.bar);
+  KT_CHECK(forked_reads_and_close(p, r->slot[0]));
+  pthread_barrier_wait(&a.bar);
+  pthread_join(t, NULL);
+  pthread_barrier_destroy(&a.bar);
+  KT_EQ(r->counter[1], 11);
+  /* The parent's pool is whole and still its own. */
+  KT_EQ(keel_pheap_alloc(fork_ph, &r->slot[1], 64, 5), 0);
+  KT_EQ(count_type(fork_ph, 5), 2);
+  KT_EQ(keel_pheap_close(fork_ph), 0);
+  KT_EQ(keel_pheap_check(p), 0);
+  unlink(p);
+}
+
 /* keel_pheap_close while a transaction on the pool is open, in this
  * thread or another: KEEL_EBUSY and the pool stays usable; once the
  * transaction ends, close succeeds. */
@@ -2385,4 +2494,5 @@ KT_MAIN(KT_CASE(test_create_open_close), KT_CASE(test_bad_wrong_layout),
         KT_CASE(test_cross_pool_atomic_ops_all_lanes_busy),
         KT_CASE(test_root_while_transactions_hold_lanes),
         KT_CASE(test_tx_stress_wraps_and_full_logs), KT_CASE(test_deferrer_calls_back_into_pool),
-        KT_CASE(test_thread_exit_inside_tx), KT_CASE(test_close_with_open_transaction))
+        KT_CASE(test_thread_exit_inside_tx), KT_CASE(test_close_with_open_transaction),
+        KT_CASE(test_forked_child))
