@@ -39,7 +39,10 @@
  *
  * Calling submit, run, after or stats before keel_sched_init initialises the pool
  * with the defaults of KEEL_OPTIONS (sched_min_threads, sched_max_threads,
- * sched_idle_ms, sched_block_ms, sched_spin_us).
+ * sched_idle_ms, sched_block_ms, sched_spin_us). The others need no running
+ * pool and start none: cancel finds no job (KEEL_ENOENT), client create and
+ * destroy touch only the client, and shutdown leaves a never-started pool
+ * shut down without starting threads to stop them.
  *
  * fork: the child gets a pool of its own, not yet started (its first call
  * starts it with the parent's configuration), or a shut-down one if the

@@ -96,7 +96,8 @@ typedef struct sched_worker {
   keel_atomic(uint64_t) nrun[PRIO_COUNT]; /* (own) fn calls returned */
   uint64_t busy_ns;                       /* (own) when it last ran a job */
   unsigned fast_max;                      /* (own) next batch size, 1..KEEL_SCHED_BATCH */
-  unsigned shard; /* where its heap's timers are enqueued when they fire, by it or by the
+  uint64_t behind_ns; /* (own) since when its takes have left work behind; 0: not now */
+  unsigned shard;     /* where its heap's timers are enqueued when they fire, by it or by the
                    * monitor: one shard per heap keeps their deadline order */
   /* Timers: a binary min-heap on job->_t; job->_l[1] is the slot. */
   pthread_mutex_t tlock;
@@ -115,7 +116,9 @@ typedef struct sched_worker {
  * (keel-bench sched latency, 256 paced producers on 2 cores: p99 6.8-10 ms
  * with 8 shards, 0.6-1.6 ms with 32). Per-thread FIFO order holds (a thread
  * always uses one shard); across threads there was none to keep. */
-#define SCHED_SHARDS 32 /* <= 64: the staging masks are 64-bit */
+#define SCHED_SHARDS   32 /* <= 64: the staging masks are 64-bit */
+/* How long a worker leaves work behind before it wakes a sibling (worker.c). */
+#define SCHED_CHAIN_NS 25000u
 typedef struct sched_shard {
   struct __cds_wfcq_head head KEEL_CACHE_ALIGNED;  /* fast lane, consumers' end */
   struct cds_wfcq_tail tail KEEL_CACHE_ALIGNED;    /* fast lane, producers' end */

@@ -505,6 +505,55 @@ static void grow_blocking_jobs(void) {
   grow_and_shrink(KEEL_JOB_BLOCKING);
 }
 
+/* KEEL_OPTIONS gives a lazily started pool its configuration. A fresh
+ * process (this binary, run again with the variable set) starts its pool
+ * with its first submit: sched_min_threads workers, growing under blocking
+ * jobs to sched_max_threads and no further, back to min after
+ * sched_idle_ms. */
+static void options_from_env(void) {
+  if (getenv("KEEL_TEST_SCHED_OPTIONS_CHILD") == NULL) {
+    fflush(stdout);
+    fflush(stderr);
+    pid_t pid = fork();
+    if (pid == 0) {
+      setenv("KEEL_OPTIONS", "sched_min_threads=3,sched_max_threads=5,sched_idle_ms=100", 1);
+      setenv("KEEL_TEST_SCHED_OPTIONS_CHILD", "1", 1);
+      execl("/proc/self/exe", "test_sched", "options_from_env", (char *)NULL);
+      _exit(127);
+    }
+    int status = 0;
+    KT_REQUIRE(waitpid(pid, &status, 0) == pid);
+    KT_CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+    return;
+  }
+  tjob_t first;
+  tjob_init(&first, 0, 0);
+  KT_EQ(keel_sched_submit(&first.job), 0); /* no keel_sched_init */
+  KT_CHECK(kt_wait_for(all_done, NULL, 10));
+  keel_sched_stats_t st;
+  KT_EQ(keel_sched_stats(&st), 0);
+  KT_EQ(st.threads, 3);
+  enum { N = 20 };
+  static tjob_t t[N];
+  for (int i = 0; i < N; i++) {
+    tjob_init(&t[i], i, KEEL_JOB_BLOCKING);
+    t[i].job.fn = sleepy_fn;
+    KT_EQ(keel_sched_submit(&t[i].job), 0);
+  }
+  unsigned peak = 0;
+  double end = kt_now() + 20;
+  while (!all_done(NULL) && kt_now() < end) {
+    keel_sched_stats(&st);
+    if (st.threads > peak) peak = st.threads;
+    KT_CHECK(st.threads <= 5);
+    kt_sleep_ms(1);
+  }
+  KT_EQ(peak, 5);
+  unsigned min = 3;
+  KT_CHECK(kt_wait_for(threads_at_min, &min, 10));
+  KT_EQ(keel_sched_shutdown(KEEL_SCHED_DRAIN), 0);
+}
+
 static atomic_int run_hits;
 static void run_fn(void *arg) {
   atomic_fetch_add(&run_hits, *(int *)arg);
@@ -845,6 +894,27 @@ static void one_wakeup_per_burst(void) {
     woke_one += b.wakeups - a.wakeups == 1;
   }
   KT_CHECK(woke_one >= 10); /* of 20 rounds */
+  /* Bursts of 8 jobs: the submit that finds the queue empty wakes one
+   * worker, the other 7 wake nobody, and the woken worker, which drains 8
+   * jobs in batches of 1, 2, 4 and 1, wakes nobody either (it did, at each
+   * full batch: 3 wake-ups per burst). */
+  woke_one = 0;
+  for (int round = 0; round < 20; round++) {
+    KT_REQUIRE(kt_wait_for(all_parked, &n, 10));
+    keel_sched_stats_t a, b;
+    keel_sched_stats(&a);
+    static tjob_t t[8];
+    for (int i = 0; i < 8; i++) {
+      tjob_init(&t[i], i, 0);
+      KT_EQ(keel_sched_submit(&t[i].job), 0);
+    }
+    KT_CHECK(kt_wait_for(all_done, NULL, 10));
+    KT_REQUIRE(kt_wait_for(all_parked, &n, 10));
+    keel_sched_stats(&b);
+    KT_CHECK(b.wakeups - a.wakeups <= 2);
+    woke_one += b.wakeups - a.wakeups == 1;
+  }
+  KT_CHECK(woke_one >= 10);
 }
 
 static void stats_counts(void) {
@@ -1214,10 +1284,11 @@ KT_MAIN(KT_CASE(lazy_init), KT_CASE(bad_input), KT_CASE(submit_after_shutdown),
         KT_CASE(cancel_queued_and_running), KT_CASE(cancel_timer), KT_CASE(cancel_during_shutdown),
         KT_CASE(shutdown_drains), KT_CASE(shutdown_cancels), KT_CASE(priority_bounds),
         KT_CASE(fairness_bound), KT_CASE(timers_in_order), KT_CASE(grow_long_jobs),
-        KT_CASE(grow_blocking_jobs), KT_CASE(run_convenience), KT_CASE(run_if_cancelled_thread),
-        KT_CASE(resubmit_from_inside), KT_CASE(timer_of_stuck_worker),
-        KT_CASE(timer_of_busy_worker), KT_CASE(timer_earlier_than_monitor_nap),
-        KT_CASE(timer_of_worker_entering_job_in_nap), KT_CASE(timer_from_outside_on_busy_worker),
-        KT_CASE(one_wakeup_per_burst), KT_CASE(stats_counts), KT_CASE(drain_grows_pool),
-        KT_CASE(timers_move_on_retire), KT_CASE(queued_prio_counts), KT_CASE(client_destroy_timed),
+        KT_CASE(grow_blocking_jobs), KT_CASE(options_from_env), KT_CASE(run_convenience),
+        KT_CASE(run_if_cancelled_thread), KT_CASE(resubmit_from_inside),
+        KT_CASE(timer_of_stuck_worker), KT_CASE(timer_of_busy_worker),
+        KT_CASE(timer_earlier_than_monitor_nap), KT_CASE(timer_of_worker_entering_job_in_nap),
+        KT_CASE(timer_from_outside_on_busy_worker), KT_CASE(one_wakeup_per_burst),
+        KT_CASE(stats_counts), KT_CASE(drain_grows_pool), KT_CASE(timers_move_on_retire),
+        KT_CASE(queued_prio_counts), KT_CASE(client_destroy_timed),
         KT_CASE(fork_child_gets_own_pool))
