@@ -11,13 +11,21 @@
  *              leaves out the producers' creation and exit), and
  *              jobs_per_cpu_s (jobs per CPU second of the process: on a
  *              shared machine, steadier than the wall-clock rate).
- *  cpu         the same run, tabled by sys CPU per million jobs.
+ *  cpu         the same run with 4M jobs x size, tabled by sys CPU per million
+ *              jobs. Longer because the kernel charges CPU time by the tick
+ *              (4 ms at HZ=250): over keel's 1M-job run (25-40 ms) its sys
+ *              time read as 0, 4 or 8 ms, and the ratio to a peer's swung
+ *              from 0.005 to above 1 between runs.
  *  latency     moderate load: 100k jobs/s in total, paced by the producers
  *              (each sleeps 1 ms, then submits what is due), 0.3 s x size;
  *              submit-to-start p50/p99/p999 in us.
  *  bursty      idle 100 ms, a burst of 200k jobs x size as fast as the
  *              producers go, idle 300 ms; threads alive during the burst and
  *              after the idle time, and the burst's latency percentiles.
+ *  timers      keel only (the peers have no timers): 2000 x size
+ *              keel_sched_after timers of 1-50 ms armed at once; how late each
+ *              job starts after its due time, p50/p99/max in us, and how many
+ *              started early (must be 0).
  *
  * Workers: the mutex pool and GThreadPool get one worker per CPU, the
  * issue's setup ("2 workers"); keel starts with as many (min_threads = CPUs)
@@ -289,8 +297,8 @@ static void span_end(void *ctx) {
   getrusage(RUSAGE_SELF, &sp->u1);
 }
 
-static int sb_throughput(const kb_params_t *p, kb_result_t *r) {
-  size_t total = (size_t)(1000000 * p->scale);
+static int sb_run_flood(const kb_params_t *p, kb_result_t *r, double jobs) {
+  size_t total = (size_t)(jobs * p->scale);
   size_t per = total / (size_t)p->threads;
   if (per < 1) per = 1;
   total = per * (size_t)p->threads;
@@ -312,6 +320,14 @@ static int sb_throughput(const kb_params_t *p, kb_result_t *r) {
   free(run.block_ns);
   free(run.jobs);
   return 0;
+}
+
+static int sb_throughput(const kb_params_t *p, kb_result_t *r) {
+  return sb_run_flood(p, r, 1e6);
+}
+
+static int sb_cpu(const kb_params_t *p, kb_result_t *r) {
+  return sb_run_flood(p, r, 4e6);
 }
 
 /* --- latency at moderate load --- */
@@ -419,6 +435,54 @@ static int sb_bursty(const kb_params_t *p, kb_result_t *r) {
   return 0;
 }
 
+/* --- timers (keel only) --- */
+
+static _Atomic uint32_t timer_early;
+
+/* submit_ns holds the due time; lat_ns how late the job started. */
+static void k_timer(keel_job_t *j) {
+  sb_job_t *sj = (sb_job_t *)j;
+  uint64_t now = keel_clock_ns();
+  if (now < sj->submit_ns) atomic_fetch_add(&timer_early, 1);
+  uint64_t d = now > sj->submit_ns ? now - sj->submit_ns : 1;
+  atomic_store_explicit(&sj->lat_ns, d > UINT32_MAX ? UINT32_MAX : (d ? (uint32_t)d : 1),
+                        memory_order_relaxed);
+}
+
+static int sb_timers(const kb_params_t *p, kb_result_t *r) {
+  size_t n = (size_t)(2000 * p->scale);
+  if (n < 1) n = 1;
+  keel_sched_config_t cfg;
+  keel_sched_config_default(&cfg);
+  cfg.min_threads = (unsigned)_keel_os_ncpu();
+  if (cfg.max_threads < cfg.min_threads) cfg.max_threads = cfg.min_threads;
+  if (keel_sched_init(&cfg) != 0) return 1;
+  sb_job_t *jobs = calloc(n, sizeof(sb_job_t));
+  atomic_store(&timer_early, 0);
+  uint64_t seed = 12345, t0 = keel_clock_ns();
+  for (size_t i = 0; i < n; i++) {
+    seed = seed * 6364136223846793005ull + 1442695040888963407ull;
+    uint64_t ms = 1 + (seed >> 33) % 50;
+    keel_job_init(&jobs[i].u.k, k_timer, 0);
+    jobs[i].submit_ns = keel_clock_ns() + ms * 1000000u;
+    if (keel_sched_after(&jobs[i].u.k, ms) != 0) return 1;
+  }
+  size_t cursor = 0;
+  while (!all_ran(jobs, n, &cursor)) {
+    struct timespec ts = {0, 1000000};
+    nanosleep(&ts, NULL);
+  }
+  r->ops = (double)n;
+  r->seconds = (double)(keel_clock_ns() - t0) / 1e9;
+  lat_extras(r, jobs, n);
+  kb_extra(r, "early", atomic_load(&timer_early));
+  keel_sched_shutdown(KEEL_SCHED_DRAIN);
+  free(jobs);
+  return 0;
+}
+
+static const kb_impl_t sb_keel_only[] = {{"keel", NULL}, {NULL, NULL}};
+
 static const kb_impl_t sb_impls[] = {{"keel", NULL},
                                      {"gthreadpool", NULL},
                                      {"mutex-pool", NULL},
@@ -430,12 +494,14 @@ static const kb_case_t sb_cases[] = {
      * single runs ranged 29M-49M jobs/s on the shared 2-core machine. */
     {"throughput", "1M empty jobs split over the producers; jobs/s until drained", sb_throughput,
      sb_impls, true, NULL, false, 7},
-    {"cpu", "the throughput run: sys CPU seconds per million jobs", sb_throughput, sb_impls, true,
-     "sys_s_per_Mjob", true, 7},
+    {"cpu", "4M empty jobs as in throughput: sys CPU seconds per million jobs", sb_cpu, sb_impls,
+     true, "sys_s_per_Mjob", true, 3},
     {"latency", "100k jobs/s paced by the producers; submit-to-start p99 (us)", sb_latency,
      sb_impls, true, "p99_us", true, 7},
     {"bursty", "idle 100 ms, burst of 200k jobs, idle 300 ms; threads left after the idle time",
      sb_bursty, sb_impls, true, "threads_idle", true},
+    {"timers", "2000 timers of 1-50 ms: start lateness p99 (us)", sb_timers, sb_keel_only, false,
+     "p99_us", true},
     {NULL}};
 
 KB_SUITE(sched, {"sched",
