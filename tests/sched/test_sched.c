@@ -554,6 +554,68 @@ static void options_from_env(void) {
   KT_EQ(keel_sched_shutdown(KEEL_SCHED_DRAIN), 0);
 }
 
+/* "No allocation on submit": in plain builds this binary's malloc family
+ * counts the calls a thread makes while its count_allocs is set (the
+ * sanitizers own malloc, so there the case only runs the submits). */
+static _Thread_local bool count_allocs;
+static atomic_long allocs_seen;
+#if !defined(__SANITIZE_ADDRESS__) && !defined(__SANITIZE_THREAD__)
+extern void *__libc_malloc(size_t n);
+extern void *__libc_calloc(size_t n, size_t size);
+extern void *__libc_realloc(void *p, size_t n);
+extern void *__libc_memalign(size_t align, size_t n);
+static void alloc_seen(void) {
+  if (count_allocs) atomic_fetch_add(&allocs_seen, 1);
+}
+void *malloc(size_t n) {
+  alloc_seen();
+  return __libc_malloc(n);
+}
+void *calloc(size_t n, size_t size) {
+  alloc_seen();
+  return __libc_calloc(n, size);
+}
+void *realloc(void *p, size_t n) {
+  alloc_seen();
+  return __libc_realloc(p, n);
+}
+void *aligned_alloc(size_t align, size_t n) {
+  alloc_seen();
+  return __libc_memalign(align, n);
+}
+int posix_memalign(void **p, size_t align, size_t n) {
+  alloc_seen();
+  *p = __libc_memalign(align, n);
+  return *p ? 0 : ENOMEM;
+}
+#define ALLOCS_COUNTED true
+#else
+#define ALLOCS_COUNTED false
+#endif
+
+static void *submit_counted(void *arg) {
+  tjob_t *t = arg;
+  count_allocs = true; /* from this thread's first submit on */
+  for (int i = 0; i < 200; i++) {
+    tjob_init(&t[i], i, i % 3 == 0 ? KEEL_JOB_HIGH : 0);
+    KT_EQ(keel_sched_submit(&t[i].job), 0);
+  }
+  count_allocs = false;
+  return NULL;
+}
+
+static void submit_allocates_nothing(void) {
+  start(2, 2, 1000, 20);
+  static tjob_t t[200];
+  atomic_store(&allocs_seen, 0);
+  pthread_t th;
+  KT_REQUIRE(pthread_create(&th, NULL, submit_counted, t) == 0);
+  pthread_join(th, NULL);
+  KT_CHECK(kt_wait_for(all_done, NULL, 10));
+  for (int i = 0; i < 200; i++) KT_EQ(atomic_load(&t[i].runs), 1);
+  if (ALLOCS_COUNTED) KT_EQ(atomic_load(&allocs_seen), 0);
+}
+
 static atomic_int run_hits;
 static void run_fn(void *arg) {
   atomic_fetch_add(&run_hits, *(int *)arg);
@@ -1284,8 +1346,8 @@ KT_MAIN(KT_CASE(lazy_init), KT_CASE(bad_input), KT_CASE(submit_after_shutdown),
         KT_CASE(cancel_queued_and_running), KT_CASE(cancel_timer), KT_CASE(cancel_during_shutdown),
         KT_CASE(shutdown_drains), KT_CASE(shutdown_cancels), KT_CASE(priority_bounds),
         KT_CASE(fairness_bound), KT_CASE(timers_in_order), KT_CASE(grow_long_jobs),
-        KT_CASE(grow_blocking_jobs), KT_CASE(options_from_env), KT_CASE(run_convenience),
-        KT_CASE(run_if_cancelled_thread), KT_CASE(resubmit_from_inside),
+        KT_CASE(grow_blocking_jobs), KT_CASE(options_from_env), KT_CASE(submit_allocates_nothing),
+        KT_CASE(run_convenience), KT_CASE(run_if_cancelled_thread), KT_CASE(resubmit_from_inside),
         KT_CASE(timer_of_stuck_worker), KT_CASE(timer_of_busy_worker),
         KT_CASE(timer_earlier_than_monitor_nap), KT_CASE(timer_of_worker_entering_job_in_nap),
         KT_CASE(timer_from_outside_on_busy_worker), KT_CASE(one_wakeup_per_burst),
