@@ -465,16 +465,10 @@ static void sleepy_fn(keel_job_t *j) {
 
 /* Sleeping jobs make the pool grow past the CPUs, never past max; idle
  * workers retire back to min. */
-static void grow_and_shrink(unsigned flags) {
-  unsigned max = 6, min = 1;
-  start(min, max, 100, 5);
-  enum { N = 24 };
-  static tjob_t t[N];
-  atomic_store(&max_concurrent, 0);
-  keel_sched_stats_t s0;
-  keel_sched_stats(&s0);
-  double t0 = kt_now();
-  for (int i = 0; i < N; i++) {
+/* Submits n sleepy jobs and watches the pool until they have run (20 s at
+ * most): it never exceeds max workers. Returns the most it had. */
+static unsigned submit_sleepy(tjob_t *t, int n, unsigned flags, unsigned max) {
+  for (int i = 0; i < n; i++) {
     tjob_init(&t[i], i, flags);
     t[i].job.fn = sleepy_fn;
     KT_EQ(keel_sched_submit(&t[i].job), 0);
@@ -488,6 +482,19 @@ static void grow_and_shrink(unsigned flags) {
     KT_CHECK(st.threads <= max);
     kt_sleep_ms(1);
   }
+  return peak;
+}
+
+static void grow_and_shrink(unsigned flags) {
+  unsigned max = 6, min = 1;
+  start(min, max, 100, 5);
+  enum { N = 24 };
+  static tjob_t t[N];
+  atomic_store(&max_concurrent, 0);
+  keel_sched_stats_t s0;
+  keel_sched_stats(&s0);
+  double t0 = kt_now();
+  unsigned peak = submit_sleepy(t, N, flags, max);
   for (int i = 0; i < N; i++) KT_EQ(atomic_load(&t[i].runs), 1);
   /* Rate limit: the monitor adds at most one worker per millisecond. */
   keel_sched_stats_t s1;
@@ -540,20 +547,7 @@ static void options_from_env(void) {
   KT_EQ(st.threads, 3);
   enum { N = 20 };
   static tjob_t t[N];
-  for (int i = 0; i < N; i++) {
-    tjob_init(&t[i], i, KEEL_JOB_BLOCKING);
-    t[i].job.fn = sleepy_fn;
-    KT_EQ(keel_sched_submit(&t[i].job), 0);
-  }
-  unsigned peak = 0;
-  double end = kt_now() + 20;
-  while (!all_done(NULL) && kt_now() < end) {
-    keel_sched_stats(&st);
-    if (st.threads > peak) peak = st.threads;
-    KT_CHECK(st.threads <= 5);
-    kt_sleep_ms(1);
-  }
-  KT_EQ(peak, 5);
+  KT_EQ(submit_sleepy(t, N, KEEL_JOB_BLOCKING, 5), 5);
   unsigned min = 3;
   KT_CHECK(kt_wait_for(threads_at_min, &min, 10));
   KT_EQ(keel_sched_shutdown(KEEL_SCHED_DRAIN), 0);
