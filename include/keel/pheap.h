@@ -12,10 +12,15 @@
  * same pool except keel_pheap_close (nothing may run during or after it).
  * A transaction belongs to the thread that began it. Objects themselves are
  * not locked: two threads changing the same bytes must synchronise.
- * After fork() the parent's pools stay the parent's: in the child, reads
- * (keel_pheap_ptr/off/usable_size/type/foreach) work, keel_pheap_close frees
- * the child's copy and leaves the file alone, and every other call on them
- * aborts naming the pool (a transaction the parent had open included).
+ * After fork() the parent's pools stay the parent's. In the child, reads
+ * work (keel_pheap_ptr/off/usable_size/type/foreach, and keel_pheap_root
+ * once the root exists) over the pool as it was mapped at fork: space the
+ * parent adds later is not mapped there. keel_pheap_close frees the child's
+ * copy and leaves the file alone; every other call on such a pool aborts
+ * naming it, as do the calls of a transaction the parent had open (a
+ * keel_tx_begin on a pool of the child's own replaces that one). To change
+ * the file, the child closes its copy and opens it once the parent has
+ * closed it (until then the file's lock is the parent's).
  *
  * Durability costs (persist barriers = fence or msync, see KEEL_OPTIONS
  * pheap_flush): atomic alloc/free/publish 1, plus a 2-barrier checkpoint

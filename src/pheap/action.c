@@ -214,7 +214,13 @@ void *keel_pheap_root(keel_pheap_t *ph, size_t size) {
     errno = EINVAL;
     return NULL;
   }
-  PH_NOT_FORKED(ph, "keel_pheap_root");
+  if (keel_unlikely(_keel_ph_forked(ph))) {
+    /* A child may read the parent's root; allocating it is a change. */
+    keel_poff_t off = ph->hdr->root_off;
+    if (off == 0 || keel_pheap_usable_size(ph, off) < size)
+      _keel_ph_forked_die(ph, "keel_pheap_root");
+    return ph->view.base + off;
+  }
   pthread_mutex_lock(&ph->root_lock);
   _keel_ph_holds++; /* a transaction's thread may wait for root_lock */
   int rc = 0;

@@ -351,10 +351,45 @@ static KEEL_NOINLINE void boot_for_object(keel_pheap_t *ph, uint32_t c, keel_pof
              (unsigned long long)off, ph->path);
 }
 
+/* Finds the class whose block is exactly `block`, or -1. */
+static int class_exact(uint32_t block) {
+  int c = _keel_ph_class_of(block);
+  return c >= 0 && _keel_ph_classes[c].block == block ? c : -1;
+}
+
+/* _keel_ph_live_class in a forked child, for a pool of the parent's: read
+ * from the media alone (chunk words, run header, bitmap), as
+ * keel_pheap_foreach reads them. The child's volatile index is the
+ * parent's as it was at fork, and booting more of it would take the
+ * parent's locks. A run's word is on its first chunk only, at most
+ * PH_MAX_RUN_CHUNKS - 1 chunks back. */
+static KEEL_NOINLINE int forked_live_class(keel_pheap_t *ph, uint32_t c, keel_poff_t off,
+                                           const char *call) {
+  uint64_t w = keel_load_acquire(ATOMIC64(ph_cword(ph, c)));
+  if (PH_CW_TYPE(w) == PH_CW_HUGE && off == ph_chunk_off(ph, c) + PH_OBJ_HDR) return -1;
+  for (uint32_t back = 0; back < PH_MAX_RUN_CHUNKS && back <= c; back++) {
+    w = keel_load_acquire(ATOMIC64(ph_cword(ph, c - back)));
+    if (PH_CW_TYPE(w) == PH_CW_FREE) continue; /* a run's later chunk, or free */
+    if (PH_CW_TYPE(w) != PH_CW_RUN || PH_CW_LEN(w) <= back) break;
+    uint32_t h = c - back;
+    const ph_run_hdr_t *rh = (const ph_run_hdr_t *)(ph->view.base + ph_chunk_off(ph, h));
+    int cls = class_exact(rh->block);
+    if (cls < 0) break;
+    const ph_class_t *k = &_keel_ph_classes[cls];
+    uint64_t rel = off - PH_OBJ_HDR - ph_chunk_off(ph, h), i = (rel - k->data_off) / k->block;
+    if (rel < k->data_off || (rel - k->data_off) % k->block != 0 || i >= k->nblocks ||
+        !(keel_load_relaxed(ATOMIC64(run_bitmap(ph, h) + i / 64)) & (1ull << (i % 64))))
+      break;
+    return cls;
+  }
+  keel_die(call, "offset 0x%llx is not a live object of %s", (unsigned long long)off, ph->path);
+}
+
 int _keel_ph_live_class(keel_pheap_t *ph, keel_poff_t off, const char *call) {
   uint32_t c = off >= PH_OBJ_HDR ? _keel_ph_chunk_at(ph, off - PH_OBJ_HDR) : UINT32_MAX;
   if (c == UINT32_MAX)
     keel_die(call, "offset 0x%llx is not inside the heap of %s", (unsigned long long)off, ph->path);
+  if (keel_unlikely(_keel_ph_forked(ph))) return forked_live_class(ph, c, off, call);
   /* Acquire pairs with the release in __boot_one: chunk_run is built. */
   if (keel_unlikely(c >= keel_load_acquire(&ph->booted))) boot_for_object(ph, c, off, call);
   ph_run_t *r = ph->chunk_run[c];
@@ -388,12 +423,6 @@ void _keel_ph_init_obj(keel_pheap_t *ph, ph_tcache_t *tc, keel_poff_t off, size_
   h->type = type;
   if (zero) memset(h + 1, 0, size);
   if (flush) _keel_pm_flush(ph, tc, h, PH_OBJ_HDR + (zero ? size : 0), PH_S_OBJHDR);
-}
-
-/* Finds the class whose block is exactly `block`, or -1. */
-static int class_exact(uint32_t block) {
-  int c = _keel_ph_class_of(block);
-  return c >= 0 && _keel_ph_classes[c].block == block ? c : -1;
 }
 
 int _keel_ph_heap_boot(keel_pheap_t *ph, ph_tcache_t *tc) {

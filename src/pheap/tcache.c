@@ -70,7 +70,8 @@ static void atfork_register(void) {
 void _keel_ph_forked_die(keel_pheap_t *ph, const char *call) {
   keel_die(call,
            "%s: used in a forked child, but the pool is the parent's (a child may read it "
-           "and close it; to change it, open it after the parent has closed it)",
+           "and close it; to change it, close it and open it again once the parent has "
+           "closed it)",
            ph->path);
 }
 
@@ -160,7 +161,9 @@ static KEEL_NOINLINE ph_tcache_t *tcache_slow(keel_pheap_t *ph) {
   pthread_mutex_lock(&registry_lock);
   tc_slot_t *s = __tc_slot_pick(ph->id);
   if (s == NULL) keel_die("keel_pheap", "every thread cache slot of this thread is pinned");
-  if (s->tc != NULL && id_live(s->id)) tc_retire(s->tc); /* evict */
+  /* Evict; a parent's pool in a forked child is only forgotten here (its
+   * runs and lock are not ours; close frees the cache). */
+  if (s->tc != NULL && id_live(s->id) && !_keel_ph_forked(s->ph)) tc_retire(s->tc);
   *s = (tc_slot_t){NULL, 0, NULL, 0};
   pthread_mutex_unlock(&registry_lock);
   ph_tcache_t *tc = calloc(1, sizeof *tc + _keel_ph_nclasses * sizeof tc->c[0]);

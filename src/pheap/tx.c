@@ -193,7 +193,9 @@ static int tx_check(void) {
 int keel_tx_begin(keel_pheap_t *ph) {
   if (ph == NULL) return KEEL_REJECT(KEEL_EINVAL, "keel_tx_begin", "pool is NULL");
   PH_NOT_FORKED(ph, "keel_tx_begin");
-  tx_not_forked("keel_tx_begin");
+  /* A transaction inherited from the parent is the parent's: one on a pool
+   * of the child's own replaces it. */
+  if (tx.depth > 0 && _keel_ph_forked(tx.ph)) _keel_ph_tx_forget(tx.ph);
   if (tx.depth > 0) {
     if (tx.ph != ph)
       return KEEL_REJECT(KEEL_EINVAL, "keel_tx_begin",
@@ -232,6 +234,7 @@ int keel_tx_begin(keel_pheap_t *ph) {
 void _keel_ph_tx_forget(keel_pheap_t *ph) {
   if (tx.depth == 0 || tx.ph != ph) return;
   _keel_ph_holds--;
+  _keel_ph_tcache_unpin(tx.tc); /* compares pointers; reads nothing of it */
   tx.depth = 0;
   tx.ph = NULL;
   tx.tc = NULL;

@@ -2133,6 +2133,7 @@ static void txs_run(bool sim) {
   _keel_ph_ring_limit = 8;
   _keel_ph_sim_next = sim;
   keel_pheap_t *ph = keel_pheap_create(p, LAYOUT, (size_t)64 << 20, 0);
+  _keel_ph_sim_next = false; /* it was left set: every later case ran on simulated media */
   KT_REQUIRE(ph != NULL);
   txs_root_t *r = keel_pheap_root(ph, sizeof *r);
   tp_worker_t w;
@@ -2408,6 +2409,119 @@ static void test_forked_child(void) {
   unlink(p);
 }
 
+/* A child reads the parent's pool through the media alone: objects of runs
+ * the parent has not touched since it opened the pool (its index is built
+ * lazily, so the child's copy has none of them), an object the parent
+ * allocates after the fork, and the root. Before, usable_size went through
+ * the child's copy of the index: the first died "used in a forked child"
+ * (booting it needs the thread cache), the second "not a live object". */
+static void test_forked_child_reads(void) {
+  char p[256];
+  keel_pheap_t *ph = create_pool(p, sizeof p, "forkr");
+  root_t *r = keel_pheap_root(ph, sizeof *r);
+  KT_REQUIRE(r != NULL);
+  KT_EQ(keel_pheap_alloc(ph, &r->slot[0], 3000, 5), 0);
+  KT_EQ(keel_pheap_close(ph), 0);
+  fork_ph = ph = keel_pheap_open(p, LAYOUT); /* nothing of the heap booted yet */
+  KT_REQUIRE(ph != NULL);
+  r = keel_pheap_ptr(ph, ph->hdr->root_off);
+  int go[2], back[2];
+  KT_REQUIRE(pipe(go) == 0 && pipe(back) == 0);
+  fflush(stdout);
+  fflush(stderr);
+  pid_t pid = fork();
+  if (pid == 0) {
+    close(go[1]);
+    close(back[0]);
+    bool ok = keel_pheap_root(ph, sizeof *r) == r && keel_pheap_usable_size(ph, r->slot[0]) >= 3000;
+    keel_poff_t later = 0;
+    ok = ok && read(go[0], &later, sizeof later) == sizeof later;
+    ok = ok && keel_pheap_usable_size(ph, later) >= 200 && keel_pheap_type(ph, later) == 6;
+    ok = ok && keel_pheap_close(ph) == 0;
+    char c = ok;
+    _exit(write(back[1], &c, 1) == 1 && ok ? 0 : 1);
+  }
+  close(go[0]);
+  close(back[1]); /* a child that dies then ends the read below */
+  KT_EQ(keel_pheap_alloc(ph, &r->slot[1], 200, 6), 0); /* after the fork */
+  KT_EQ(write(go[1], &r->slot[1], sizeof r->slot[1]), (ssize_t)sizeof r->slot[1]);
+  char c = 0;
+  KT_EQ(read(back[0], &c, 1), 1);
+  int status = 0;
+  KT_REQUIRE(waitpid(pid, &status, 0) == pid);
+  KT_CHECK(c == 1 && WIFEXITED(status) && WEXITSTATUS(status) == 0);
+  close(go[1]);
+  close(back[0]);
+  KT_EQ(keel_pheap_close(ph), 0);
+  KT_EQ(keel_pheap_check(p), 0);
+  unlink(p);
+}
+
+/* A child's own pool, while the forking thread's cache slots are all taken
+ * by the parent's pools, whose locks another thread of the parent held at
+ * fork (a grow, a boot): taking a slot must forget a parent's cache, not
+ * retire it under its pool's lock (that hung). */
+typedef struct lock_holder {
+  keel_pheap_t **ph;
+  int n;
+  pthread_barrier_t bar;
+} lock_holder_t;
+
+static void *hold_pool_locks(void *p) {
+  lock_holder_t *h = p;
+  for (int i = 0; i < h->n; i++) pthread_mutex_lock(&h->ph[i]->lock);
+  pthread_barrier_wait(&h->bar); /* held: the parent forks */
+  pthread_barrier_wait(&h->bar);
+  for (int i = 0; i < h->n; i++) pthread_mutex_unlock(&h->ph[i]->lock);
+  return NULL;
+}
+
+static void test_forked_child_own_pool(void) {
+  enum { N = 4 }; /* PH_TC_SLOTS */
+  char p[N][256], mine[256];
+  keel_pheap_t *ph[N];
+  for (int i = 0; i < N; i++) {
+    char tag[32];
+    snprintf(tag, sizeof tag, "forko%d", i);
+    ph[i] = create_pool(p[i], sizeof p[i], tag);
+    root_t *r = keel_pheap_root(ph[i], sizeof *r);
+    KT_REQUIRE(r != NULL);
+    KT_EQ(keel_pheap_alloc(ph[i], &r->slot[0], 64, 5), 0);
+  }
+  tp_path(mine, sizeof mine, "forkmine");
+  lock_holder_t h = {ph, N};
+  pthread_barrier_init(&h.bar, NULL, 2);
+  pthread_t holder;
+  KT_REQUIRE(pthread_create(&holder, NULL, hold_pool_locks, &h) == 0);
+  pthread_barrier_wait(&h.bar);
+  fflush(stdout);
+  fflush(stderr);
+  pid_t pid = fork();
+  if (pid == 0) {
+    alarm(20); /* a hang fails the case */
+    keel_pheap_t *own = keel_pheap_create(mine, LAYOUT, KEEL_PHEAP_MIN_SIZE, 0);
+    root_t *r = own ? keel_pheap_root(own, sizeof *r) : NULL;
+    bool ok = r != NULL && keel_pheap_alloc(own, &r->slot[0], 64, 5) == 0 &&
+              keel_tx_begin(own) == 0 && keel_tx_alloc(100, 5) != 0 && keel_tx_commit() == 0 &&
+              keel_tx_end() == 0 && keel_pheap_close(own) == 0;
+    for (int i = 0; i < N; i++) ok = ok && keel_pheap_close(ph[i]) == 0;
+    _exit(ok ? 0 : 1);
+  }
+  pthread_barrier_wait(&h.bar);
+  pthread_join(holder, NULL);
+  pthread_barrier_destroy(&h.bar);
+  int status = 0;
+  KT_REQUIRE(waitpid(pid, &status, 0) == pid);
+  KT_CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+  KT_EQ(keel_pheap_check(mine), 0);
+  unlink(mine);
+  for (int i = 0; i < N; i++) {
+    KT_EQ(keel_pheap_close(ph[i]), 0);
+    KT_EQ(keel_pheap_check(p[i]), 0);
+    unlink(p[i]);
+  }
+}
+
 /* keel_pheap_close while a transaction on the pool is open, in this
  * thread or another: KEEL_EBUSY and the pool stays usable; once the
  * transaction ends, close succeeds. */
@@ -2495,4 +2609,5 @@ KT_MAIN(KT_CASE(test_create_open_close), KT_CASE(test_bad_wrong_layout),
         KT_CASE(test_root_while_transactions_hold_lanes),
         KT_CASE(test_tx_stress_wraps_and_full_logs), KT_CASE(test_deferrer_calls_back_into_pool),
         KT_CASE(test_thread_exit_inside_tx), KT_CASE(test_close_with_open_transaction),
-        KT_CASE(test_forked_child))
+        KT_CASE(test_forked_child), KT_CASE(test_forked_child_reads),
+        KT_CASE(test_forked_child_own_pool))
