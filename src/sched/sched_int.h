@@ -97,6 +97,8 @@ typedef struct sched_worker {
   uint64_t busy_ns;                       /* (own) when it last ran a job */
   unsigned fast_max;                      /* (own) next batch size, 1..KEEL_SCHED_BATCH */
   uint64_t behind_ns; /* (own) since when its takes have left work behind; 0: not now */
+  uint64_t job_ns;    /* (own) recent ns per job (EWMA over back-to-back batches) */
+  bool streak;        /* (own) its last batch ended just before this take: busy_ns is when */
   unsigned shard;     /* where its heap's timers are enqueued when they fire, by it or by the
                    * monitor: one shard per heap keeps their deadline order */
   /* Timers: a binary min-heap on job->_t; job->_l[1] is the slot. */

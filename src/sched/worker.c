@@ -60,7 +60,13 @@ static bool run_batch(sched_worker_t *w, unsigned n) {
     run_one(w, w->batch[i]);
     if (keel_unlikely(_keel_sched_self != w)) return false;
   }
-  w->busy_ns = keel_clock_ns();
+  /* Per-job time, from the end of the batch before when this one followed
+   * it at once (no spin or park between): the take's chain-wake estimate.
+   * No clock read beyond the one this always made. */
+  uint64_t now = keel_clock_ns();
+  if (w->streak) w->job_ns = (3 * w->job_ns + (now - w->busy_ns) / n) / 4;
+  w->busy_ns = now;
+  w->streak = true;
   return true;
 }
 
@@ -96,17 +102,22 @@ static unsigned take(sched_worker_t *w, bool *stuck) {
     w->fast_max = w->fast_max * 2 > KEEL_SCHED_BATCH ? KEEL_SCHED_BATCH : w->fast_max * 2;
   else if (w->fast_max > 1)
     w->fast_max /= 2;
-  /* Chain wake: a worker that has left work behind at every take for
-   * SCHED_CHAIN_NS, or that filled a batch of 8 or more (15 jobs taken and
-   * more left: a flood), wakes a parked sibling; after a partial batch it
-   * then waits as long again before it wakes another. Jobs that wait that
-   * long are worth a wake-up (about 20 us in a VM); a short burst is not:
-   * waking at every full batch from 2 on, as before, a burst of 8 empty
-   * jobs woke 3 workers (the first one took them in batches of 1, 2 and 4
-   * and was done in microseconds), the herd the producer side avoids by
-   * waking one per burst. (Waking only at full batches of 16 cost 10% of
-   * throughput at 256 producers, whose bursty arrivals need a second worker
-   * sooner.) A trickle
+  /* Chain wake: a worker that leaves work behind wakes a parked sibling
+   * when that work would otherwise wait about a wake-up's cost (20-30 us in
+   * a VM) or more: when the batch it took will run that long by its recent
+   * per-job time, when its takes have left work behind for SCHED_CHAIN_NS,
+   * or when it filled a batch of 8 or more (15 jobs taken and more left: a
+   * flood). After a wake-up that was not a batch of 8+, it waits as long
+   * again before the next. Short jobs are not worth a wake-up: waking at
+   * every full batch from 2 on, as before, a burst of 8 empty jobs woke 3
+   * workers (the first one took them in batches of 1, 2 and 4 and was done
+   * in microseconds), the herd the producer side avoids by waking one per
+   * burst; while bursts of 4 jobs of 500 us finished a third later without
+   * the estimate (the sibling woke only after the first batch had run).
+   * Waking only at full batches of 16 cost 10% at 256 producers. A take
+   * that found nothing (a half-linked enqueue: the worker yields) wakes no
+   * one: the sibling would get stuck too (the monitor also waits while
+   * workers yield). A trickle
    * that one worker keeps up with costs no futex syscall on the path of the
    * jobs behind it (p99 at 8 paced producers: 127 us with a wake after
    * every take, vs the mutex pool's 77 us), since the monitor, ticking each
@@ -127,10 +138,10 @@ static unsigned take(sched_worker_t *w, bool *stuck) {
   uint32_t mode = keel_load_relaxed(&s->mon_mode);
   bool idle = atomic_load(&s->nidle) > 0, behind = (n >= 8 && n == max) || mode == MON_FULL;
   uint64_t now = 0;
-  if (idle && !behind) { /* a clock read only where it can decide a wake-up */
+  if (idle && !behind && n > 0) { /* a clock read only where it can decide a wake-up */
     now = keel_clock_ns();
     if (w->behind_ns == 0) w->behind_ns = now;
-    behind = now - w->behind_ns >= SCHED_CHAIN_NS;
+    behind = now - w->behind_ns >= SCHED_CHAIN_NS || w->job_ns * n >= SCHED_CHAIN_NS;
   }
   if (idle && behind) {
     _keel_sched_wake_one();
@@ -209,6 +220,7 @@ static void *worker_main(void *arg) {
       }
       continue;
     }
+    w->streak = false; /* whatever comes next, the next batch does not follow at once */
     if (stuck) {
       sched_yield(); /* let the preempted producer finish its enqueue */
       continue;

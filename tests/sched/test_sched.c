@@ -957,9 +957,12 @@ static void one_wakeup_per_burst(void) {
   KT_CHECK(woke_one >= 10); /* of 20 rounds */
   /* Bursts of 8 jobs: the submit that finds the queue empty wakes one
    * worker, the other 7 wake nobody, and the woken worker, which drains 8
-   * jobs in batches of 1, 2, 4 and 1, wakes nobody either (it did, at each
-   * full batch: 3 wake-ups per burst). */
+   * empty jobs in batches of 1, 2, 4 and 1, wakes nobody either (it did, at
+   * each full batch: 3 wake-ups in every burst). On 2 loaded cores the
+   * woken worker may empty the queue between two submits, so that a later
+   * one wakes another: counted over the rounds, not in each. */
   woke_one = 0;
+  uint64_t woken = 0;
   for (int round = 0; round < 20; round++) {
     KT_REQUIRE(kt_wait_for(all_parked, &n, 10));
     keel_sched_stats_t a, b;
@@ -972,9 +975,10 @@ static void one_wakeup_per_burst(void) {
     KT_CHECK(kt_wait_for(all_done, NULL, 10));
     KT_REQUIRE(kt_wait_for(all_parked, &n, 10));
     keel_sched_stats(&b);
-    KT_CHECK(b.wakeups - a.wakeups <= 2);
+    woken += b.wakeups - a.wakeups;
     woke_one += b.wakeups - a.wakeups == 1;
   }
+  KT_CHECK(woken <= 2 * 20);
   KT_CHECK(woke_one >= 10);
 }
 
