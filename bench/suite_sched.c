@@ -22,6 +22,13 @@
  *  bursty      idle 100 ms, a burst of 200k jobs x size as fast as the
  *              producers go, idle 300 ms; threads alive during the burst and
  *              after the idle time, and the burst's latency percentiles.
+ *  burst8      keel only (the peers count no wake-ups): 200 x size bursts of
+ *              8 empty jobs, each onto 4 parked workers; wake-ups per burst
+ *              (issue 6: one per burst; the woken worker drains 8 empty jobs
+ *              in microseconds and should wake no sibling) and the burst's
+ *              time from first submit to last start. Extra wake-ups come
+ *              from a worker emptying the queue between two submits, so the
+ *              figure rises when the machine is loaded.
  *  timers      keel only (the peers have no timers): 2000 x size
  *              keel_sched_after timers of 1-50 ms armed at once; how late each
  *              job starts after its due time, p50/p99/max in us, and how many
@@ -483,6 +490,54 @@ static int sb_timers(const kb_params_t *p, kb_result_t *r) {
 
 static const kb_impl_t sb_keel_only[] = {{"keel", NULL}, {NULL, NULL}};
 
+static bool sb_all_parked(unsigned n) {
+  keel_sched_stats_t st;
+  keel_sched_stats(&st);
+  return st.idle == n && st.threads == n;
+}
+
+static int sb_burst8(const kb_params_t *p, kb_result_t *r) {
+  enum { W = 4, B = 8 };
+  size_t rounds = (size_t)(200 * p->scale);
+  if (rounds < 1) rounds = 1;
+  keel_sched_config_t cfg;
+  keel_sched_config_default(&cfg);
+  cfg.min_threads = cfg.max_threads = W;
+  if (keel_sched_init(&cfg) != 0) return 1;
+  sb_job_t jobs[B];
+  uint64_t wakeups = 0, spent = 0, t0 = keel_clock_ns();
+  for (size_t k = 0; k < rounds; k++) {
+    while (!sb_all_parked(W)) {
+      struct timespec ts = {0, 100000};
+      nanosleep(&ts, NULL);
+    }
+    keel_sched_stats_t a, b;
+    keel_sched_stats(&a);
+    uint64_t s0 = keel_clock_ns();
+    for (int i = 0; i < B; i++) {
+      keel_job_init(&jobs[i].u.k, k_lat, 0);
+      atomic_store_explicit(&jobs[i].lat_ns, 0, memory_order_relaxed);
+      jobs[i].submit_ns = s0;
+      keel_sched_submit(&jobs[i].u.k);
+    }
+    size_t cursor = 0;
+    while (!all_ran(jobs, B, &cursor)) sched_yield();
+    spent += atomic_load_explicit(&jobs[B - 1].lat_ns, memory_order_relaxed);
+    while (!sb_all_parked(W)) {
+      struct timespec ts = {0, 100000};
+      nanosleep(&ts, NULL);
+    }
+    keel_sched_stats(&b);
+    wakeups += b.wakeups - a.wakeups;
+  }
+  r->ops = (double)rounds;
+  r->seconds = (double)(keel_clock_ns() - t0) / 1e9;
+  kb_extra(r, "wakeups_per_burst", (double)wakeups / (double)rounds);
+  kb_extra(r, "burst_us", (double)spent / (double)rounds / 1e3);
+  keel_sched_shutdown(KEEL_SCHED_DRAIN);
+  return 0;
+}
+
 static const kb_impl_t sb_impls[] = {{"keel", NULL},
                                      {"gthreadpool", NULL},
                                      {"mutex-pool", NULL},
@@ -500,6 +555,8 @@ static const kb_case_t sb_cases[] = {
      sb_impls, true, "p99_us", true, 7},
     {"bursty", "idle 100 ms, burst of 200k jobs, idle 300 ms; threads left after the idle time",
      sb_bursty, sb_impls, true, "threads_idle", true},
+    {"burst8", "bursts of 8 empty jobs onto 4 parked workers: wake-ups per burst", sb_burst8,
+     sb_keel_only, false, "wakeups_per_burst", true},
     {"timers", "2000 timers of 1-50 ms: start lateness p99 (us)", sb_timers, sb_keel_only, false,
      "p99_us", true},
     {NULL}};
