@@ -5,7 +5,9 @@
  * its struct with container_of). Submitting never allocates and costs one
  * atomic exchange on a wait-free queue (liburcu's wfcqueue); workers take
  * jobs in batches under a short mutex and park on a futex when there is no
- * work, one of them woken per burst of submits. The pool starts with
+ * work, one of them woken when a submit finds the queue empty (a burst the
+ * woken worker drains as fast as it arrives can wake more: each submit may
+ * find the queue empty again). The pool starts with
  * min_threads workers, adds one (rate-limited) while jobs wait and no worker
  * is idle, never runs more than max_threads, and retires a worker idle for
  * idle_ms. keel never uses process signals.
@@ -192,7 +194,7 @@ typedef struct keel_sched_stats {
   uint64_t retired;        /* worker threads that exited */
   unsigned threads;        /* workers alive */
   unsigned idle;           /* workers parked */
-  uint64_t wakeups;        /* parked workers woken for work (one per burst) */
+  uint64_t wakeups;        /* parked workers woken for work */
   uint64_t run_prio[3];    /* run, by priority: high, normal, low */
   uint64_t queued_prio[3]; /* queued, by priority (fast lane included) */
 } keel_sched_stats_t;

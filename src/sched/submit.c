@@ -5,8 +5,15 @@
  * on the job's state, wfcqueue's xchg on the shared tail and the link store.
  * Only the submit that turns an incoming queue from empty to non-empty looks
  * further: if a worker is parked it wakes exactly one (the rest of a burst
- * rides on that wake-up and on the chain wake in dispatch); if none is, it
- * pokes the monitor, which decides about growing the pool.
+ * rides on that wake-up and on the chain wake in worker.c); if none is, it
+ * pokes the monitor, which decides about growing the pool. Not yet solved:
+ * a burst submitted one job at a time on few cores often finds the queue
+ * empty again at each submit, because the futex wake in the submit lasts
+ * long enough for the worker it woke to take the job on the other CPU; so
+ * each of those submits wakes another worker (keel-bench sched burst8: 4-6
+ * wake-ups for 8 empty jobs onto 4 parked workers on 2 cores, all from this
+ * kick). Skipping the kick while a worker is waking or spinning did not
+ * help: the woken worker checks in before it takes the job.
  *
  * Measured (perf, 64 producers on 2 cores): the job CAS and the link store
  * into the previous producer's job are a cache miss each and make up nearly
