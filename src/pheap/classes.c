@@ -61,7 +61,7 @@ void _keel_ph_classes_init(void) {
 int _keel_ph_class_of(uint64_t block) {
   if (block <= 512) return block <= 32 ? 0 : (int)((block - 32 + 15) / 16);
   if (block > PH_MAX_BLOCK) return -1;
-  /* p = the power of two below block; index within its 16 steps. */
+  /* p = the power of two below block; index within its PH_STEPS steps. */
   unsigned lg = 63 - (unsigned)__builtin_clzll(block - 1);
   uint64_t p = 1ull << lg, step = p / PH_STEPS;
   unsigned j = (unsigned)((block - p + step - 1) / step);

@@ -357,6 +357,14 @@ static int class_exact(uint32_t block) {
   return c >= 0 && _keel_ph_classes[c].block == block ? c : -1;
 }
 
+/* Whether off is the start of an allocated block of class k in the run at
+ * chunk `run`: on a block boundary, inside the run, its bitmap bit set. */
+static bool run_block_live(keel_pheap_t *ph, uint32_t run, const ph_class_t *k, keel_poff_t off) {
+  uint64_t rel = off - PH_OBJ_HDR - ph_chunk_off(ph, run), i = (rel - k->data_off) / k->block;
+  return rel >= k->data_off && (rel - k->data_off) % k->block == 0 && i < k->nblocks &&
+         (keel_load_relaxed(ATOMIC64(run_bitmap(ph, run) + i / 64)) & (1ull << (i % 64)));
+}
+
 /* _keel_ph_live_class in a forked child, for a pool of the parent's: read
  * from the media alone (chunk words, run header, bitmap), as
  * keel_pheap_foreach reads them. The child's volatile index is the
@@ -374,12 +382,7 @@ static KEEL_NOINLINE int forked_live_class(keel_pheap_t *ph, uint32_t c, keel_po
     uint32_t h = c - back;
     const ph_run_hdr_t *rh = (const ph_run_hdr_t *)(ph->view.base + ph_chunk_off(ph, h));
     int cls = class_exact(rh->block);
-    if (cls < 0) break;
-    const ph_class_t *k = &_keel_ph_classes[cls];
-    uint64_t rel = off - PH_OBJ_HDR - ph_chunk_off(ph, h), i = (rel - k->data_off) / k->block;
-    if (rel < k->data_off || (rel - k->data_off) % k->block != 0 || i >= k->nblocks ||
-        !(keel_load_relaxed(ATOMIC64(run_bitmap(ph, h) + i / 64)) & (1ull << (i % 64))))
-      break;
+    if (cls < 0 || !run_block_live(ph, h, &_keel_ph_classes[cls], off)) break;
     return cls;
   }
   keel_die(call, "offset 0x%llx is not a live object of %s", (unsigned long long)off, ph->path);
@@ -400,11 +403,7 @@ int _keel_ph_live_class(keel_pheap_t *ph, keel_poff_t off, const char *call) {
                (unsigned long long)off, ph->path);
     return -1;
   }
-  const ph_class_t *k = &_keel_ph_classes[r->cls];
-  uint64_t rel = off - PH_OBJ_HDR - ph_chunk_off(ph, r->chunk);
-  uint64_t i = (rel - k->data_off) / k->block;
-  if (rel < k->data_off || (rel - k->data_off) % k->block != 0 || i >= k->nblocks ||
-      !(keel_load_relaxed(ATOMIC64(run_bitmap(ph, r->chunk) + i / 64)) & (1ull << (i % 64))))
+  if (!run_block_live(ph, r->chunk, &_keel_ph_classes[r->cls], off))
     keel_die(call, "offset 0x%llx is not a live object of %s (double free?)",
              (unsigned long long)off, ph->path);
   return (int)r->cls;

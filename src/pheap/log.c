@@ -91,8 +91,8 @@ __thread unsigned _keel_ph_holds;
  * they are held only by atomic operations, which finish without waiting for
  * a lane (their other waits are for logs already in flight, or for a
  * checkpoint, which waits for nothing else; the deferrer they may call must
- * not block, pheap.h), so its wait ends. Waiting on a transaction's lane instead could
- * close a cycle: a transaction on pool A whose atomic operation on B finds
+ * not block, pheap.h), so its wait ends. Waiting on a transaction's lane
+ * instead could close a cycle: a transaction on pool A whose atomic operation on B finds
  * every B lane held by transactions doing the same on A; or a root_lock
  * holder waiting on the lane of a transaction that waits for root_lock.
  * A thread that holds nothing may wait on any lane: it is in no cycle. */

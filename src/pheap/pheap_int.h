@@ -54,15 +54,16 @@
 #include "base/atomic.h"
 #include "base/common.h"
 
-#define PH_MAGIC       "KEELPHP"
-#define PH_VERSION     2u /* 1: 512-chunk zones (see the file comment) */
-#define PH_HDR_BYTES   4096u
-#define PH_CHUNK       ((uint64_t)256 << 10)
-#define PH_ZONE_CHUNKS 66048u /* (2^16 + 1) chunks rounded up to a page of words */
-#define PH_ZONE_META   ((uint64_t)PH_ZONE_CHUNKS * 8)
-#define PH_ZONE_BYTES  (PH_ZONE_META + PH_ZONE_CHUNKS * PH_CHUNK)
-#define PH_NLANES                                                                                  \
-  64u /* threads beyond this wait for a lane (measured: 16 lanes lost 2x to libpmemobj at 256 threads); transactions take PH_TX_LANES of them */
+#define PH_MAGIC          "KEELPHP"
+#define PH_VERSION        2u /* 1: 512-chunk zones (see the file comment) */
+#define PH_HDR_BYTES      4096u
+#define PH_CHUNK          ((uint64_t)256 << 10)
+#define PH_ZONE_CHUNKS    66048u /* (2^16 + 1) chunks rounded up to a page of words */
+#define PH_ZONE_META      ((uint64_t)PH_ZONE_CHUNKS * 8)
+#define PH_ZONE_BYTES     (PH_ZONE_META + PH_ZONE_CHUNKS * PH_CHUNK)
+/* Log lanes: threads beyond this wait for a lane (measured: 16 lanes lost 2x
+ * to libpmemobj at 256 threads); transactions take PH_TX_LANES of them. */
+#define PH_NLANES         64u
 /* Lanes no transaction takes: what a thread that holds a lane or root_lock
  * waits on (log.c). Two, so that such waits do not all queue on one. */
 #define PH_ATOMIC_LANES   2u
