@@ -26,9 +26,9 @@
  *              8 empty jobs, each onto 4 parked workers; wake-ups per burst
  *              (issue 6: one per burst; the woken worker drains 8 empty jobs
  *              in microseconds and should wake no sibling) and the burst's
- *              time from first submit to last start. An extra wake-up
- *              means a worker emptied the queue between two submits (the
- *              producer's futex wake lasts 4-12 us here).
+ *              time from first submit to last start. Extra wake-ups come
+ *              from a worker emptying the queue between two submits, so the
+ *              figure rises when the machine is loaded.
  *  timers      keel only (the peers have no timers): 2000 x size
  *              keel_sched_after timers of 1-50 ms armed at once; how late each
  *              job starts after its due time, p50/p99/max in us, and how many

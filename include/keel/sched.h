@@ -5,8 +5,9 @@
  * its struct with container_of). Submitting never allocates and costs one
  * atomic exchange on a wait-free queue (liburcu's wfcqueue); workers take
  * jobs in batches under a short mutex and park on a futex when there is no
- * work, one of them woken when a submit finds the queue empty (one per
- * burst: the rest of the burst finds it non-empty). The pool starts with
+ * work, one of them woken when a submit finds the queue empty (a burst the
+ * woken worker drains as fast as it arrives can wake more: each submit may
+ * find the queue empty again). The pool starts with
  * min_threads workers, adds one (rate-limited) while jobs wait and no worker
  * is idle, never runs more than max_threads, and retires a worker idle for
  * idle_ms. keel never uses process signals.

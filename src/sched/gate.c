@@ -33,8 +33,7 @@ __thread sched_producer_t _keel_sched_me;
 
 static pthread_mutex_t prod_lock = PTHREAD_MUTEX_INITIALIZER;
 static CDS_LIST_HEAD(producers);
-static int64_t exited[PRIO_COUNT];  /* submits counted by threads that have ended (prod_lock) */
-static keel_atomic(int) nproducers; /* on the registry (written under prod_lock) */
+static int64_t exited[PRIO_COUNT]; /* submits counted by threads that have ended (prod_lock) */
 int _keel_sched_fence_needed = 1;
 
 static void producer_exit(void *arg) {
@@ -43,7 +42,6 @@ static void producer_exit(void *arg) {
   for (int p = 0; p < PRIO_COUNT; p++) exited[p] += keel_load_relaxed(&me->submitted[p]);
   cds_list_del(&me->link);
   me->registered = false;
-  keel_store_relaxed(&nproducers, keel_load_relaxed(&nproducers) - 1);
   pthread_mutex_unlock(&prod_lock);
 }
 
@@ -61,7 +59,6 @@ KEEL_NOINLINE int _keel_sched_register(void) {
   me->shard = next_shard++ % SCHED_SHARDS;
   cds_list_add(&me->link, &producers);
   me->registered = true;
-  keel_store_relaxed(&nproducers, keel_load_relaxed(&nproducers) + 1);
   pthread_mutex_unlock(&prod_lock);
   return 0;
 }
@@ -112,12 +109,7 @@ void _keel_sched_gate_atfork_child(void) {
     keel_store_relaxed(&me->submitted[p], 0);
   }
   if (me->registered) cds_list_add(&me->link, &producers);
-  keel_store_relaxed(&nproducers, me->registered ? 1 : 0);
   pthread_mutex_unlock(&prod_lock);
-}
-
-int _keel_sched_nproducers(void) {
-  return keel_load_relaxed(&nproducers);
 }
 
 /* The total; by_prio (may be NULL) gets the counts per priority. */

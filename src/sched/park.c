@@ -25,7 +25,6 @@
  * wake is a harmless spurious one (every wait re-checks its condition). */
 void _keel_sched_wake_one(void) {
   sched_t *s = &_keel_sched;
-  int cpu = sched_getcpu(); /* glibc reads it from the rseq area: no syscall */
   pthread_mutex_lock(&s->idle_lock);
   if (cds_list_empty(&s->idle)) {
     pthread_mutex_unlock(&s->idle_lock);
@@ -35,7 +34,6 @@ void _keel_sched_wake_one(void) {
   cds_list_del(&w->idle_link);
   w->parked = false;
   w->wake_pending = true;
-  w->waker_cpu = cpu;
   keel_fetch_add_relaxed(&s->waking, 1);
   s->wakeups++;
   keel_fetch_sub_relaxed(&s->nidle, 1); /* idle_lock orders it against parkers */
@@ -77,11 +75,9 @@ static void park_push(sched_worker_t *w) {
 }
 
 /* Takes w off the idle stack if a waker has not; true if it was still on.
- * A worker a waker took off checks in here (sched.waking); *waker_cpu is
- * then the CPU its waker ran on, else -1. */
-static bool park_pop(sched_worker_t *w, int *waker_cpu) {
+ * A worker a waker took off checks in here (sched.waking). */
+static bool park_pop(sched_worker_t *w) {
   sched_t *s = &_keel_sched;
-  *waker_cpu = -1;
   pthread_mutex_lock(&s->idle_lock);
   bool was = w->parked;
   if (was) {
@@ -90,7 +86,6 @@ static bool park_pop(sched_worker_t *w, int *waker_cpu) {
     keel_fetch_sub_relaxed(&s->nidle, 1);
   } else if (w->wake_pending) {
     w->wake_pending = false;
-    *waker_cpu = w->waker_cpu;
     keel_fetch_sub_relaxed(&s->waking, 1);
   }
   pthread_mutex_unlock(&s->idle_lock);
@@ -215,9 +210,8 @@ bool _keel_sched_park(sched_worker_t *w) {
    * storing the state) or is seen here; without this re-check w could
    * sleep through it forever. STOPPING lasts while workers live. */
   bool changed = atomic_load(&s->state) != st;
-  int waker_cpu;
   if (changed || (!cancelling && _keel_sched_work_visible())) {
-    park_pop(w, &waker_cpu);
+    park_pop(w);
     return true;
   }
   /* A deadline already past is a timeout like any other: a worker woken for
@@ -226,25 +220,7 @@ bool _keel_sched_park(sched_worker_t *w) {
    * retire check made it loop take/spin/park with no sleep until another
    * worker retired in its place. */
   if (deadline > keel_clock_ns()) keel_futex_wait_until(&w->word, 0, deadline);
-  if (!park_pop(w, &waker_cpu)) { /* woken for work */
-    /* Woken onto the CPU its waker runs on, it has preempted the waker: on
-     * a VM whose other vCPUs the host has descheduled, the kernel places
-     * most wake-ups there. Run first, it would take the job and park again
-     * before a producer in mid-burst got its CPU back, and that producer's
-     * next submit would find the queue empty and wake another worker: 4-6
-     * futex wake-ups for 8 jobs (keel-bench sched burst8). Yielding lets
-     * the waker finish its burst into the queue this worker then drains:
-     * 1.00 wake-up per burst, and the burst's last job started sooner.
-     * Only while producers are no more than CPUs: a yield hands the CPU to
-     * any runnable thread, with more producers than CPUs often another
-     * producer, and the job this worker was woken for waits behind it (an
-     * ungated yield measured p999 1.7-2.3 ms against 0.9-1.8 at 256 paced
-     * producers; noisy, but never better in 4 paired runs). */
-    if (waker_cpu >= 0 && sched_getcpu() == waker_cpu &&
-        _keel_sched_nproducers() <= _keel_sched.ncpu)
-      sched_yield();
-    return true;
-  }
+  if (!park_pop(w)) return true; /* woken for work */
   uint64_t now = keel_clock_ns();
   if (!stopping && now >= deadline && try_retire(w, now)) return false;
   return true;

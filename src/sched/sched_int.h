@@ -84,7 +84,6 @@ typedef struct sched_worker {
   struct cds_list_head idle_link;         /* sched.idle while parked (idle) */
   bool parked;                            /* on sched.idle (idle) */
   bool wake_pending;                      /* woken by wake_one, not yet back (idle) */
-  int waker_cpu;                          /* CPU its waker ran on, -1 if unknown (idle) */
   pthread_t thread;                       /* valid once `started` */
   bool started;                           /* (lock) pthread_create returned: joinable */
   keel_atomic(uint32_t) word;             /* futex: 0 parked, 1 woken, 2 kicked */
@@ -290,8 +289,6 @@ extern int _keel_sched_fence_needed KEEL_HIDDEN;
 int _keel_sched_register(void) KEEL_HIDDEN;
 void _keel_sched_gate_init(void) KEEL_HIDDEN;
 void _keel_sched_gate_close(void) KEEL_HIDDEN;
-/* Threads that have submitted and not exited (racy: a hint). */
-int _keel_sched_nproducers(void) KEEL_HIDDEN;
 int64_t _keel_sched_submitted(int64_t by_prio[PRIO_COUNT]) KEEL_HIDDEN;
 /* fork (fork.c): prod_lock taken, released, or reset to the calling
  * thread's record alone with every count at 0. */

@@ -6,14 +6,14 @@
  * Only the submit that turns an incoming queue from empty to non-empty looks
  * further: if a worker is parked it wakes exactly one (the rest of a burst
  * rides on that wake-up and on the chain wake in worker.c); if none is, it
- * pokes the monitor, which decides about growing the pool. The futex wake
- * costs the producer 4-12 us here (40 us when the woken worker preempts
- * it); a worker woken onto its waker's CPU yields to it (park.c), so the
- * producer's next submits find the queue non-empty and wake no one more
- * (keel-bench sched burst8: 1.00 wake-up per burst of 8). Skipping this
- * kick while a woken worker had not yet taken a job, a worker spun or work
- * was staged cost p99 latency at 8-64 producers (40-86 us against 30-58)
- * and was not needed once the preempted producer could finish its burst.
+ * pokes the monitor, which decides about growing the pool. Not yet solved:
+ * a burst submitted one job at a time on few cores often finds the queue
+ * empty again at each submit, because the futex wake in the submit lasts
+ * long enough for the worker it woke to take the job on the other CPU; so
+ * each of those submits wakes another worker (keel-bench sched burst8: 4-6
+ * wake-ups for 8 empty jobs onto 4 parked workers on 2 cores, all from this
+ * kick). Skipping the kick while a worker is waking or spinning did not
+ * help: the woken worker checks in before it takes the job.
  *
  * Measured (perf, 64 producers on 2 cores): the job CAS and the link store
  * into the previous producer's job are a cache miss each and make up nearly
