@@ -8,12 +8,23 @@
  * rides on that wake-up and on the chain wake in worker.c); if none is, it
  * pokes the monitor, which decides about growing the pool. Not yet solved:
  * a burst submitted one job at a time on few cores often finds the queue
- * empty again at each submit, because the futex wake in the submit lasts
- * long enough for the worker it woke to take the job on the other CPU; so
- * each of those submits wakes another worker (keel-bench sched burst8: 4-6
- * wake-ups for 8 empty jobs onto 4 parked workers on 2 cores, all from this
- * kick). Skipping the kick while a worker is waking or spinning did not
- * help: the woken worker checks in before it takes the job.
+ * empty again at each submit, so each of those submits wakes another worker
+ * (keel-bench sched burst8: 4-8 wake-ups for 8 empty jobs onto 4 parked
+ * workers on 2 cores, all from this kick). The futex wake costs the
+ * producer 4-12 us here, long enough for the woken worker to take the job
+ * on the other CPU, park again after its spin, and leave the next submit an
+ * empty queue; or the kernel puts the woken worker on the producer's own
+ * CPU (most wake-ups, while the other CPU is busy), where it preempts the
+ * producer and does the same before the producer runs again. Tried and
+ * dropped:
+ *  - skipping the kick while a woken worker had not yet taken a job, a
+ *    worker spun, or work was staged: p99 at 64 paced producers rose from
+ *    50-58 to 84-86 us;
+ *  - a woken worker yielding to a waker on its CPU (63f6806, reverted):
+ *    1.00 wake-up per burst, but sched_yield hands the CPU over until the
+ *    producer blocks, so a producer that submits one job and then computes
+ *    held that job back for its whole time slice (p90 submit-to-start 4 ms
+ *    against 3-13 us; review repro r1).
  *
  * Measured (perf, 64 producers on 2 cores): the job CAS and the link store
  * into the previous producer's job are a cache miss each and make up nearly
