@@ -73,8 +73,10 @@
  * cached; next = the next object on a hot or cold list, stale while live. */
 typedef struct keel_pool_objhdr pool_hdr_t;
 
-#define POOL_HDR_MIN  ((size_t)sizeof(pool_hdr_t))
-#define POOL_TAG_FREE ((uintptr_t)1)
+#define POOL_HDR_MIN       ((size_t)sizeof(pool_hdr_t))
+/* Dead descriptors kept before the oldest is reused (registry.c). */
+#define POOL_RECYCLE_AFTER 16
+#define POOL_TAG_FREE      ((uintptr_t)1)
 
 /* Requests from a sweep to a sub-pool's owner (sp->f.req), in increasing
  * strength: a stronger one does everything a weaker one does. */

@@ -2,9 +2,13 @@
  *
  * Descriptors live in a table indexed by pool id (the id also indexes every
  * thread's slot array). A destroyed descriptor stays in the table, marked
- * dead, on a FIFO of descriptors to recycle: the oldest dead one is reused
- * first, so a stale handle keeps aborting with its pool's name for as long
- * as possible. Memory held is bounded by the most pools ever alive at once.
+ * dead, on a FIFO of descriptors to recycle, and is reused only once
+ * POOL_RECYCLE_AFTER others have died after it: until then a stale handle
+ * aborts with its pool's name (reused at once, as before, a destroyed
+ * pool's handle silently became the next pool created). Memory held is
+ * bounded by the most pools ever alive at once, plus that many dead ones;
+ * so are the ids, which a program with up to 15 pools alive keeps within
+ * the inline slots (KEEL_POOL_FAST_SLOTS) however many it churns.
  */
 #include <errno.h>
 #include <inttypes.h>
@@ -25,6 +29,7 @@ static pthread_once_t registry_once = PTHREAD_ONCE_INIT;
 static keel_pool_t **table; /* by id; under registry_lock */
 static uint32_t table_len, table_cap;
 static CDS_LIST_HEAD(recycle); /* dead descriptors, oldest first */
+static size_t n_dead;          /* on `recycle` */
 struct cds_list_head _keel_pool_live = CDS_LIST_HEAD_INIT(_keel_pool_live);
 static size_t n_live;
 
@@ -83,9 +88,10 @@ static void registry_init(void) {
 /* A descriptor for a new pool: the oldest dead one, or a new table entry.
  * Caller holds registry_lock. */
 static keel_pool_t *__pool_desc_get(void) {
-  if (!cds_list_empty(&recycle)) {
+  if (n_dead > POOL_RECYCLE_AFTER) {
     keel_pool_t *p = cds_list_first_entry(&recycle, keel_pool_t, reg);
     cds_list_del(&p->reg);
+    n_dead--;
     return p;
   }
   if (table_len == table_cap) {
@@ -224,51 +230,76 @@ int keel_pool_destroy(keel_pool_t *p) {
   }
   keel_store_relaxed(&p->live, 0); /* the registry lock orders it for the next create */
   cds_list_del(&p->reg);
-  cds_list_add_tail(&p->reg, &recycle);
   bool last = --n_live == 0;
   pthread_mutex_unlock(&p->lock);
   pthread_mutex_unlock(&registry_lock);
-  /* The descriptor stays dead until recycled, so its fields remain valid
-   * for the release below. */
+  /* Off the live list and not yet on `recycle`: no create can take the
+   * descriptor while the release below reads its layout and counts into
+   * it (put on `recycle` first, a create on another thread rewrote
+   * hdr_size under the release, which then freed wrong pointers). */
   _keel_pool_release_list(p, lists, n, "keel_pool_destroy");
-  if (last) {
-    /* Re-checked under the registry lock: a create racing with us either
-     * sees the sweeper stopped here and starts another, or was first and
-     * keeps this one. */
-    pthread_t tid;
-    pthread_mutex_lock(&registry_lock);
-    bool stopped = n_live == 0 && _keel_pool_sweeper_stop_begin(&tid);
-    pthread_mutex_unlock(&registry_lock);
-    if (stopped) pthread_join(tid, NULL);
-  }
+  pthread_t tid;
+  pthread_mutex_lock(&registry_lock);
+  cds_list_add_tail(&p->reg, &recycle);
+  n_dead++;
+  /* Re-checked under the registry lock: a create racing with us either
+   * sees the sweeper stopped here and starts another, or was first and
+   * keeps this one. */
+  bool stopped = last && n_live == 0 && _keel_pool_sweeper_stop_begin(&tid);
+  pthread_mutex_unlock(&registry_lock);
+  if (stopped) pthread_join(tid, NULL);
   return 0;
 }
 
+/* One pool's line of keel_pool_print_stats, taken under the registry lock
+ * and printed after it: a stream that blocks (a full pipe) or a thread
+ * cancelled in fprintf must not hold up every pool's thread exits, first
+ * uses and sweeps, nor leave the lock held. */
+typedef struct pool_line {
+  char name[sizeof(((keel_pool_t *)0)->name)];
+  keel_pool_stats_t st;
+} pool_line_t;
+
 void keel_pool_print_stats(FILE *out) {
-  keel_pool_stats_t st, tot = {0};
+  keel_pool_stats_t tot = {0};
+  pthread_mutex_lock(&registry_lock);
+  size_t n = 0, cap = n_live;
+  pool_line_t *lines = cap ? keel_malloc(cap * sizeof(*lines)) : NULL;
+  keel_pool_t *p;
+  if (lines != NULL || cap == 0) {
+    pool_for_each_live(p) {
+      pthread_mutex_lock(&p->lock);
+      __pool_sum(p, &lines[n].st);
+      pthread_mutex_unlock(&p->lock);
+      memcpy(lines[n].name, p->name, sizeof(lines[n].name));
+      lines[n].st.name = lines[n].name;
+      n++;
+    }
+  }
+  pthread_mutex_unlock(&registry_lock);
+  if (lines == NULL && cap != 0) {
+    fprintf(out, "keel_pool_print_stats: out of memory for %zu pools\n", cap);
+    return;
+  }
   fprintf(out, "%-20s %8s %8s %12s %12s %12s %12s %10s %10s %12s %7s %7s\n", "pool", "size",
           "block", "allocs", "hot", "cold", "heap", "live", "cached", "cached_B", "sweeps",
           "threads");
-  pthread_mutex_lock(&registry_lock);
-  keel_pool_t *p;
-  pool_for_each_live(p) {
-    pthread_mutex_lock(&p->lock);
-    __pool_sum(p, &st);
-    pthread_mutex_unlock(&p->lock);
+  for (size_t i = 0; i < n; i++) {
+    const keel_pool_stats_t *st = &lines[i].st;
     fprintf(out,
             "%-20s %8zu %8zu %12" PRIu64 " %12" PRIu64 " %12" PRIu64 " %12" PRIu64 " %10" PRIu64
             " %10" PRIu64 " %12" PRIu64 " %7" PRIu64 " %7" PRIu64 "\n",
-            p->name, st.obj_size, st.block_bytes, st.allocs, st.hot_hits, st.cold_hits,
-            st.heap_allocs, st.live, st.cached, st.cached_bytes, st.sweeps, st.threads);
-    tot.allocs += st.allocs;
-    tot.hot_hits += st.hot_hits;
-    tot.cold_hits += st.cold_hits;
-    tot.heap_allocs += st.heap_allocs;
-    tot.live += st.live;
-    tot.cached += st.cached;
-    tot.cached_bytes += st.cached_bytes;
+            st->name, st->obj_size, st->block_bytes, st->allocs, st->hot_hits, st->cold_hits,
+            st->heap_allocs, st->live, st->cached, st->cached_bytes, st->sweeps, st->threads);
+    tot.allocs += st->allocs;
+    tot.hot_hits += st->hot_hits;
+    tot.cold_hits += st->cold_hits;
+    tot.heap_allocs += st->heap_allocs;
+    tot.live += st->live;
+    tot.cached += st->cached;
+    tot.cached_bytes += st->cached_bytes;
   }
-  pthread_mutex_unlock(&registry_lock);
+  keel_free(lines);
   fprintf(out,
           "%-20s %8s %8s %12" PRIu64 " %12" PRIu64 " %12" PRIu64 " %12" PRIu64 " %10" PRIu64
           " %10" PRIu64 " %12" PRIu64 "\n",

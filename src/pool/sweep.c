@@ -20,6 +20,7 @@
 #include <sched.h>
 #include <signal.h>
 #include <stdint.h>
+#include <string.h>
 #include <time.h>
 
 #include "base/die.h"
@@ -44,7 +45,10 @@ static keel_atomic(uint64_t) sweeper_passes;
 static keel_atomic(int) sweeper_exiting; /* set by the exit destructor: no restart */
 keel_atomic(int) _keel_pool_sweeper_manual;
 
+static bool sweeper_cv_ready; /* sweeper_cv_once has run */
+
 static void sweeper_cv_init(void) {
+  sweeper_cv_ready = true;
   pthread_condattr_t a;
   pthread_condattr_init(&a);
   pthread_condattr_setclock(&a, CLOCK_MONOTONIC);
@@ -60,8 +64,13 @@ static void __pool_post(keel_pool_t *p, uint32_t req) {
     pthread_mutex_lock(&sp->lock);
     uint32_t before = keel_load_relaxed(&sp->f.req);
     sp->req_before = before;
+    /* A sweep still pending from the last period (its owner was mid-call
+     * then and has not called since) and this one are two sweeps: the hot
+     * list's objects have now sat a whole period too, so both lists go.
+     * Merged into one, they stayed cached a third period. */
+    uint32_t want = before == POOL_REQ_SWEEP && req == POOL_REQ_SWEEP ? POOL_REQ_DRAIN : req;
     /* seq_cst: the fallback mode's half of the Dekker (see keel_pool_inline_req). */
-    if (before < req) atomic_store_explicit(&sp->f.req, req, memory_order_seq_cst);
+    if (before < want) atomic_store_explicit(&sp->f.req, want, memory_order_seq_cst);
     pthread_mutex_unlock(&sp->lock);
   }
   pthread_mutex_unlock(&p->lock);
@@ -263,7 +272,16 @@ void _keel_pool_sweeper_atfork_parent(void) {
 }
 
 void _keel_pool_sweeper_atfork_child(void) {
-  /* The sweeper thread did not come along; the next heap call restarts it. */
+  /* The sweeper thread did not come along; the next heap call restarts it.
+   * Its wait on sweeper_cv did not either, but the copy still counts it
+   * as a waiter: glibc's broadcast (each stop of a sweeper is one) then
+   * waits for it for ever, so a child that destroyed its last pool and
+   * made another, or one that just exited after a restart, hung. A fresh
+   * condition variable has no waiters. */
+  if (sweeper_cv_ready) {
+    memset(&sweeper_cv, 0, sizeof(sweeper_cv));
+    sweeper_cv_init();
+  }
   sweeper_gen++;
   sweeper_kicked = false;
   keel_store_relaxed(&sweeper_running, 0);
