@@ -35,8 +35,8 @@
  * the call blocks until it completes and returns that status. A BAST,
  * bast(arg, mode), tells a lock's holder that a request for `mode` is blocked
  * by its granted mode: sent when the request is queued and when a grant pass
- * leaves it at a queue's head, once per holder and mode until the holder's
- * mode changes.
+ * leaves it at a queue's head; a holder hears of a mode only if it is
+ * above every mode it was told of since its last grant (the DLM's rule).
  * Callbacks run inline by default: on the thread whose call caused them (the
  * one that released, converted, requested or cancelled), after it has
  * dropped the resource's lock, in the order the grants were made. A
@@ -115,9 +115,11 @@ typedef enum keel_lock_mode {
 #define KEEL_LOCK_NOQUEUE 0x01u /* fail with KEEL_EAGAIN instead of waiting */
 #define KEEL_LOCK_CONVERT 0x02u /* keel_lock converts lksb's lock (name ignored) */
 #define KEEL_LOCK_QUECVT                                                                           \
-  0x04u                         /* an up-conversion queues behind pending ones (a
+  0x04u /* an up-conversion queues behind pending ones (a
                                    down-conversion with it: KEEL_EINVAL, as in the DLM) */
-#define KEEL_LOCK_VALBLK  0x08u /* read the value block on grant, write it on release */
+#define KEEL_LOCK_VALBLK                                                                           \
+  0x08u /* read the value block on grant; write it on release, and on a PW or EX lock's \
+           conversion down or to its own mode (the DLM's rules) */
 #define KEEL_LOCK_TIMEOUT 0x10u /* give up after lksb->timeout_ms: KEEL_ETIMEDOUT */
 /* keel_unlock flag: cancel the pending request instead (KEEL_ECANCELED). */
 #define KEEL_LOCK_CANCEL  0x20u

@@ -66,7 +66,7 @@ struct keel_lkb {
   int8_t gr;              /* granted mode, -1 if none */
   int8_t rq;              /* requested mode while a request waits, else -1 */
   uint8_t queue;          /* enum keel_lkb_queue */
-  int8_t bast_mode;       /* mode of the last BAST sent since gr changed, -1 none */
+  int8_t bast_mode;       /* highest mode BASTed since the last grant, -1 none */
   unsigned flags;         /* flags of the request in progress */
   uint32_t wake;          /* blocking request's futex word: 0 pending, 2 asleep, 1 done */
   uint32_t basts;         /* BAST deliveries owed (and unlockers waiting): keep it alive */

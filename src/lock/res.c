@@ -75,10 +75,13 @@ static void notify(keel_lkb_t *lkb, int status, bool now, keel_dispatch_t *d) {
 }
 
 /* Value block on a grant from mode `from` (-1: new) to `to`: a holder of PW or
- * EX going down writes the caller's block; any other grant reads it. */
+ * EX converting down or to its own mode writes the caller's block; any other
+ * grant (new, up, PW to EX) reads it. The DLM's dlm_lvb_operations table: a
+ * same-mode conversion read before, and the holder's new value was lost
+ * (audit repro lvb_same_mode). */
 static void lvb_on_grant(keel_res_t *res, keel_lkb_t *lkb, int from, int to) {
   if (!(lkb->flags & KEEL_LOCK_VALBLK)) return;
-  if (from >= KEEL_LOCK_PW && to < from) {
+  if (from >= KEEL_LOCK_PW && to <= from) {
     memcpy(res->lvb, lkb->lksb->valblk, KEEL_LOCK_LVB_LEN);
   } else {
     memcpy(lkb->lksb->valblk, res->lvb, KEEL_LOCK_LVB_LEN);
@@ -102,7 +105,7 @@ static void grant(keel_res_t *res, keel_lkb_t *lkb, bool now, keel_dispatch_t *d
 static void bast_queue(struct cds_list_head *q, const keel_lkb_t *req, keel_dispatch_t *d) {
   keel_lkb_t *l;
   cds_list_for_each_entry(l, q, q) {
-    if (l == req || l->bast == NULL || l->bast_mode == req->rq) continue;
+    if (l == req || l->bast == NULL || l->bast_mode >= req->rq) continue;
     if (_keel_lock_compat_mask[req->rq] & (1u << l->gr)) continue;
     l->bast_mode = req->rq;
     l->basts++; /* dropped by _keel_lkb_bast; l stays allocated until then */
@@ -111,8 +114,12 @@ static void bast_queue(struct cds_list_head *q, const keel_lkb_t *req, keel_disp
   }
 }
 
-/* Tells each holder whose granted mode blocks req that req waits (once per
- * holder and requested mode until the holder's mode changes). */
+/* Tells each holder whose granted mode blocks req that req waits: only for
+ * a mode above the highest it was sent since its last grant (the DLM's
+ * lkb_highbast rule: a holder told of an EX request, which it meets by
+ * dropping to NL, need not hear of a PR one). Remembering only the last
+ * mode sent repeated BASTs for waiters alternating PR, EX, PR (audit
+ * repro bast_repeat). */
 static void send_basts(keel_res_t *res, const keel_lkb_t *req, keel_dispatch_t *d) {
   bast_queue(&res->grantq, req, d);
   bast_queue(&res->convertq, req, d);

@@ -38,10 +38,42 @@ static void rec_bast(void *arg, int mode) {
   __atomic_fetch_add(&r->basts, 1, __ATOMIC_SEQ_CST);
 }
 
+/* Records every BAST's mode in r->order. */
+static void log_bast(void *arg, int mode) {
+  rec_t *r = arg;
+  int i = __atomic_fetch_add(&r->norder, 1, __ATOMIC_SEQ_CST);
+  if (i < 16) r->order[i] = mode;
+}
+
 static keel_lockspace_t *new_ls(void) {
   keel_lockspace_t *ls = keel_lockspace_create(NULL);
   KT_REQUIRE(ls != NULL);
   return ls;
+}
+
+/* A holder hears of a requested mode only if it is above every mode it was
+ * told of since its last grant (the DLM's highbast rule): with PR, EX, PR
+ * queued behind its EX it gets BASTs for PR and EX, not a second PR (it
+ * got PR, EX, PR when only the last mode sent was remembered). */
+static void bast_highest_only(void) {
+  keel_lockspace_t *ls = new_ls();
+  rec_t h = {0}, w[3] = {{0}};
+  keel_lksb_t hx = {0}, wx[3] = {{0}};
+  KT_EQ(keel_lock(ls, NAME("hb"), KEEL_LOCK_EX, 0, &hx, NULL, log_bast, &h), 0);
+  static const int modes[3] = {KEEL_LOCK_PR, KEEL_LOCK_EX, KEEL_LOCK_PR};
+  for (int i = 0; i < 3; i++)
+    KT_EQ(keel_lock(ls, NAME("hb"), modes[i], 0, &wx[i], rec_ast, NULL, &w[i]), 0);
+  KT_EQ(h.norder, 2);
+  KT_EQ(h.order[0], KEEL_LOCK_PR);
+  KT_EQ(h.order[1], KEEL_LOCK_EX);
+  KT_EQ(keel_unlock(&hx, 0), 0); /* PR granted; EX waits behind it */
+  for (int i = 0; i < 3; i++) {
+    if (w[i].asts == 1) KT_EQ(keel_unlock(&wx[i], 0), 0);
+  }
+  for (int i = 0; i < 3; i++) {
+    if (wx[i].lock != NULL) KT_EQ(keel_unlock(&wx[i], 0), 0);
+  }
+  KT_EQ(keel_lockspace_release(ls, 0), 0);
 }
 
 /* Every pair of modes, on real locks: the second is granted at once iff the
@@ -271,7 +303,21 @@ static void value_blocks(void) {
   KT_EQ(keel_unlock(&r, 0), 0);
   KT_EQ(rx.asts, 1);
   KT_STREQ((char *)x.valblk, "generation-2");
+  /* A conversion of an EX lock to EX writes, as in the DLM (it read, and
+   * the holder's new value was lost); so does PW to PW. PW to EX reads. */
+  memcpy(x.valblk, "generation-3", 13);
+  KT_EQ(keel_lock_convert(&x, KEEL_LOCK_EX, KEEL_LOCK_VALBLK), 0);
+  KT_STREQ((char *)x.valblk, "generation-3");
+  KT_EQ(keel_lock_convert(&x, KEEL_LOCK_PW, 0), 0);
+  memcpy(x.valblk, "generation-4", 13);
+  KT_EQ(keel_lock_convert(&x, KEEL_LOCK_PW, KEEL_LOCK_VALBLK), 0);
+  memset(x.valblk, 0, sizeof(x.valblk));
+  KT_EQ(keel_lock_convert(&x, KEEL_LOCK_EX, KEEL_LOCK_VALBLK), 0);
+  KT_STREQ((char *)x.valblk, "generation-4");
   KT_EQ(keel_unlock(&x, 0), 0);
+  KT_EQ(keel_lock(ls, NAME("v"), KEEL_LOCK_CR, KEEL_LOCK_VALBLK, &r, NULL, NULL, NULL), 0);
+  KT_STREQ((char *)r.valblk, "generation-4");
+  KT_EQ(keel_unlock(&r, 0), 0);
   KT_EQ(keel_lockspace_release(ls, 0), 0);
 }
 
@@ -617,23 +663,24 @@ static void convert_failure_keeps_callbacks(void) {
   KT_EQ(
       keel_lock(ls, NULL, 0, KEEL_LOCK_EX, cvt | KEEL_LOCK_NOQUEUE, &a, rec_ast, rec_bast, &rn[0]),
       KEEL_EAGAIN);
-  KT_EQ(keel_lock_convert(&b, KEEL_LOCK_EX, 0), 0); /* waits for a's PR */
+  KT_EQ(keel_lock_convert(&b, KEEL_LOCK_PW, 0), 0); /* waits for a's PR */
   KT_EQ(r1.basts, 1);
-  KT_EQ(r1.last_bast, KEEL_LOCK_EX);
-  /* b's EX waits for a's PR: a's EX would wait for b's PR. */
+  KT_EQ(r1.last_bast, KEEL_LOCK_PW);
+  /* b's PW waits for a's PR: a's EX would wait for b's PR. */
   KT_EQ(keel_lock(ls, NULL, 0, KEEL_LOCK_EX, cvt, &a, rec_ast, rec_bast, &rn[1]), KEEL_EDEADLK);
   /* QUECVT on a down-conversion. */
   KT_EQ(keel_lock(ls, NULL, 0, KEEL_LOCK_NL, cvt | KEEL_LOCK_QUECVT, &a, rec_ast, rec_bast, &rn[2]),
         KEEL_EINVAL);
   KT_EQ(a.lock->gr, KEEL_LOCK_PR);
-  KT_EQ(keel_lock(ls, NAME("cbf"), KEEL_LOCK_PW, 0, &c, rec_ast, NULL, &rc_), 0); /* waits */
+  /* EX, above the PW a was told of: a second BAST, through a's own. */
+  KT_EQ(keel_lock(ls, NAME("cbf"), KEEL_LOCK_EX, 0, &c, rec_ast, NULL, &rc_), 0); /* waits */
   KT_EQ(r1.basts, 2);
-  KT_EQ(r1.last_bast, KEEL_LOCK_PW);
-  KT_EQ(keel_lock_convert(&a, KEEL_LOCK_NL, 0), 0); /* granted at once; b's EX follows */
+  KT_EQ(r1.last_bast, KEEL_LOCK_EX);
+  KT_EQ(keel_lock_convert(&a, KEEL_LOCK_NL, 0), 0); /* granted at once; b's PW follows */
   KT_EQ(r1.asts, 2);
   KT_EQ(rb.asts, 2);
   for (int i = 0; i < 3; i++) KT_EQ(rn[i].asts + rn[i].basts, 0);
-  KT_EQ(keel_unlock(&b, 0), 0); /* c's PW follows */
+  KT_EQ(keel_unlock(&b, 0), 0); /* c's EX follows */
   KT_EQ(rc_.asts, 1);
   KT_EQ(keel_unlock(&c, 0), 0);
   KT_EQ(keel_unlock(&a, 0), 0);
@@ -1039,8 +1086,10 @@ static void force_release_refuses_new_requests(void) {
   }
 }
 
-/* Two BASTs of one lock run at once on two requesters' threads (PR, then
- * CW, both blocked by its EX): keel_unlock returns only after both have. */
+/* Two BASTs of one lock run at once on two requesters' threads (CW, then
+ * PR, both blocked by its EX; PR after CW, since a holder hears only of a
+ * mode above those it was told of): keel_unlock returns only after both
+ * have. */
 typedef struct two_basts {
   keel_lockspace_t *ls;
   keel_lksb_t h, r[2];
@@ -1060,7 +1109,7 @@ static void tb_bast(void *arg, int mode) {
 }
 static void *tb_requester(void *arg) {
   tb_slot = (int)(intptr_t)arg;
-  int mode = tb_slot == 0 ? KEEL_LOCK_PR : KEEL_LOCK_CW;
+  int mode = tb_slot == 0 ? KEEL_LOCK_CW : KEEL_LOCK_PR;
   KT_EQ(keel_lock(tb.ls, NAME("t"), mode, 0, &tb.r[tb_slot], NULL, NULL, NULL), 0);
   return NULL;
 }
@@ -1087,7 +1136,7 @@ static void unlock_waits_for_every_running_bast(void) {
   __atomic_store_n(&tb.go[1], 1, __ATOMIC_SEQ_CST);
   pthread_join(un, NULL);
   KT_EQ(__atomic_load_n(&tb.order_bad, __ATOMIC_SEQ_CST), 0);
-  pthread_join(rq[0], NULL); /* granted PR; CW waits for it */
+  pthread_join(rq[0], NULL); /* granted CW; PR waits for it */
   KT_EQ(keel_unlock(&tb.r[0], 0), 0);
   pthread_join(rq[1], NULL);
   KT_EQ(keel_unlock(&tb.r[1], 0), 0);
@@ -1404,19 +1453,19 @@ static void lookup_spare(void) {
   }
 }
 
-KT_MAIN(KT_CASE(compat_matrix), KT_CASE(fifo_no_barging), KT_CASE(conversion_deadlock),
-        KT_CASE(quecvt), KT_CASE(quecvt_down), KT_CASE(cancel_blocked_from_thread),
-        KT_CASE(force_release_after_grant), KT_CASE(value_blocks), KT_CASE(timeouts_blocking),
-        KT_CASE(timeouts_async), KT_CASE(timer_entry_goes_with_last_lock),
-        KT_CASE(timer_rearms_for_next_deadline), KT_CASE(timer_many_resources),
-        KT_CASE(blocking_wait), KT_CASE(cancel), KT_CASE(convert_flag),
-        KT_CASE(convert_failure_keeps_callbacks), KT_CASE(convert_cancel_callbacks),
-        KT_CASE(resource_cache), KT_CASE(cache_option), KT_CASE(cache_max_counts_unused_only),
-        KT_CASE(callbacks_reenter), KT_CASE(sched_callbacks), KT_CASE(mutex_basic),
-        KT_CASE(mutex_stress), KT_CASE(lookup_spare), KT_CASE(no_bast_after_unlock),
-        KT_CASE(bast_unlocks_own_lock), KT_CASE(unlock_waits_for_running_bast),
-        KT_CASE(force_release_refuses_new_requests), KT_CASE(quecvt_new_request),
-        KT_CASE(unlock_waits_for_every_running_bast), KT_CASE(nested_bast_unlocks_outer_lock),
-        KT_CASE(force_release_during_timer_bast), KT_CASE(force_release_during_callback_storm),
-        KT_CASE(force_release_with_owed_bast), KT_CASE(force_release_cancels_timer_thread_wait),
-        KT_CASE(noqueue_failure_never_published))
+KT_MAIN(KT_CASE(compat_matrix), KT_CASE(bast_highest_only), KT_CASE(fifo_no_barging),
+        KT_CASE(conversion_deadlock), KT_CASE(quecvt), KT_CASE(quecvt_down),
+        KT_CASE(cancel_blocked_from_thread), KT_CASE(force_release_after_grant),
+        KT_CASE(value_blocks), KT_CASE(timeouts_blocking), KT_CASE(timeouts_async),
+        KT_CASE(timer_entry_goes_with_last_lock), KT_CASE(timer_rearms_for_next_deadline),
+        KT_CASE(timer_many_resources), KT_CASE(blocking_wait), KT_CASE(cancel),
+        KT_CASE(convert_flag), KT_CASE(convert_failure_keeps_callbacks),
+        KT_CASE(convert_cancel_callbacks), KT_CASE(resource_cache), KT_CASE(cache_option),
+        KT_CASE(cache_max_counts_unused_only), KT_CASE(callbacks_reenter), KT_CASE(sched_callbacks),
+        KT_CASE(mutex_basic), KT_CASE(mutex_stress), KT_CASE(lookup_spare),
+        KT_CASE(no_bast_after_unlock), KT_CASE(bast_unlocks_own_lock),
+        KT_CASE(unlock_waits_for_running_bast), KT_CASE(force_release_refuses_new_requests),
+        KT_CASE(quecvt_new_request), KT_CASE(unlock_waits_for_every_running_bast),
+        KT_CASE(nested_bast_unlocks_outer_lock), KT_CASE(force_release_during_timer_bast),
+        KT_CASE(force_release_during_callback_storm), KT_CASE(force_release_with_owed_bast),
+        KT_CASE(force_release_cancels_timer_thread_wait), KT_CASE(noqueue_failure_never_published))

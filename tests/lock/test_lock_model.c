@@ -87,11 +87,11 @@ static bool m_compat(int r, int self, int mode) {
   return true;
 }
 
-/* Value blocks: a PW/EX holder going down writes its block, any other grant
- * with VALBLK reads the resource's. */
+/* Value blocks (the DLM's table): a PW/EX holder going down or to its own
+ * mode writes its block, any other grant with VALBLK reads the resource's. */
 static void m_grant(tlock_t *t) {
   if (t->flags & KEEL_LOCK_VALBLK) {
-    if (t->gr >= KEEL_LOCK_PW && t->rq < t->gr)
+    if (t->gr >= KEEL_LOCK_PW && t->rq <= t->gr)
       mlvb[t->res] = t->vb;
     else
       t->vb = mlvb[t->res];
@@ -131,7 +131,7 @@ static void m_basts(int r, tlock_t *req) {
   for (int k = 0; k < 2; k++)
     for (int i = 0; i < qs[k]->n; i++) {
       tlock_t *o = &L[qs[k]->v[i]];
-      if (o == req || !o->has_bast || o->bast_mode == req->rq || kt_compat[o->gr][req->rq])
+      if (o == req || !o->has_bast || o->bast_mode >= req->rq || kt_compat[o->gr][req->rq])
         continue;
       o->bast_mode = req->rq;
       expect('B', o->id, req->rq);
