@@ -114,12 +114,12 @@ typedef enum keel_lock_mode {
 /* keel_lock / keel_lock_convert flags. */
 #define KEEL_LOCK_NOQUEUE 0x01u /* fail with KEEL_EAGAIN instead of waiting */
 #define KEEL_LOCK_CONVERT 0x02u /* keel_lock converts lksb's lock (name ignored) */
-#define KEEL_LOCK_QUECVT                                                                           \
-  0x04u /* an up-conversion queues behind pending ones (a
-                                   down-conversion with it: KEEL_EINVAL, as in the DLM) */
-#define KEEL_LOCK_VALBLK                                                                           \
-  0x08u /* read the value block on grant; write it on release, and on a PW or EX lock's \
-           conversion down or to its own mode (the DLM's rules) */
+/* An up-conversion queues behind pending ones (a down-conversion with it:
+ * KEEL_EINVAL, as in the DLM). */
+#define KEEL_LOCK_QUECVT  0x04u
+/* Read the value block on grant; write it on release, and on a PW or EX
+ * lock's conversion down or to its own mode (the DLM's rules). */
+#define KEEL_LOCK_VALBLK  0x08u
 #define KEEL_LOCK_TIMEOUT 0x10u /* give up after lksb->timeout_ms: KEEL_ETIMEDOUT */
 /* keel_unlock flag: cancel the pending request instead (KEEL_ECANCELED). */
 #define KEEL_LOCK_CANCEL  0x20u
