@@ -99,18 +99,30 @@ static void state_machine(void) {
   KT_EQ(keel_pool_destroy(p), 0);
 }
 
-/* The hand-off: a sweep that finds the owner inside a call leaves the
- * request, and the owner's next call carries it out. */
-static void owner_services_pending_sweep(void) {
-  sweeper_quiet();
-  keel_pool_t *p = keel_pool_create("handoff", 64, 0, NULL);
-  void *o[4];
-  for (int i = 0; i < 4; i++) o[i] = keel_pool_alloc(p);
-  for (int i = 0; i < 4; i++) keel_pool_free(p, o[i]); /* hot: 4 */
+/* A pool whose n objects sit on this thread's hot list, swept once while
+ * the thread was "mid-call" (busy set by hand): the sweep's request is left
+ * pending on the sub-pool, returned in *spp. */
+static keel_pool_t *pool_with_pending_sweep(const char *name, int n, pool_sub_t **spp) {
+  keel_pool_t *p = keel_pool_create(name, 64, 0, NULL);
+  KT_REQUIRE(p != NULL);
+  void *o[16];
+  KT_REQUIRE(n <= 16);
+  for (int i = 0; i < n; i++) o[i] = keel_pool_alloc(p);
+  for (int i = 0; i < n; i++) keel_pool_free(p, o[i]); /* hot: n */
   pool_sub_t *sp = pool_sub_get(p);
   KT_REQUIRE(sp != NULL);
   keel_store_relaxed(&sp->f.busy, 1); /* as if this thread were mid-call */
   KT_EQ(keel_pool_sweep(p), 0);
+  *spp = sp;
+  return p;
+}
+
+/* The hand-off: a sweep that finds the owner inside a call leaves the
+ * request, and the owner's next call carries it out. */
+static void owner_services_pending_sweep(void) {
+  sweeper_quiet();
+  pool_sub_t *sp;
+  keel_pool_t *p = pool_with_pending_sweep("handoff", 4, &sp);
   KT_EQ(keel_load_relaxed(&sp->f.req), POOL_REQ_SWEEP);
   KT_EQ(stats(p).heap_frees, 0);
   keel_store_relaxed(&sp->f.busy, 0);
@@ -138,12 +150,9 @@ static void owner_services_pending_sweep(void) {
 static void reclaim_keeps_pending_sweep(void) {
   sweeper_quiet();
   keel_pool_t *a = keel_pool_create("reclaim-first", 64, 0, NULL);
-  keel_pool_t *b = keel_pool_create("reclaim-busy", 64, 0, NULL);
   keel_pool_free(a, keel_pool_alloc(a));
-  keel_pool_free(b, keel_pool_alloc(b));
-  pool_sub_t *sb = pool_sub_get(b);
-  keel_store_relaxed(&sb->f.busy, 1);
-  keel_pool_sweep(b); /* left pending: the owner is "mid-call" */
+  pool_sub_t *sb;
+  keel_pool_t *b = pool_with_pending_sweep("reclaim-busy", 1, &sb); /* after a on the list */
   KT_EQ(keel_load_relaxed(&sb->f.req), POOL_REQ_SWEEP);
   KT_EQ(keel_pool_reclaim(1), stats(a).block_bytes); /* a's object satisfies the goal */
   KT_EQ(keel_load_relaxed(&sb->f.req), POOL_REQ_SWEEP);
@@ -596,14 +605,8 @@ static void fork_child_restarts_sweeper(void) {
  * stayed a third period. */
 static void pending_sweep_counts_twice(void) {
   sweeper_quiet();
-  keel_pool_t *p = keel_pool_create("twice", 64, 0, NULL);
-  void *o[16];
-  for (int i = 0; i < 16; i++) o[i] = keel_pool_alloc(p);
-  for (int i = 0; i < 16; i++) keel_pool_free(p, o[i]); /* hot: 16 */
-  pool_sub_t *sp = pool_sub_get(p);
-  KT_REQUIRE(sp != NULL);
-  keel_store_relaxed(&sp->f.busy, 1); /* as if this thread were mid-call */
-  KT_EQ(keel_pool_sweep(p), 0);
+  pool_sub_t *sp;
+  keel_pool_t *p = pool_with_pending_sweep("twice", 16, &sp);
   keel_store_relaxed(&sp->f.busy, 0);
   KT_EQ(stats(p).cached, 16);
   KT_EQ(keel_pool_sweep(p), 0); /* this thread idle: the pass does both */
