@@ -314,7 +314,7 @@ keel_table_node_t *_keel_tidx_add(keel_table_t *t, keel_table_node_t *n, uint64_
   return n;
 }
 
-int _keel_tidx_del(keel_table_t *t, keel_table_node_t *n, bool *check) {
+int _keel_tidx_del(keel_table_t *t, keel_table_node_t *n, bool *check, uint32_t mark) {
   uintptr_t head;
   keel_atomic(uintptr_t) *b = bucket_lock_hash(t, node_hash(t, n), &head);
   keel_table_node_t *prev = NULL;
@@ -323,6 +323,9 @@ int _keel_tidx_del(keel_table_t *t, keel_table_node_t *n, bool *check) {
       prev = p;
       continue;
     }
+    if (mark)
+      atomic_fetch_or_explicit(node_ref(n), mark,
+                               memory_order_relaxed); /* the unlock publishes it */
     /* n keeps its link: a reader standing on it still reaches the rest. */
     keel_table_node_t *nx = keel_load_relaxed(node_next(n));
     if (prev == NULL) {

@@ -239,10 +239,13 @@ static bool shrink_step(keel_table_t *t, table_shard_t *s, keel_table_node_t *n,
     if (keel_cas_weak_acq_rel(ref, &v, v | REF_DEAD)) break;
   }
   /* DEAD from a zero count: no new reference can appear. */
-  if (_keel_tidx_del(t, n, check) != 0) {
-    /* keel_table_remove deleted it first and will unlink it after us. */
+  if (_keel_tidx_del(t, n, check, 0) != 0) {
+    /* keel_table_remove deleted it first, or a get_or_insert did for us
+     * (HELPED: an eviction to count); either unlinks it after us. */
     lru_rotate(s, n);
-    return false;
+    if (!(keel_load_relaxed(ref) & REF_HELPED)) return false;
+    keel_fetch_add_relaxed(&t->evicted, 1);
+    return true;
   }
   if (shard_count_add(s, -1)) *check = true; /* after the shard lock */
   if (t->limited) keel_fetch_sub_relaxed(&t->charge, node_charge(t, n));

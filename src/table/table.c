@@ -281,7 +281,7 @@ int keel_table_insert(keel_table_t *t, keel_table_node_t *n) {
  * _keel_tidx_del is the removal owner (table_internal.h), and the loser backs
  * off as it does against keel_table_remove. Inside a read-side section. */
 static void help_remove(keel_table_t *t, keel_table_node_t *e) {
-  if (_keel_tidx_del(t, e, NULL) == 0) _keel_table_removed(t, e);
+  if (_keel_tidx_del(t, e, NULL, REF_HELPED) == 0) _keel_table_removed(t, e);
 }
 
 keel_table_node_t *keel_table_get_or_insert(keel_table_t *t, keel_table_node_t *n) {
@@ -392,7 +392,7 @@ int keel_table_remove(keel_table_t *t, keel_table_node_t *n) {
                        (void *)t);
   if (v & REF_DEAD) return KEEL_ENOENT;
   _keel_rcu_read_lock();
-  int rc = _keel_tidx_del(t, n, NULL);
+  int rc = _keel_tidx_del(t, n, NULL, 0);
   _keel_rcu_read_unlock();
   if (rc != 0) return KEEL_ENOENT; /* another remover or the shrinker won */
   _keel_table_removed(t, n);
@@ -421,10 +421,11 @@ int keel_table_remove_key(keel_table_t *t, const void *key, size_t len) {
       goto out;
     }
   } while (!keel_cas_weak_acq_rel(ref, &v, v | REF_DEAD));
-  if (_keel_tidx_del(t, n, NULL) != 0)
-    rc = KEEL_ENOENT; /* a concurrent keel_table_remove owns it */
-  else
+  if (_keel_tidx_del(t, n, NULL, 0) == 0)
     _keel_table_removed(t, n);
+  else if (!(keel_load_relaxed(ref) & REF_HELPED))
+    rc = KEEL_ENOENT; /* a concurrent keel_table_remove owns it */
+  /* else a get_or_insert unlinked it for us (help_remove) and did the rest */
 out:
   _keel_rcu_read_unlock();
   return rc;

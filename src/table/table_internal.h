@@ -18,6 +18,11 @@
  *    the evictor (a CAS from COUNT == 0, before its _keel_tidx_del). Exactly
  *    one thread's _keel_tidx_del succeeds for an entry; it is the "removal
  *    owner" and takes the entry off its LRU.
+ *  - HELPED is set, under the bucket lock, by a get_or_insert whose
+ *    _keel_tidx_del unlinked an entry that a zero-count marker (remove_key,
+ *    the evictor) made DEAD. The marker's own _keel_tidx_del then fails, and
+ *    the bit tells it the removal was done on its behalf and is its to
+ *    report (not a concurrent keel_table_remove's).
  *  - ON_LRU mirrors membership of the shard's LRU list and changes only under
  *    that shard's lock; it is set only by a CAS that sees !DEAD.
  *  - ACCESSED is set by lookups (second chance) and cleared by the shrinker;
@@ -60,6 +65,7 @@
 #define REF_ON_LRU   (1u << 26)  /* on its shard's LRU list (shard lock) */
 #define REF_ACCESSED (1u << 27)  /* inserted or looked up since the shrinker last passed */
 #define REF_BURIED   (1u << 28)  /* handed to the deferred free (checked in debug) */
+#define REF_HELPED   (1u << 29)  /* unlinked by get_or_insert for its DEAD marker */
 
 /* LRU shards: put-to-zero, eviction, counting and the deferred free are
  * spread over this many shards, chosen by the node's address; the shrinker
@@ -215,8 +221,10 @@ keel_table_node_t *_keel_tidx_add(keel_table_t *t, keel_table_node_t *n, uint64_
 /* Unlinks n: 0, or -1 if it is not in the table (removed by another thread).
  * Inside a read-side section. With `check` NULL it may check the load and
  * allocate a bucket array; a caller under a lock passes a flag instead,
- * set when it must call _keel_tidx_check after its unlock. */
-int _keel_tidx_del(keel_table_t *t, keel_table_node_t *n, bool *check) KEEL_HIDDEN;
+ * set when it must call _keel_tidx_check after its unlock. `mark` is ORed
+ * into n's state word under the bucket lock if this call unlinks n, so a
+ * thread whose own call then fails sees it (REF_HELPED). */
+int _keel_tidx_del(keel_table_t *t, keel_table_node_t *n, bool *check, uint32_t mark) KEEL_HIDDEN;
 /* Calls fn on every entry once, in bucket order, inside a read-side
  * section, while other threads read and write; stops at fn's first non-zero
  * return and returns it (KEEL_ENOMEM if a long chain could not be copied). */

@@ -805,6 +805,76 @@ static void get_or_insert_one_winner(void) {
          c.rounds);
 }
 
+/* Removers and the shrinker race get_or_insert on a few hot keys. A
+ * get_or_insert that meets an entry a remover or the shrinker has marked
+ * DEAD deletes it on the marker's behalf (help_remove), and the marker must
+ * still report the removal as its own: every entry inserted is accounted
+ * for exactly once, by a remove_key that returned 0, by a shrink's count,
+ * or by still being in the table at the end. */
+typedef struct rk_ctx {
+  keel_table_t *t;
+  int keys;
+  long ops;
+  keel_atomic(long) inserted, removed, evicted;
+  keel_atomic(int) done;
+} rk_ctx_t;
+
+static void *rk_worker(void *arg) {
+  rk_ctx_t *c = arg;
+  uint64_t s = (uint64_t)(uintptr_t)&s | 1;
+  for (long i = 0; i < c->ops; i++) {
+    uint64_t k = rnd(&s) % (uint64_t)c->keys;
+    item_t *it = item_new(k);
+    keel_table_node_t *n = keel_table_get_or_insert(c->t, &it->node);
+    if (n == NULL) kt_fail(__FILE__, __LINE__, "get_or_insert: errno %d", errno);
+    if (n == &it->node)
+      keel_fetch_add_relaxed(&c->inserted, 1);
+    else
+      free(it);
+    keel_table_put(c->t, n);
+    if (rnd(&s) % 4 == 0) continue; /* left cached, for the shrinker */
+    int rc = keel_table_remove_key(c->t, &k, sizeof k);
+    if (rc == 0)
+      keel_fetch_add_relaxed(&c->removed, 1);
+    else if (rc != KEEL_ENOENT && rc != KEEL_EBUSY)
+      kt_fail(__FILE__, __LINE__, "remove_key: %d", rc);
+  }
+  return NULL;
+}
+
+static void *rk_shrinker(void *arg) {
+  rk_ctx_t *c = arg;
+  while (!keel_load_relaxed(&c->done)) {
+    keel_fetch_add_relaxed(&c->evicted, (long)keel_table_shrink(c->t, 2));
+    sched_yield();
+  }
+  return NULL;
+}
+
+static void remove_key_accounting(void) {
+  rk_ctx_t c = {.keys = 4, .ops = tsan_quarter(kt_sanitized() ? 50000 : 400000)};
+  keel_table_config_t cfg = {.key_type = KEEL_TABLE_KEY_U64, .free_fn = item_free};
+  c.t = keel_table_create(&cfg);
+  KT_REQUIRE(c.t != NULL);
+  arm_alarm();
+  long f0 = keel_load_relaxed(&n_freed);
+  enum { W = 4 };
+  pthread_t th[W], sh;
+  pthread_create(&sh, NULL, rk_shrinker, &c);
+  for (int i = 0; i < W; i++) pthread_create(&th[i], NULL, rk_worker, &c);
+  for (int i = 0; i < W; i++) pthread_join(th[i], NULL);
+  keel_store_relaxed(&c.done, 1);
+  pthread_join(sh, NULL);
+  long ins = keel_load_relaxed(&c.inserted), rem = keel_load_relaxed(&c.removed),
+       ev = keel_load_relaxed(&c.evicted), left = (long)keel_table_count(c.t);
+  printf("  remove_key: %ld inserted, %ld removed by key, %ld evicted, %ld left\n", ins, rem, ev,
+         left);
+  KT_EQ(rem + ev + left, ins);
+  KT_EQ(keel_table_destroy(c.t), 0);
+  KT_EQ(keel_load_relaxed(&n_freed) - f0, ins);
+  alarm(0);
+}
+
 KT_MAIN(KT_CASE(hot_keys_refcount_races), KT_CASE(grow_from_tiny_repeatedly),
         KT_CASE(resizes_under_readers_and_walkers), KT_CASE(big_table_readers_writers),
-        KT_CASE(get_or_insert_one_winner))
+        KT_CASE(get_or_insert_one_winner), KT_CASE(remove_key_accounting))
