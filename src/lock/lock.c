@@ -191,7 +191,9 @@ int keel_lock(keel_lockspace_t *ls, const void *name, size_t namelen, int mode, 
                       .arg = arg};
   _keel_lksb_set_status(lksb, 0);
   set_deadline(lkb, flags);
-  keel_res_t *res = _keel_dir_attach(ls, name, namelen); /* res->mu held from here */
+  keel_res_t *res;
+again:
+  res = _keel_dir_attach(ls, name, namelen); /* res->mu held from here */
   if (keel_unlikely(res == NULL)) {
     _keel_lksb_set_lock(lksb, NULL);
     free(lkb);
@@ -204,9 +206,10 @@ int keel_lock(keel_lockspace_t *ls, const void *name, size_t namelen, int mode, 
   if (keel_unlikely(__atomic_load_n(&ls->magic, __ATOMIC_SEQ_CST) != KEEL_LS_MAGIC)) {
     bool last = __keel_dir_detach(res);
     __keel_mutex_unlock(&res->mu);
+    if (last) _keel_dir_put(res);
+    if (_keel_ls_await(ls) == 0) goto again; /* the release found locks */
     _keel_lksb_set_lock(lksb, NULL);
     free(lkb);
-    if (last) _keel_dir_put(res);
     return KEEL_ESHUTDOWN;
   }
   lkb->res = res;
@@ -242,6 +245,7 @@ int keel_lock(keel_lockspace_t *ls, const void *name, size_t namelen, int mode, 
 }
 
 int _keel_lock_convert(keel_lksb_t *lksb, int mode, unsigned flags, const keel_lock_cbs_t *cb) {
+again:;
   keel_lkb_t *lkb = lksb_lock(lksb, "keel_lock_convert");
   if (keel_unlikely(lkb == NULL)) return KEEL_ENOENT;
   keel_res_t *res = lkb->res;
@@ -259,6 +263,8 @@ int _keel_lock_convert(keel_lksb_t *lksb, int mode, unsigned flags, const keel_l
    * timer the release has already stopped waiting for. */
   if (keel_unlikely(__atomic_load_n(&res->ls->magic, __ATOMIC_SEQ_CST) != KEEL_LS_MAGIC)) {
     __keel_mutex_unlock(&res->mu);
+    /* A non-forced release checking for locks will find this one. */
+    if (_keel_ls_await(res->ls) == 0) goto again;
     return KEEL_ESHUTDOWN;
   }
   lkb->wake = 0;

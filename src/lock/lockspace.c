@@ -18,12 +18,14 @@
  * unused resource is never pinned (each queued request used to push an entry
  * and a reference that stayed until its deadline, granted or not).
  */
+#include <limits.h>
 #include <sched.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "base/clock.h"
 #include "base/die.h"
+#include "base/futex.h"
 #include "base/options.h"
 #include "lockspace.h"
 
@@ -159,6 +161,13 @@ keel_lockspace_t *keel_lockspace_create(const keel_lockspace_config_t *config) {
   pthread_mutex_init(&ls->timer_once, NULL);
   ls->magic = KEEL_LS_MAGIC;
   return ls;
+}
+
+int _keel_ls_await(keel_lockspace_t *ls) {
+  uint32_t m;
+  while ((m = __atomic_load_n(&ls->magic, __ATOMIC_ACQUIRE)) == KEEL_LS_PROBING)
+    keel_futex_wait(&ls->magic, KEEL_LS_PROBING);
+  return m == KEEL_LS_MAGIC ? 0 : KEEL_ESHUTDOWN;
 }
 
 size_t keel_lockspace_shrink(keel_lockspace_t *ls, size_t n) {
@@ -620,17 +629,22 @@ int keel_lockspace_release(keel_lockspace_t *ls, unsigned flags) {
    * callback still queued or one the release causes, or the timer's): a
    * lock taken now would escape the cancel and keep the table referenced
    * past its destroy. Set before the busy check and the walk, which take
-   * every resource's mutex after it (see keel_lock); a release that finds
-   * the lockspace busy makes it live again. */
-  (void)__atomic_exchange_n(&ls->magic, KEEL_LS_CLOSING, __ATOMIC_SEQ_CST);
+   * every resource's mutex after it (see keel_lock). Without FORCE the
+   * outcome is not known until the busy walk ends: during it requests wait
+   * (PROBING), then go ahead if it found locks (KEEL_EBUSY changes nothing,
+   * not even for the callbacks the timer or sched run meanwhile) or get
+   * KEEL_ESHUTDOWN if the release goes on. */
+  bool force = flags & KEEL_LOCKSPACE_FORCE;
+  (void)__atomic_exchange_n(&ls->magic, force ? KEEL_LS_CLOSING : KEEL_LS_PROBING,
+                            __ATOMIC_SEQ_CST);
   cancel_ctx_t c;
   CDS_INIT_LIST_HEAD(&c.gone);
   CDS_INIT_LIST_HEAD(&c.owed);
-  if (!(flags & KEEL_LOCKSPACE_FORCE)) {
-    if (keel_table_for_each(ls->table, busy_fn, NULL) != 0) {
-      __atomic_store_n(&ls->magic, KEEL_LS_MAGIC, __ATOMIC_RELAXED);
-      return KEEL_EBUSY;
-    }
+  if (!force) {
+    bool busy = keel_table_for_each(ls->table, busy_fn, NULL) != 0;
+    __atomic_store_n(&ls->magic, busy ? KEEL_LS_MAGIC : KEEL_LS_CLOSING, __ATOMIC_SEQ_CST);
+    keel_futex_wake(&ls->magic, INT_MAX);
+    if (busy) return KEEL_EBUSY;
   } else {
     /* The timer's passes end (one under way finishes); its thread is joined
      * only after the cancel, which wakes a call it may be blocked in. */

@@ -11,6 +11,7 @@
 #define KEEL_LS_MAGIC   0x6c73706bu /* "lspk": live lockspace */
 #define KEEL_LS_DEAD    0x6c736464u /* released (header kept, see lockspace.c) */
 #define KEEL_LS_CLOSING 0x6c73636cu /* being released: new requests get KEEL_ESHUTDOWN */
+#define KEEL_LS_PROBING 0x6c737062u /* a release checks for locks: new requests wait */
 
 /* One armed resource in the timer's heap. */
 typedef struct keel_timer_ent {
@@ -72,11 +73,18 @@ struct keel_lockspace {
   pthread_mutex_t timer_once;
 };
 
+/* Waits out a non-forced release's check for locks (KEEL_LS_PROBING), so
+ * that a request it races is refused only if the release goes ahead: 0 if
+ * the lockspace is live (the release returned KEEL_EBUSY), else
+ * KEEL_ESHUTDOWN. The caller holds no resource's mutex (the check takes
+ * them all). */
+int _keel_ls_await(keel_lockspace_t *ls) KEEL_HIDDEN;
+
 /* 0, or KEEL_EINVAL (NULL) / KEEL_ESHUTDOWN (released). */
-KEEL_INLINE int _keel_ls_check(const keel_lockspace_t *ls) {
+KEEL_INLINE int _keel_ls_check(keel_lockspace_t *ls) {
   if (keel_unlikely(ls == NULL)) return KEEL_EINVAL;
   if (keel_unlikely(__atomic_load_n(&ls->magic, __ATOMIC_RELAXED) != KEEL_LS_MAGIC))
-    return KEEL_ESHUTDOWN;
+    return _keel_ls_await(ls);
   return 0;
 }
 
