@@ -143,7 +143,7 @@ KEEL_API size_t keel_pool_reclaim(size_t bytes);
  * library's functions, which behave exactly as without the option. Like
  * liburcu's _LGPL_SOURCE, this compiles the layouts below into the program:
  * they are versioned by the name of the TLS array the program links against
- * (keel_pool_slots_v1), so a program built against other layouts fails to
+ * (keel_pool_slots_v2), so a program built against other layouts fails to
  * load rather than misread them. Measured in `keel-bench pool` (2 cores):
  * 3.1 against 4.4 ns per alloc+free pair, and 4-21% more operations per CPU
  * second in the gluster case. The names (&keel_pool_alloc included) still
@@ -159,7 +159,7 @@ KEEL_API size_t keel_pool_reclaim(size_t bytes);
 #include <stdatomic.h>
 #include <stdbool.h>
 
-/* The header before each object: the owning pool's address (bit 0 set while
+/* The header before each object: the owning pool's tag (bit 0 set while
  * cached) and the link of the hot or cold list it sits on. */
 struct keel_pool_objhdr {
   uintptr_t tag;
@@ -174,17 +174,19 @@ struct keel_pool_sub_fast {
   _Atomic uint64_t hot_hits, cold_hits, heap_allocs, frees; /* owner-written */
 };
 
-/* The first fields of a pool: its id (slot index) and flags (any bit sends
- * every call to the library's slower paths). */
+/* The first fields of a pool: its id (slot index), flags (any bit sends
+ * every call to the library's slower paths) and the tag its live objects
+ * carry (its address XOR a random key drawn at create, bit 0 clear). */
 struct keel_pool_fast {
   uint32_t id;
   uint32_t flags;
+  uintptr_t tag;
 };
 
 /* The calling thread's sub-pools of the pools with ids below
  * KEEL_POOL_FAST_SLOTS. The suffix is the layout version above. */
 #define KEEL_POOL_FAST_SLOTS 32
-extern KEEL_API _Thread_local struct keel_pool_sub_fast *keel_pool_slots_v1[KEEL_POOL_FAST_SLOTS];
+extern KEEL_API _Thread_local struct keel_pool_sub_fast *keel_pool_slots_v2[KEEL_POOL_FAST_SLOTS];
 
 /* Enters the owner's side of the sweeper hand-off: busy = 1, then the
  * compiler may not move the req load above it (the sweeper's membarrier
@@ -252,11 +254,11 @@ static inline bool keel_pool_inline_push(struct keel_pool_sub_fast *sp, struct k
 static inline void *keel_pool_inline_alloc(keel_pool_t *pool) {
   const struct keel_pool_fast *pf = (const struct keel_pool_fast *)(const void *)pool;
   if (__builtin_expect(pool != NULL && pf->flags == 0 && pf->id < KEEL_POOL_FAST_SLOTS, 1)) {
-    struct keel_pool_sub_fast *sp = keel_pool_slots_v1[pf->id];
+    struct keel_pool_sub_fast *sp = keel_pool_slots_v2[pf->id];
     if (__builtin_expect(sp != NULL, 1)) {
       struct keel_pool_objhdr *h = keel_pool_inline_pop(sp, false);
       if (__builtin_expect(h != NULL, 1)) {
-        h->tag = (uintptr_t)pool;
+        h->tag = pf->tag;
         return h + 1;
       }
     }
@@ -269,13 +271,15 @@ static inline void keel_pool_inline_free(keel_pool_t *pool, void *obj) {
   if (__builtin_expect(
           obj != NULL && pool != NULL && pf->flags == 0 && pf->id < KEEL_POOL_FAST_SLOTS, 1)) {
     struct keel_pool_objhdr *h = (struct keel_pool_objhdr *)obj - 1;
-    struct keel_pool_sub_fast *sp = keel_pool_slots_v1[pf->id];
+    struct keel_pool_sub_fast *sp = keel_pool_slots_v2[pf->id];
     /* The tag check (wrong pool, double free) before anything is written;
-     * the library's path names the error. */
-    if (__builtin_expect(sp != NULL && h->tag == (uintptr_t)pool, 1)) {
-      h->tag = (uintptr_t)pool | 1u;
+     * the library's path names the error. An object at a page start is
+     * left to it too: its header may sit on an unmapped page if obj is
+     * not a pool object at all. */
+    if (__builtin_expect(sp != NULL && ((uintptr_t)obj & 4095) != 0 && h->tag == pf->tag, 1)) {
+      h->tag = pf->tag | 1u;
       if (__builtin_expect(keel_pool_inline_push(sp, h, false), 1)) return;
-      h->tag = (uintptr_t)pool; /* live again for the library's path */
+      h->tag = pf->tag; /* live again for the library's path */
     }
   }
   (keel_pool_free)(pool, obj);

@@ -6,6 +6,7 @@
 
 #include "base/die.h"
 #include "heap/alloc.h"
+#include "heap/shared.h"
 
 #include <keel/heap.h>
 
@@ -31,6 +32,14 @@ size_t _keel_usable_size(const void *p, const char *call) {
   keel_page_t *page = _keel_page_of(seg, p);
   if (!_keel_page_has_block(page, p)) _keel_die_invalid(call, p);
   return page->bsize;
+}
+
+bool _keel_heap_is_block(const void *p) {
+  keel_segment_t *seg = _keel_segment_of(p);
+  if (!_keel_segmap_has(seg)) return _keel_huge_usable(p) != 0;
+  if (seg->kind == KEEL_SEG_LARGE || seg->kind == KEEL_SEG_LARGE_CACHED)
+    return (const uint8_t *)p == (uint8_t *)seg + seg->user_off;
+  return seg->kind == KEEL_SEG_SMALL && _keel_page_has_block(_keel_page_of(seg, p), p);
 }
 
 void *_keel_calloc(size_t n, size_t size) {

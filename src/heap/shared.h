@@ -1,4 +1,5 @@
-/* The heap's shared heaps as a service to other modules. Never installed.
+/* The heap's services to other modules: the shared heaps, and a check that
+ * an address starts a block (at the end). Never installed.
  *
  * A thread heap's pages can be collected only by their owner (or, when full,
  * by a collector: heap.c), because the owner's malloc and free fast paths
@@ -15,6 +16,7 @@
 #ifndef KEEL_HEAP_SHARED_H
 #define KEEL_HEAP_SHARED_H
 
+#include <stdbool.h>
 #include <stddef.h>
 
 #include "base/common.h"
@@ -24,5 +26,10 @@
  * mapping above the largest class; freed with keel_free from any thread.
  * NULL with errno ENOMEM. Takes the shard's mutex: for slow paths only. */
 void *_keel_malloc_shared(size_t size, size_t align) KEEL_HIDDEN;
+
+/* Whether p is where a block of the heap starts (carved, live or free, or a
+ * large or huge block): only the heap's own metadata is read, so any
+ * address may be asked about. */
+bool _keel_heap_is_block(const void *p) KEEL_HIDDEN;
 
 #endif /* KEEL_HEAP_SHARED_H */

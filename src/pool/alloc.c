@@ -92,7 +92,7 @@ static KEEL_NOINLINE void *pool_alloc_generic(keel_pool_t *p, bool zero) {
       _keel_pool_obj_fresh(p, obj);
     }
   }
-  h->tag = (uintptr_t)p;
+  h->tag = p->f.tag;
   if (zero) memset(obj, 0, p->obj_size);
   if (p->ops.init != NULL) p->ops.init(obj, p->ops.arg);
   return obj;
@@ -111,7 +111,7 @@ void *(keel_pool_alloc)(keel_pool_t *p) {
   if (keel_likely(p != NULL && p->f.flags == 0)) {
     pool_hdr_t *h = pool_pop_fast(p, false);
     if (keel_likely(h != NULL)) {
-      h->tag = (uintptr_t)p;
+      h->tag = p->f.tag;
       return h + 1;
     }
   }
@@ -122,28 +122,49 @@ void *keel_pool_zalloc(keel_pool_t *p) {
   if (keel_likely(p != NULL && p->f.flags == 0)) {
     pool_hdr_t *h = pool_pop_fast(p, false);
     if (keel_likely(h != NULL)) {
-      h->tag = (uintptr_t)p;
+      h->tag = p->f.tag;
       return memset(h + 1, 0, p->obj_size);
     }
   }
   return pool_alloc_generic(p, true);
 }
 
-/* The misuse checks, in the order that gives the most precise message. */
+/* The misuse checks, in the order that gives the most precise message.
+ * The header of an object that is not at a page start lies on obj's own
+ * page, so it can be read at once; at a page start (the fast paths send
+ * every such object here) it is read only once the heap confirms that the
+ * block it would be in exists: else a pointer to the start of a mapping
+ * would die of SIGSEGV instead of this message. A tag that does not match
+ * costs a lookup in the heap's segment map (an interior pointer is no
+ * block start). */
+/* A header's link, read where the heap may have freed the block (ASan has
+ * it poisoned then; the block is still mapped: the heap vouched for it). */
+#if defined(KEEL_ASAN)
+__attribute__((no_sanitize("address")))
+#endif
+static uintptr_t
+pool_hdr_link(const pool_hdr_t *h) {
+  return (uintptr_t)h->next;
+}
+
 static void pool_free_check(keel_pool_t *p, void *obj) {
   _keel_pool_check_live(p, "keel_pool_free");
-  uintptr_t tag = pool_hdr(obj)->tag;
-  if (tag == ((uintptr_t)p | POOL_TAG_FREE))
-    keel_die("keel_pool_free", "double free of %p in pool '%s'", obj, p->name);
-  if (tag != (uintptr_t)p)
+  pool_hdr_t *h = pool_hdr(obj);
+  if (keel_likely(((uintptr_t)obj & 4095) != 0 && h->tag == p->f.tag)) return;
+  void *block = (char *)obj - p->hdr_size;
+  if (((uintptr_t)obj & (p->hdr_size - 1)) != 0 || !_keel_heap_is_block(block))
     keel_die("keel_pool_free", "%p does not belong to pool '%s'", obj, p->name);
+  if (h->tag == p->f.tag) return;
+  if (h->tag == (p->f.tag | POOL_TAG_FREE) || pool_hdr_link(h) == (p->f.tag | POOL_TAG_RELEASED))
+    keel_die("keel_pool_free", "double free of %p in pool '%s'", obj, p->name);
+  keel_die("keel_pool_free", "%p does not belong to pool '%s'", obj, p->name);
 }
 
 static KEEL_NOINLINE void pool_free_generic(keel_pool_t *p, void *obj) {
   pool_free_check(p, obj);
   if (p->ops.fini != NULL) p->ops.fini(obj, p->ops.arg);
   pool_hdr_t *h = pool_hdr(obj);
-  h->tag = (uintptr_t)p | POOL_TAG_FREE;
+  h->tag = p->f.tag | POOL_TAG_FREE;
   _keel_pool_obj_cached(p, obj);
   pool_sub_t *sp = pool_sub_get(p);
   if (sp == NULL && (sp = _keel_pool_sub_attach(p)) == NULL) {
@@ -175,10 +196,12 @@ void(keel_pool_free)(keel_pool_t *p, void *obj) {
   if (keel_unlikely(obj == NULL)) return;
   pool_hdr_t *h = pool_hdr(obj);
   pool_sub_t *sp = keel_likely(p != NULL) ? pool_sub_get(p) : NULL; /* NULL: generic, dies */
-  if (keel_likely(sp != NULL && h->tag == (uintptr_t)p && p->f.flags == 0)) {
-    h->tag = (uintptr_t)p | POOL_TAG_FREE;
+  /* At a page start: the generic path checks the block before the header. */
+  if (keel_likely(sp != NULL && ((uintptr_t)obj & 4095) != 0 && h->tag == p->f.tag &&
+                  p->f.flags == 0)) {
+    h->tag = p->f.tag | POOL_TAG_FREE;
     if (keel_likely(keel_pool_inline_push(&sp->f, h, false))) return;
-    h->tag = (uintptr_t)p; /* let the generic path see it as live again */
+    h->tag = p->f.tag; /* let the generic path see it as live again */
   }
   pool_free_generic(p, obj);
 }

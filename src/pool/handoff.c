@@ -61,7 +61,7 @@ static size_t pool_list_len(const pool_hdr_t *h) {
 static void pool_list_validate(const keel_pool_t *p, const pool_hdr_t *h) {
   size_t n = 0;
   for (; h != NULL; h = h->next, n++) {
-    if (h->tag != ((uintptr_t)p | POOL_TAG_FREE))
+    if (h->tag != (p->f.tag | POOL_TAG_FREE))
       keel_die("keel_pool_sweep", "corrupt cached object %p in pool '%s' (tag %#lx)",
                (const void *)(h + 1), p->name, (unsigned long)h->tag);
     if (n > ((size_t)1 << 40)) keel_die("keel_pool_sweep", "cycle in a list of pool '%s'", p->name);
@@ -137,6 +137,8 @@ void _keel_pool_release_list(keel_pool_t *p, pool_hdr_t *list, size_t n, const c
     pool_hdr_t *next = list->next;
     void *obj = list + 1;
     pool_obj_released(p, obj, call);
+    /* For pool_free_check: the heap's free writes only the first word. */
+    list->next = (pool_hdr_t *)(p->f.tag | POOL_TAG_RELEASED);
     keel_free((char *)obj - p->hdr_size);
     list = next;
   }

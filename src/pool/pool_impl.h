@@ -1,8 +1,17 @@
 /* Pool internals shared by the files of src/pool. Never installed.
  *
  * Objects. Each object is preceded by a 16-byte header (pool_hdr_t) holding
- * a tag (the owning pool's address, with bit 0 set while the object is
- * cached) and the link of the hot or cold list it sits on. The header area is
+ * a tag (the owning pool's tag, with bit 0 set while the object is cached)
+ * and the link of the hot or cold list it sits on. A pool's tag is its
+ * address XOR a random key drawn at create (registry.c): an object whose
+ * first word holds its pool's address (a back pointer, a common layout)
+ * does not pass for a header, so a pointer 16 bytes into it is refused
+ * (it was accepted, and handed out again, when the tag was the address),
+ * and an object of a destroyed pool whose descriptor was reused does not
+ * match the new pool. When a cached object goes back to the heap its
+ * header's link becomes tag | POOL_TAG_RELEASED (the heap writes only a
+ * block's first word), so a later free of it is still called a double
+ * free, not a foreign object. The header area is
  * max(16, align) bytes so the object keeps its alignment; the header proper
  * is always the last 16 bytes of it, so `(pool_hdr_t *)obj - 1` finds it.
  * Cost: 16 bytes per object, one load and compare per free (the double-free
@@ -69,7 +78,7 @@
 #include "base/tls.h"
 
 /* Header before each object; see above. Its layout is public (keel/pool.h,
- * the opt-in inline fast paths): tag = owning pool | POOL_TAG_FREE while
+ * the opt-in inline fast paths): tag = the pool's tag | POOL_TAG_FREE while
  * cached; next = the next object on a hot or cold list, stale while live. */
 typedef struct keel_pool_objhdr pool_hdr_t;
 
@@ -77,6 +86,7 @@ typedef struct keel_pool_objhdr pool_hdr_t;
 /* Dead descriptors kept before the oldest is reused (registry.c). */
 #define POOL_RECYCLE_AFTER 16
 #define POOL_TAG_FREE      ((uintptr_t)1)
+#define POOL_TAG_RELEASED  ((uintptr_t)2) /* in the link: gone back to the heap */
 
 /* Requests from a sweep to a sub-pool's owner (sp->f.req), in increasing
  * strength: a stronger one does everything a weaker one does. */
@@ -145,11 +155,11 @@ struct keel_pool {
 } KEEL_CACHE_ALIGNED;
 
 /* Per-thread state: pool id -> this thread's sub-pool. Ids below
- * KEEL_POOL_FAST_SLOTS live in the exported TLS array keel_pool_slots_v1 (one
+ * KEEL_POOL_FAST_SLOTS live in the exported TLS array keel_pool_slots_v2 (one
  * load from the thread pointer, in the library and in inline fast paths);
  * larger ones in `slots`, a heap array of n_slots entries indexed by id (its
  * first KEEL_POOL_FAST_SLOTS entries unused). `fast` is the thread's
- * keel_pool_slots_v1, for the threads that clear another's slots. Slots are
+ * keel_pool_slots_v2, for the threads that clear another's slots. Slots are
  * written by the owner, and cleared by keel_pool_destroy for other threads;
  * `slots` changes only under the registry lock. Each slot points to a
  * sub-pool's `f`, i.e. to the sub-pool. */
@@ -165,22 +175,23 @@ extern KEEL_TLS pool_tls_t _keel_pool_tls KEEL_HIDDEN;
 
 _Static_assert(offsetof(pool_sub_t, f) == 0, "a slot's pointer is the sub-pool's");
 _Static_assert(offsetof(struct keel_pool, f) == 0, "keel/pool.h reads a pool as keel_pool_fast");
-/* The layouts keel/pool.h publishes, version 1 (keel_pool_slots_v1). A
+/* The layouts keel/pool.h publishes, version 2 (keel_pool_slots_v2). A
  * change here must rename that array to the next version, so that programs
  * built with KEEL_POOL_INLINE against the old layouts fail to load. */
 _Static_assert(sizeof(struct keel_pool_objhdr) == 16 &&
                    offsetof(struct keel_pool_objhdr, next) == 8,
-               "pool layout v1: object header");
-_Static_assert(sizeof(struct keel_pool_fast) == 8 && offsetof(struct keel_pool_fast, flags) == 4,
-               "pool layout v1: pool");
+               "pool layout v2: object header");
+_Static_assert(sizeof(struct keel_pool_fast) == 16 && offsetof(struct keel_pool_fast, flags) == 4 &&
+                   offsetof(struct keel_pool_fast, tag) == 8,
+               "pool layout v2: pool");
 _Static_assert(sizeof(struct keel_pool_sub_fast) == 56 &&
                    offsetof(struct keel_pool_sub_fast, req) == 4 &&
                    offsetof(struct keel_pool_sub_fast, hot) == 8 &&
                    offsetof(struct keel_pool_sub_fast, cold) == 16 &&
                    offsetof(struct keel_pool_sub_fast, hot_hits) == 24 &&
                    offsetof(struct keel_pool_sub_fast, frees) == 48,
-               "pool layout v1: sub-pool");
-_Static_assert(KEEL_POOL_FAST_SLOTS == 32, "pool layout v1: slots");
+               "pool layout v2: sub-pool");
+_Static_assert(KEEL_POOL_FAST_SLOTS == 32, "pool layout v2: slots");
 
 /* Whether new pools get POOL_F_DEBUG (KEEL_DEBUG builds; tests may clear it). */
 extern int _keel_pool_debug KEEL_HIDDEN;
@@ -209,7 +220,7 @@ KEEL_INLINE pool_sub_t *pool_sub_of(struct keel_pool_sub_fast *f) {
 
 KEEL_INLINE pool_sub_t *pool_sub_get(const keel_pool_t *p) {
   uint32_t id = p->f.id;
-  if (keel_likely(id < KEEL_POOL_FAST_SLOTS)) return pool_sub_of(keel_pool_slots_v1[id]);
+  if (keel_likely(id < KEEL_POOL_FAST_SLOTS)) return pool_sub_of(keel_pool_slots_v2[id]);
   pool_tls_t *t = &_keel_pool_tls;
   return id < t->n_slots ? pool_sub_of(t->slots[id]) : NULL;
 }

@@ -14,6 +14,8 @@
 #include <inttypes.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/random.h>
+#include <time.h>
 
 #include "base/die.h"
 #include "pool_impl.h"
@@ -110,6 +112,28 @@ static keel_pool_t *__pool_desc_get(void) {
   return p;
 }
 
+/* A new pool's tag key (pool_impl.h): splitmix64 over a seed from the
+ * kernel, so keys differ between pools and between runs. Caller holds
+ * registry_lock. */
+static uintptr_t __pool_tag_key(void) {
+  static uint64_t state;
+  if (state == 0) {
+    if (getrandom(&state, sizeof(state), GRND_NONBLOCK) != (ssize_t)sizeof(state)) {
+      struct timespec ts;
+      clock_gettime(CLOCK_MONOTONIC, &ts);
+      state = (uint64_t)ts.tv_nsec ^ ((uint64_t)ts.tv_sec << 32) ^ (uint64_t)(uintptr_t)&ts;
+    }
+    state |= 1;
+  }
+  uint64_t z = (state += 0x9e3779b97f4a7c15ull);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  z ^= z >> 31;
+  /* Bits 0 and 1 clear: the free and released marks (a pool is 64-byte
+   * aligned, so its address has them clear too). */
+  return (uintptr_t)z & ~(uintptr_t)3;
+}
+
 static void pool_setup(keel_pool_t *p, const char *name, size_t obj_size, size_t align,
                        const keel_pool_ops_t *ops) {
   snprintf(p->name, sizeof(p->name), "%s", name);
@@ -121,6 +145,7 @@ static void pool_setup(keel_pool_t *p, const char *name, size_t obj_size, size_t
    * the alignment of its size class, and classes 8 bytes apart exist. */
   p->block_size = KEEL_ALIGN_UP(p->hdr_size + obj_size, p->hdr_size);
   p->ops = ops != NULL ? *ops : (keel_pool_ops_t){0};
+  p->f.tag = (uintptr_t)p ^ __pool_tag_key();
   p->f.flags = (p->ops.init ? POOL_F_INIT : 0) | (p->ops.fini ? POOL_F_FINI : 0);
   if (_keel_pool_fence_heavy) p->f.flags |= POOL_F_FENCE;
   if (POOL_ON_VALGRIND()) p->f.flags |= POOL_F_TRACK;

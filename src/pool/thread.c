@@ -2,7 +2,7 @@
  * and release at thread exit.
  *
  * A thread's slots map pool ids to its sub-pools; the first 32 are the
- * exported TLS array keel_pool_slots_v1 (the inline fast paths of keel/pool.h
+ * exported TLS array keel_pool_slots_v2 (the inline fast paths of keel/pool.h
  * read it), so most programs never allocate an array. At thread exit (a
  * base/tls.h hook, armed on first use, so no pthread key per pool) every
  * sub-pool is unlinked and its cached objects go straight back to the heap:
@@ -19,7 +19,7 @@ KEEL_TLS pool_tls_t _keel_pool_tls;
 /* Exported: keel/pool.h declares it for inline callers. The default TLS
  * model keeps libkeel.so loadable by dlopen (base/tls.h); a PIE program's
  * accesses are initial-exec anyway. */
-KEEL_API _Thread_local struct keel_pool_sub_fast *keel_pool_slots_v1[KEEL_POOL_FAST_SLOTS];
+KEEL_API _Thread_local struct keel_pool_sub_fast *keel_pool_slots_v2[KEEL_POOL_FAST_SLOTS];
 
 /* Concatenates sp's lists into one; the caller owns sp outright. */
 static pool_hdr_t *pool_sub_take_all(pool_sub_t *sp, size_t *n) {
@@ -100,7 +100,7 @@ pool_sub_t *_keel_pool_sub_attach(keel_pool_t *p) {
   sp->pool = p;
   sp->owner = t;
   _keel_pool_registry_lock();
-  t->fast = keel_pool_slots_v1; /* before any slot is set or the exit hook runs */
+  t->fast = keel_pool_slots_v2; /* before any slot is set or the exit hook runs */
   if (__pool_slots_grow(t, p->f.id) != 0) {
     _keel_pool_registry_unlock();
     pthread_mutex_destroy(&sp->lock);

@@ -74,7 +74,7 @@ cc -std=c11 -Wall -Wextra -pedantic -Werror -O2 -o "$tmp/app/inline" "$tmp/app/i
   $(pkg-config --cflags --libs keel) -Wl,-rpath,"$libdir"
 "$tmp/app/inline" | grep -q '^inline pool ok$'
 # It really reads the slots itself (versioned layout), not only calls.
-nm -u "$tmp/app/inline" | grep -q 'keel_pool_slots_v1'
+nm -u "$tmp/app/inline" | grep -q 'keel_pool_slots_v2'
 # A library loaded with dlopen after start-up needs no static TLS.
 if readelf -d "$libdir/libkeel.so" | grep -q STATIC_TLS; then
   echo "install: libkeel.so needs static TLS"; exit 1

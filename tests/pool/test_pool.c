@@ -13,6 +13,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <unistd.h>
 
 #include <keel/heap.h>
@@ -282,6 +283,44 @@ static void double_free_cross_child(void *arg) {
   keel_pool_free(dict, a[1]);
 }
 
+/* Double free of an object the pool has since given back to the heap (two
+ * sweeps: hot, then cold, then freed). Its header's tag is the heap's link
+ * by then; it was reported as a foreign object. */
+static void double_free_released_child(void *arg) {
+  (void)arg;
+  keel_pool_t *dict = keel_pool_create("dict", 128, 0, NULL);
+  void *o = keel_pool_alloc(dict);
+  keel_pool_free(dict, o);
+  keel_pool_sweep(dict);
+  keel_pool_sweep(dict);
+  if (stats(dict).cached != 0) abort(); /* not "double free": the test fails */
+  keel_pool_free(dict, o);
+}
+
+/* An object whose first word is its pool's address (a back pointer), freed
+ * through a pointer 16 bytes into it: that word sits where a header's tag
+ * would. With the tag equal to the pool's address this passed for a live
+ * object, went on the hot list, and the next alloc returned it. */
+static void interior_pointer_child(void *arg) {
+  (void)arg;
+  keel_pool_t *dict = keel_pool_create("dict", 128, 0, NULL);
+  uintptr_t *o = keel_pool_alloc(dict);
+  o[0] = (uintptr_t)dict;
+  o[1] = 0;
+  keel_pool_free(dict, &o[2]);
+}
+
+/* A pointer to the first byte of a mapping whose previous page is not
+ * mapped: the header read there died of SIGSEGV. */
+static void page_start_child(void *arg) {
+  (void)arg;
+  keel_pool_t *dict = keel_pool_create("dict", 128, 0, NULL);
+  long pg = sysconf(_SC_PAGESIZE);
+  char *m = mmap(NULL, 2 * (size_t)pg, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (m == MAP_FAILED || munmap(m, (size_t)pg) != 0) abort();
+  keel_pool_free(dict, m + pg);
+}
+
 /* Use after destroy, with other pools created since (no more than
  * POOL_RECYCLE_AFTER dead ones): the stale handle still aborts. Recycled at
  * once, as before, it became the first of those pools, and an allocation
@@ -403,6 +442,11 @@ static void bad_input_aborts(void) {
   KT_CONTAINS(out, "keel: keel_pool_free: double free of 0x");
   KT_EXPECT_ABORT(double_free_child, "x", "keel: keel_pool_free: double free of 0x");
   KT_EXPECT_ABORT(double_free_cross_child, NULL, "keel: keel_pool_free: double free of 0x");
+  KT_EXPECT_ABORT(double_free_released_child, NULL, "keel: keel_pool_free: double free of 0x");
+  KT_CHECK(kt_expect_abort(__FILE__, __LINE__, interior_pointer_child, NULL,
+                           "does not belong to pool 'dict'", out, sizeof(out)));
+  KT_CHECK(kt_expect_abort(__FILE__, __LINE__, page_start_child, NULL,
+                           "does not belong to pool 'dict'", out, sizeof(out)));
   static const char *const calls[] = {"keel_pool_alloc", "keel_pool_free", "keel_pool_sweep",
                                       "keel_pool_destroy", "keel_pool_zalloc"};
   for (int i = 0; i < 5; i++) {
