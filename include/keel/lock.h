@@ -185,15 +185,15 @@ KEEL_API keel_lockspace_t *keel_lockspace_create(const keel_lockspace_config_t *
  * KEEL_ENOENT from a handle read before), and lksb->status may change under
  * them (read it atomically there). New requests and conversions made during
  * the release (by an AST it causes, say) get KEEL_ESHUTDOWN; it returns once
- * every callback has run. Without FORCE, requests and conversions that race
- * its check for locks wait for the outcome: they go ahead if it returns
- * KEEL_EBUSY, and get KEEL_ESHUTDOWN if it goes on. A grant AST already under way when the release
+ * every callback has run. Without FORCE nothing is refused unless the
+ * release goes ahead: a request or conversion that races its search for
+ * locks goes on and makes it return KEEL_EBUSY. A grant AST already under way when the release
  * starts (on the timeout thread, or queued on sched) may run after that
  * lock's KEEL_ECANCELED notice, seeing status KEEL_ECANCELED: free callback
  * arguments once the release has returned, not in the notice. Other calls
  * must not run concurrently with it.
  * Calls on the released handle return KEEL_ESHUTDOWN (checked for the last
- * 1,024 released lockspaces; their 64-byte headers are kept until exit for
+ * 1,024 released lockspaces; their 80-byte headers are kept until exit for
  * this). */
 KEEL_API int keel_lockspace_release(keel_lockspace_t *ls, unsigned flags);
 

@@ -199,15 +199,18 @@ again:
     free(lkb);
     return KEEL_ENOMEM;
   }
-  /* A release may have begun since the check above. It stores CLOSING
-   * before its walk takes each resource's mutex, so a request that still
-   * reads the lockspace live here is one the walk will find (res->mu orders
-   * them; for a resource just created, see dir_create). */
-  if (keel_unlikely(__atomic_load_n(&ls->magic, __ATOMIC_SEQ_CST) != KEEL_LS_MAGIC)) {
+  /* A release may have begun since the check above. It stores PROBING or
+   * CLOSING before its walk takes each resource's mutex, so a request that
+   * still reads the lockspace live here is one the walk will find (res->mu
+   * orders them; for a resource just created, see dir_create). One that
+   * reads PROBING goes on, counted; else it waits for the verdict and tries
+   * again if the release gave up (see keel_lockspace_release). */
+  if (keel_unlikely(__atomic_load_n(&ls->magic, __ATOMIC_SEQ_CST) != KEEL_LS_MAGIC) &&
+      _keel_ls_join_probe(ls) != 0) {
     bool last = __keel_dir_detach(res);
     __keel_mutex_unlock(&res->mu);
     if (last) _keel_dir_put(res);
-    if (_keel_ls_await(ls) == 0) goto again; /* the release found locks */
+    if (_keel_ls_await(ls) == 0) goto again;
     _keel_lksb_set_lock(lksb, NULL);
     free(lkb);
     return KEEL_ESHUTDOWN;
@@ -245,7 +248,6 @@ again:
 }
 
 int _keel_lock_convert(keel_lksb_t *lksb, int mode, unsigned flags, const keel_lock_cbs_t *cb) {
-again:;
   keel_lkb_t *lkb = lksb_lock(lksb, "keel_lock_convert");
   if (keel_unlikely(lkb == NULL)) return KEEL_ENOENT;
   keel_res_t *res = lkb->res;
@@ -260,11 +262,11 @@ again:;
     return busy;
   }
   /* A release under way refuses conversions too: one would start BASTs or a
-   * timer the release has already stopped waiting for. */
-  if (keel_unlikely(__atomic_load_n(&res->ls->magic, __ATOMIC_SEQ_CST) != KEEL_LS_MAGIC)) {
+   * timer the release has already stopped waiting for. Not a non-forced
+   * one (PROBING, DECIDING): this granted lock makes it KEEL_EBUSY. */
+  uint32_t m = __atomic_load_n(&res->ls->magic, __ATOMIC_SEQ_CST);
+  if (keel_unlikely(m != KEEL_LS_MAGIC && m != KEEL_LS_PROBING && m != KEEL_LS_DECIDING)) {
     __keel_mutex_unlock(&res->mu);
-    /* A non-forced release checking for locks will find this one. */
-    if (_keel_ls_await(res->ls) == 0) goto again;
     return KEEL_ESHUTDOWN;
   }
   lkb->wake = 0;

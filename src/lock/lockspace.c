@@ -75,10 +75,10 @@ KEEL_NOINLINE static keel_res_t *dir_create(keel_lockspace_t *ls, const void *na
   int rc = keel_table_insert(ls->table, &res->node);
   if (rc == 0) {
     /* An RMW on ls->magic after the insert, paired with the release's
-     * exchange to CLOSING before its walk: if the exchange reads this one,
-     * the insert happens before the walk, which finds the resource; else
-     * keel_lock's load after it sees CLOSING. (A fence would do on its own,
-     * but TSan does not model fences.) */
+     * exchange to PROBING or CLOSING before its walk: if the exchange reads
+     * this one, the insert happens before the walk, which finds the
+     * resource; else keel_lock's load after it sees the release. (A fence
+     * would do on its own, but TSan does not model fences.) */
     (void)__atomic_fetch_add(&ls->magic, 0, __ATOMIC_SEQ_CST);
     return res;
   }
@@ -164,10 +164,28 @@ keel_lockspace_t *keel_lockspace_create(const keel_lockspace_config_t *config) {
 }
 
 int _keel_ls_await(keel_lockspace_t *ls) {
-  uint32_t m;
-  while ((m = __atomic_load_n(&ls->magic, __ATOMIC_ACQUIRE)) == KEEL_LS_PROBING)
-    keel_futex_wait(&ls->magic, KEEL_LS_PROBING);
-  return m == KEEL_LS_MAGIC ? 0 : KEEL_ESHUTDOWN;
+  uint32_t m = __atomic_load_n(&ls->magic, __ATOMIC_SEQ_CST);
+  if (m == KEEL_LS_DECIDING) {
+    /* Counted in before the futex's own check of the value: a release
+     * that stores its verdict and then reads no awaiters left us to find
+     * the verdict there (seq_cst on both sides). */
+    __atomic_fetch_add(&ls->awaiters, 1, __ATOMIC_SEQ_CST);
+    while ((m = __atomic_load_n(&ls->magic, __ATOMIC_SEQ_CST)) == KEEL_LS_DECIDING)
+      keel_futex_wait(&ls->magic, KEEL_LS_DECIDING);
+    __atomic_fetch_sub(&ls->awaiters, 1, __ATOMIC_RELAXED);
+  }
+  return m == KEEL_LS_MAGIC || m == KEEL_LS_PROBING ? 0 : KEEL_ESHUTDOWN;
+}
+
+int _keel_ls_join_probe(keel_lockspace_t *ls) {
+  if (__atomic_load_n(&ls->magic, __ATOMIC_SEQ_CST) != KEEL_LS_PROBING) return -1;
+  /* Counted, then still PROBING: the count precedes the release's exchange
+   * to DECIDING and so its read of the count, and the release says
+   * KEEL_EBUSY. Anything else (DECIDING: the release may have read the
+   * count already) and the caller waits for the verdict. */
+  __atomic_fetch_add(&ls->racers, 1, __ATOMIC_SEQ_CST);
+  uint32_t m = __atomic_load_n(&ls->magic, __ATOMIC_SEQ_CST);
+  return m == KEEL_LS_PROBING || m == KEEL_LS_MAGIC ? 0 : -1;
 }
 
 size_t keel_lockspace_shrink(keel_lockspace_t *ls, size_t n) {
@@ -625,16 +643,21 @@ int keel_lockspace_release(keel_lockspace_t *ls, unsigned flags) {
   if (flags & ~KEEL_LOCKSPACE_FORCE)
     return KEEL_REJECT(KEEL_EINVAL, "keel_lockspace_release", "unknown flags 0x%x",
                        flags & ~KEEL_LOCKSPACE_FORCE);
-  /* From here on new requests and conversions get KEEL_ESHUTDOWN (from a
+  /* Once CLOSING, new requests and conversions get KEEL_ESHUTDOWN (from a
    * callback still queued or one the release causes, or the timer's): a
    * lock taken now would escape the cancel and keep the table referenced
-   * past its destroy. Set before the busy check and the walk, which take
-   * every resource's mutex after it (see keel_lock). Without FORCE the
-   * outcome is not known until the busy walk ends: during it requests wait
-   * (PROBING), then go ahead if it found locks (KEEL_EBUSY changes nothing,
-   * not even for the callbacks the timer or sched run meanwhile) or get
-   * KEEL_ESHUTDOWN if the release goes on. */
+   * past its destroy. A forced release sets it at once. Without FORCE the
+   * release must not refuse anything unless it goes ahead, yet a request
+   * may take a resource its busy walk has passed. So the walk runs under
+   * PROBING: a request that meets it (after attaching, under res->mu)
+   * counts itself in `racers` and goes on. Then DECIDING, during which
+   * requests wait: the release reads the count, and any request counted
+   * (or lock found) makes it KEEL_EBUSY, the lockspace live again and
+   * nothing refused; else CLOSING. A request that read MAGIC under res->mu
+   * before PROBING was set is one the walk finds (res->mu orders them; for
+   * a resource just created, see dir_create). */
   bool force = flags & KEEL_LOCKSPACE_FORCE;
+  if (!force) __atomic_store_n(&ls->racers, 0, __ATOMIC_RELAXED); /* published by the exchange */
   (void)__atomic_exchange_n(&ls->magic, force ? KEEL_LS_CLOSING : KEEL_LS_PROBING,
                             __ATOMIC_SEQ_CST);
   cancel_ctx_t c;
@@ -642,8 +665,10 @@ int keel_lockspace_release(keel_lockspace_t *ls, unsigned flags) {
   CDS_INIT_LIST_HEAD(&c.owed);
   if (!force) {
     bool busy = keel_table_for_each(ls->table, busy_fn, NULL) != 0;
+    (void)__atomic_exchange_n(&ls->magic, KEEL_LS_DECIDING, __ATOMIC_SEQ_CST);
+    busy = busy || __atomic_load_n(&ls->racers, __ATOMIC_SEQ_CST) != 0;
     __atomic_store_n(&ls->magic, busy ? KEEL_LS_MAGIC : KEEL_LS_CLOSING, __ATOMIC_SEQ_CST);
-    keel_futex_wake(&ls->magic, INT_MAX);
+    if (__atomic_load_n(&ls->awaiters, __ATOMIC_SEQ_CST) != 0) keel_futex_wake(&ls->magic, INT_MAX);
     if (busy) return KEEL_EBUSY;
   } else {
     /* The timer's passes end (one under way finishes); its thread is joined

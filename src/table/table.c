@@ -278,8 +278,11 @@ int keel_table_insert(keel_table_t *t, keel_table_node_t *n) {
 /* e is still linked but DEAD from a zero count: an evictor or remove_key
  * marked it and has not yet deleted it from the index. Rather than wait for
  * that thread (which may be preempted), delete it here: whoever wins
- * _keel_tidx_del is the removal owner (table_internal.h), and the loser backs
- * off as it does against keel_table_remove. Inside a read-side section. */
+ * _keel_tidx_del is the removal owner (table_internal.h). Won here, the
+ * unlink is marked HELPED, and the marker reports the removal as its own
+ * (remove_key's 0, the shrinker's count); lost, to the marker or a
+ * keel_table_remove, there is nothing left to do. Inside a read-side
+ * section. */
 static void help_remove(keel_table_t *t, keel_table_node_t *e) {
   if (_keel_tidx_del(t, e, NULL, REF_HELPED) == 0) _keel_table_removed(t, e);
 }

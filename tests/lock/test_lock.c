@@ -1483,6 +1483,8 @@ static void release_busy_changes_nothing(void) {
   KT_EQ(keel_lock(b.ls, NAME("pin"), KEEL_LOCK_EX, 0, &pin, NULL, NULL, NULL), 0);
   pthread_t th;
   pthread_create(&th, NULL, busy_racer, &b);
+  /* The racer running first, or the releases could all be over before it. */
+  while (__atomic_load_n(&b.done, __ATOMIC_RELAXED) == 0) sched_yield();
   int n = kt_sanitized() ? 500 : 5000;
   for (int i = 0; i < n; i++) {
     KT_EQ(keel_lockspace_release(b.ls, 0), KEEL_EBUSY);
@@ -1491,7 +1493,6 @@ static void release_busy_changes_nothing(void) {
   __atomic_store_n(&b.stop, 1, __ATOMIC_RELEASE);
   pthread_join(th, NULL);
   KT_EQ(__atomic_load_n(&b.refused, __ATOMIC_RELAXED), 0);
-  KT_CHECK(__atomic_load_n(&b.done, __ATOMIC_RELAXED) > 0);
   KT_EQ(keel_unlock(&pin, 0), 0);
   KT_EQ(keel_lockspace_release(b.ls, 0), 0);
 }
