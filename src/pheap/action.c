@@ -46,7 +46,9 @@ static void atomic_op(keel_pheap_t *ph, ph_tcache_t *tc, const ph_redo_entry_t *
 
 static int alloc_common(keel_pheap_t *ph, keel_poff_t *dest, size_t size, uint64_t type,
                         bool zero) {
-  if (ph == NULL || dest == NULL)
+  /* A log entry is a word offset with the op in its low 3 bits: a
+   * misaligned destination would turn into another op (or a COVER). */
+  if (ph == NULL || dest == NULL || ((uintptr_t)dest & 7))
     return KEEL_REJECT(KEEL_EINVAL, zero ? "keel_pheap_zalloc" : "keel_pheap_alloc",
                        "pool %p, dest %p", (void *)ph, (void *)dest);
   PH_NOT_FORKED(ph, zero ? "keel_pheap_zalloc" : "keel_pheap_alloc");
@@ -84,7 +86,7 @@ int keel_pheap_zalloc(keel_pheap_t *ph, keel_poff_t *dest, size_t size, uint64_t
 }
 
 int keel_pheap_free(keel_pheap_t *ph, keel_poff_t *dest) {
-  if (ph == NULL || dest == NULL)
+  if (ph == NULL || dest == NULL || ((uintptr_t)dest & 7)) /* see alloc_common */
     return KEEL_REJECT(KEEL_EINVAL, "keel_pheap_free", "pool %p, dest %p", (void *)ph,
                        (void *)dest);
   keel_poff_t off = *dest;
@@ -134,6 +136,9 @@ void keel_pheap_set_value(keel_pheap_t *ph, keel_pheap_act_t *act, uint64_t *des
   if (!in_pool(ph, dest, 8))
     keel_die("keel_pheap_set_value", "destination %p is not inside the pool %s", (void *)dest,
              ph->path);
+  if ((uintptr_t)dest & 7) /* see alloc_common */
+    keel_die("keel_pheap_set_value", "destination %p in %s is not 8-byte aligned", (void *)dest,
+             ph->path);
   *act = (keel_pheap_act_t){PH_ACT_SET, 0, 0, dest, value};
 }
 
@@ -143,7 +148,7 @@ void keel_pheap_defer_free(keel_pheap_t *ph, keel_pheap_act_t *act, keel_poff_t 
 }
 
 long _keel_ph_acts_entries(keel_pheap_t *ph, const keel_pheap_act_t *acts, size_t n,
-                           ph_redo_entry_t *e, size_t cap) {
+                           ph_redo_entry_t *e, size_t cap, const char *call) {
   size_t k = 0;
   for (size_t i = 0; i < n; i++) {
     if (acts[i].kind == PH_ACT_NONE) continue;
@@ -158,8 +163,11 @@ long _keel_ph_acts_entries(keel_pheap_t *ph, const keel_pheap_act_t *acts, size_
          * be handed out twice. */
         for (size_t j = 0; j < i; j++)
           if (acts[j].kind == PH_ACT_FREE && acts[j].off == acts[i].off)
-            keel_die("keel_pheap_publish", "offset 0x%llx is freed twice in one publish of %s",
+            keel_die(call, "offset 0x%llx is freed twice in one publish of %s",
                      (unsigned long long)acts[i].off, ph->path);
+        /* Live still: a keel_pheap_free of it since defer_free (or
+         * keel_tx_free) checked would have it handed out twice. */
+        (void)_keel_ph_live_class(ph, acts[i].off, call);
         e[k++] = _keel_ph_mark(ph, (int)acts[i].cls, acts[i].off, false);
         break;
       case PH_ACT_SET:
@@ -189,7 +197,7 @@ int keel_pheap_publish(keel_pheap_t *ph, keel_pheap_act_t *acts, size_t n) {
   ph_tcache_t *tc = _keel_ph_tcache(ph);
   if (keel_unlikely(tc == NULL)) return KEEL_ENOMEM;
   ph_redo_entry_t e[PH_REDO_MAX];
-  long k = _keel_ph_acts_entries(ph, acts, n, e, PH_REDO_MAX);
+  long k = _keel_ph_acts_entries(ph, acts, n, e, PH_REDO_MAX, "keel_pheap_publish");
   if (k < 0) return KEEL_ENOSPC;
   if (k == 0) return 0;
   atomic_op(ph, tc, e, (size_t)k);
@@ -245,6 +253,11 @@ void keel_pheap_persist(keel_pheap_t *ph, const void *p, size_t len) {
   _keel_pm_drain(ph, tc);
   /* A plain store may overwrite a word an atomic operation's log (still
    * above the watermark) sets; replaying that log after a crash would undo
-   * the store, so the logs are retired first. */
-  if (_keel_ph_deferred(ph)) _keel_ph_checkpoint(ph, tc);
+   * the store, so the logs are retired first: every log drawn so far, not
+   * just up to the oldest operation still in flight on another thread (a
+   * single checkpoint stops there, leaving later logs, this thread's own
+   * included, to be replayed over the store). Such an operation finishes
+   * without waiting for this thread (it is not in flight itself: a
+   * transaction is only at its commit). */
+  if (_keel_ph_deferred(ph)) _keel_ph_checkpoint_past(ph, tc, atomic_load(&ph->seq));
 }

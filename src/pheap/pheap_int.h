@@ -535,9 +535,10 @@ enum { PH_ACT_NONE = 0, PH_ACT_RESERVE = 1, PH_ACT_SET = 2, PH_ACT_FREE = 3 };
 #define PH_PUBLISH_HDR_ENTRIES 2u /* the header words lead */
 size_t _keel_ph_publish_entries(keel_pheap_t *ph, int cls, keel_poff_t off,
                                 ph_redo_entry_t *e) KEEL_HIDDEN;
-/* Redo entries for n actions into e (capacity cap); -1 if too many. */
+/* Redo entries for n actions into e (capacity cap); -1 if too many. Dies
+ * naming `call` if a free's block is no longer live (freed twice). */
 long _keel_ph_acts_entries(keel_pheap_t *ph, const keel_pheap_act_t *acts, size_t n,
-                           ph_redo_entry_t *e, size_t cap) KEEL_HIDDEN;
+                           ph_redo_entry_t *e, size_t cap, const char *call) KEEL_HIDDEN;
 /* After the actions are durable: frees return their blocks. */
 void _keel_ph_acts_done(keel_pheap_t *ph, ph_tcache_t *tc, keel_pheap_act_t *acts,
                         size_t n) KEEL_HIDDEN;

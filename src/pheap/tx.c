@@ -246,11 +246,19 @@ int keel_tx_depth(void) {
   return tx.depth;
 }
 
+/* The bytes of this transaction's new object i that commit makes durable
+ * (flush_new_objects): its requested size, from its header. Not the usable
+ * size: the tail past the request is not flushed (so a range there is
+ * snapshotted like any other), and a huge object's chunk word, which gives
+ * its usable size, is written only at commit. */
+static uint64_t new_end(size_t i) {
+  uint64_t o = tx.news[i].off;
+  return o + ((const ph_objhdr_t *)(tx.ph->view.base + o - PH_OBJ_HDR))->size;
+}
+
 static bool in_new(uint64_t lo, uint64_t hi) {
-  for (size_t i = 0; i < tx.nn; i++) {
-    uint64_t o = tx.news[i].off;
-    if (lo >= o && hi <= o + _keel_ph_usable(tx.ph, tx.news[i].cls, o)) return true;
-  }
+  for (size_t i = 0; i < tx.nn; i++)
+    if (lo >= tx.news[i].off && hi <= new_end(i)) return true;
   return false;
 }
 
@@ -348,8 +356,10 @@ int keel_tx_add_range(void *ptr, size_t size) {
   if (rc) return rc;
   keel_pheap_t *ph = tx.ph;
   if (size == 0) return 0;
+  /* Compared as offsets: ptr + size may wrap. */
   if ((char *)ptr < ph->view.base + ph->hdr->heap_off ||
-      (char *)ptr + size > ph->view.base + keel_load_relaxed(&ph->size))
+      (char *)ptr > ph->view.base + keel_load_relaxed(&ph->size) ||
+      size > (size_t)(ph->view.base + keel_load_relaxed(&ph->size) - (char *)ptr))
     return tx_fail(KEEL_REJECT(KEEL_EINVAL, "keel_tx_add_range",
                                "%p + %zu bytes is not inside the heap of %s", ptr, size, ph->path));
   uint64_t lo = (uint64_t)((char *)ptr - ph->view.base), hi = lo + size;
@@ -457,9 +467,7 @@ static bool covered(uint64_t off) {
   for (size_t i = 0; i < tx.nr; i++)
     if (off >= tx.ranges[i].lo && off < tx.ranges[i].hi) return true;
   for (size_t i = 0; i < tx.nn; i++) {
-    uint64_t o = tx.news[i].off - PH_OBJ_HDR;
-    if (off >= o && off < o + PH_OBJ_HDR + _keel_ph_usable(tx.ph, tx.news[i].cls, tx.news[i].off))
-      return true;
+    if (off >= tx.news[i].off - PH_OBJ_HDR && off < new_end(i)) return true;
   }
   for (size_t i = 0; i < tx.na; i++) {
     if (tx.acts[i].kind != PH_ACT_RESERVE) continue;
@@ -580,7 +588,7 @@ static int tx_commit_outer(void) {
    * replay rewrites the header; ours must come after it. */
   for (size_t i = 0; i < tx.nn; i++)
     k += _keel_ph_publish_entries(ph, tx.news[i].cls, tx.news[i].off, e + k);
-  long m = _keel_ph_acts_entries(ph, tx.acts, tx.na, e + k, PH_REDO_MAX - k);
+  long m = _keel_ph_acts_entries(ph, tx.acts, tx.na, e + k, PH_REDO_MAX - k, "keel_tx_commit");
   if (m < 0) return tx_fail(KEEL_ENOSPC);
   k += (size_t)m;
   if (k == 0 && !tx.undo_started) {

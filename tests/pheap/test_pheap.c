@@ -428,6 +428,39 @@ static void publish_double_free_child(void *arg) {
   keel_pheap_publish(ph, a, 3);
 }
 
+/* Regression (audit of issue 8): keel_tx_free and keel_pheap_defer_free
+ * check that the block is live when they queue the free, and it stays
+ * allocated until the commit or publish; an atomic free of it in between
+ * passed every check, and the block was given back twice. */
+static void tx_free_then_free_child(void *arg) {
+  keel_pheap_t *ph = keel_pheap_open(arg, LAYOUT);
+  root_t *r = keel_pheap_root(ph, sizeof *r);
+  keel_pheap_alloc(ph, &r->slot[4], 200, 1);
+  keel_poff_t copy = r->slot[4];
+  keel_tx_begin(ph);
+  keel_tx_free(r->slot[4]);
+  keel_pheap_free(ph, &copy);
+  keel_tx_commit();
+}
+
+static void defer_free_then_free_child(void *arg) {
+  keel_pheap_t *ph = keel_pheap_open(arg, LAYOUT);
+  root_t *r = keel_pheap_root(ph, sizeof *r);
+  keel_pheap_act_t a;
+  keel_pheap_alloc(ph, &r->slot[4], 200, 1);
+  keel_poff_t copy = r->slot[4];
+  keel_pheap_defer_free(ph, &a, r->slot[4]);
+  keel_pheap_free(ph, &copy);
+  keel_pheap_publish(ph, &a, 1);
+}
+
+static void misaligned_set_value_child(void *arg) {
+  keel_pheap_t *ph = keel_pheap_open(arg, LAYOUT);
+  root_t *r = keel_pheap_root(ph, sizeof *r);
+  keel_pheap_act_t a;
+  keel_pheap_set_value(ph, &a, (uint64_t *)(void *)((char *)&r->slot[5] + 4), 1);
+}
+
 static void test_misuse_aborts(void) {
   char p[256];
   make_pool(tp_path(p, sizeof p, "misuse"));
@@ -437,6 +470,12 @@ static void test_misuse_aborts(void) {
   KT_EXPECT_ABORT(tx_double_free_child, p, "freed twice in one transaction");
   KT_EXPECT_ABORT(publish_double_free_child, p, "keel_pheap_publish: offset");
   KT_EXPECT_ABORT(publish_double_free_child, p, "freed twice in one publish");
+  KT_EXPECT_ABORT(tx_free_then_free_child, p, "keel_tx_commit: offset");
+  KT_EXPECT_ABORT(tx_free_then_free_child, p, "is not a live object");
+  KT_EXPECT_ABORT(defer_free_then_free_child, p, "keel_pheap_publish: offset");
+  KT_EXPECT_ABORT(defer_free_then_free_child, p, "is not a live object");
+  KT_EXPECT_ABORT(misaligned_set_value_child, p, "keel_pheap_set_value: destination");
+  KT_EXPECT_ABORT(misaligned_set_value_child, p, "is not 8-byte aligned");
   /* The children died before committing anything: the pool is intact. */
   KT_EQ(keel_pheap_check(p), 0);
   unlink(p);
@@ -2585,26 +2624,174 @@ static void test_classes_fragmentation(void) {
   KT_CHECK(sum / n < 0.05);
 }
 
+/* Regression (audit of issue 8): a destination's offset carries the log
+ * entry's op in its low 3 bits, so a misaligned one became another op: the
+ * destination was not set and the aligned word before it got the offset
+ * ORed in. Now KEEL_EINVAL, nothing changed. A range whose end wraps the
+ * address space passed keel_tx_add_range's bound and was not snapshotted. */
+static void test_misaligned_and_wrapping(void) {
+  char p[256];
+  keel_pheap_t *ph = create_pool(p, sizeof p, "misaligned");
+  root_t *r = keel_pheap_root(ph, sizeof *r);
+  KT_REQUIRE(r != NULL);
+  keel_poff_t *bad = (keel_poff_t *)(void *)((char *)&r->slot[1] + 1);
+  KT_EQ(keel_pheap_alloc(ph, bad, 64, 1), KEEL_EINVAL);
+  KT_EQ(keel_pheap_zalloc(ph, bad, 64, 1), KEEL_EINVAL);
+  KT_EQ(r->slot[0], 0);
+  KT_EQ(r->slot[1], 0);
+  KT_EQ(r->slot[2], 0);
+  KT_EQ(keel_pheap_alloc(ph, &r->slot[3], 64, 1), 0);
+  keel_poff_t o = r->slot[3];
+  memmove((char *)&r->slot[4] + 4, &o, sizeof o); /* a misaligned copy */
+  KT_EQ(keel_pheap_free(ph, (keel_poff_t *)(void *)((char *)&r->slot[4] + 4)), KEEL_EINVAL);
+  KT_EQ(count_type(ph, 1), 1);
+  r->counter[0] = 1;
+  keel_pheap_persist(ph, &r->counter[0], 8);
+  KT_EQ(keel_tx_begin(ph), 0);
+  KT_EQ(keel_tx_add_range(&r->counter[0], SIZE_MAX), KEEL_EINVAL);
+  KT_EQ(keel_tx_end(), KEEL_EINVAL); /* the failed add_range aborted it */
+  KT_EQ(keel_tx_begin(ph), 0);
+  KT_EQ(keel_tx_add_range(&r->counter[0], SIZE_MAX - 4096), KEEL_EINVAL);
+  KT_EQ(keel_tx_end(), KEEL_EINVAL);
+  KT_EQ(r->counter[0], 1);
+  KT_EQ(keel_pheap_free(ph, &r->slot[3]), 0);
+  KT_EQ(keel_pheap_close(ph), 0);
+  KT_EQ(keel_pheap_check(p), 0);
+  unlink(p);
+}
+
+/* Regression (audit of issue 8): keel_tx_add_range over an object this
+ * transaction allocated needs no snapshot (commit flushes new objects), but
+ * for a huge one the test read its chunk word, written only at commit, and
+ * found it empty: the whole body was snapshotted, and on a pool without
+ * room for that copy the transaction failed with KEEL_ENOSPC. */
+static void test_add_range_on_new_huge_object(void) {
+  char p[256];
+  tp_path(p, sizeof p, "newhuge");
+  keel_pheap_t *ph = keel_pheap_create(p, LAYOUT, 64 * MIB_1, KEEL_PHEAP_FIXED);
+  KT_REQUIRE(ph != NULL);
+  root_t *r = keel_pheap_root(ph, sizeof *r);
+  KT_REQUIRE(r != NULL);
+  const size_t size = 40 * MIB_1;
+  keel_pheap_stats_t st0, st1;
+  KT_EQ(keel_pheap_stats(ph, &st0), 0);
+  KT_EQ(keel_tx_begin(ph), 0);
+  KT_EQ(keel_tx_add_range(&r->slot[0], 8), 0);
+  r->slot[0] = keel_tx_alloc(size, 7);
+  KT_REQUIRE(r->slot[0] != 0);
+  char *o = keel_pheap_ptr(ph, r->slot[0]);
+  KT_EQ(keel_tx_add_range(o, size), 0);
+  o[0] = 1;
+  o[size - 1] = 2;
+  KT_EQ(keel_tx_commit(), 0);
+  KT_EQ(keel_tx_end(), 0);
+  KT_EQ(keel_pheap_stats(ph, &st1), 0);
+  /* A 40 MiB snapshot would have taken the undo log's overflow chain. */
+  KT_CHECK(st1.barriers - st0.barriers < 16);
+  KT_EQ(keel_pheap_close(ph), 0);
+  ph = keel_pheap_open(p, LAYOUT);
+  KT_REQUIRE(ph != NULL);
+  r = keel_pheap_root(ph, sizeof *r);
+  o = keel_pheap_ptr(ph, r->slot[0]);
+  KT_EQ(o[0], 1);
+  KT_EQ(o[size - 1], 2);
+  KT_EQ(keel_pheap_close(ph), 0);
+  KT_EQ(keel_pheap_check(p), 0);
+  unlink(p);
+}
+
+/* Regression (audit of issue 8): keel_pheap_persist promises that a log
+ * written before it is never replayed over the bytes it made durable. It
+ * checkpointed once, and a checkpoint stops below the oldest operation in
+ * flight on another thread: here thread B's allocation, held in flight by
+ * the barrier hook. This thread's own allocation, later, stayed above the
+ * watermark, and after a crash its replay set the destination this thread
+ * had cleared and persisted. Now persist waits for B to finish. */
+static atomic_int pf_hold, pf_in, pf_go;
+static __thread int pf_is_b;
+static void pf_hook(keel_pheap_t *ph, ph_tcache_t *tc) {
+  (void)ph;
+  (void)tc;
+  if (!pf_is_b || !atomic_exchange(&pf_hold, 0)) return;
+  atomic_store(&pf_in, 1);
+  while (!atomic_load(&pf_go)) sched_yield();
+}
+static void *pf_thread_b(void *arg) {
+  root_t *r = arg;
+  /* Its arena's run first: run creation has barriers of its own, before
+   * any log is in flight. */
+  keel_poff_t w = 0;
+  keel_pheap_alloc(fork_ph, &w, 64, 2);
+  keel_pheap_free(fork_ph, &w);
+  pf_is_b = 1;
+  atomic_store(&pf_hold, 1);
+  keel_pheap_alloc(fork_ph, &r->slot[1], 64, 2); /* held in flight at its log's barrier */
+  return NULL;
+}
+static void *pf_release_b(void *arg) {
+  (void)arg;
+  usleep(50 * 1000);
+  atomic_store(&pf_go, 1);
+  return NULL;
+}
+static void test_persist_waits_for_logs_in_flight(void) {
+  char p[256];
+  tp_path(p, sizeof p, "persistflight");
+  unlink(p);
+  fflush(stdout);
+  fflush(stderr);
+  pid_t pid = fork();
+  if (pid == 0) {
+    fork_ph = keel_pheap_create(p, LAYOUT, KEEL_PHEAP_MIN_SIZE, 0);
+    root_t *r = fork_ph ? keel_pheap_root(fork_ph, sizeof *r) : NULL;
+    if (r == NULL) _exit(2);
+    keel_poff_t w = 0; /* this thread's run exists before the hook */
+    if (keel_pheap_alloc(fork_ph, &w, 100, 1) || keel_pheap_free(fork_ph, &w)) _exit(3);
+    _keel_ph_barrier_hook = pf_hook;
+    pthread_t b, rel;
+    pthread_create(&b, NULL, pf_thread_b, r);
+    while (!atomic_load(&pf_in)) sched_yield();
+    if (keel_pheap_alloc(fork_ph, &r->slot[0], 100, 1) != 0 || r->slot[0] == 0) _exit(4);
+    r->slot[0] = 0;
+    pthread_create(&rel, NULL, pf_release_b, NULL);
+    keel_pheap_persist(fork_ph, &r->slot[0], 8);
+    pthread_join(b, NULL);
+    pthread_join(rel, NULL);
+    _exit(0); /* a crash: no close */
+  }
+  int status = 0;
+  KT_REQUIRE(waitpid(pid, &status, 0) == pid);
+  KT_REQUIRE(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+  keel_pheap_t *ph = keel_pheap_open(p, LAYOUT);
+  KT_REQUIRE(ph != NULL);
+  root_t *r = keel_pheap_root(ph, sizeof *r);
+  KT_REQUIRE(r != NULL);
+  KT_EQ(r->slot[0], 0); /* as persisted */
+  KT_EQ(keel_pheap_close(ph), 0);
+  unlink(p);
+}
+
 KT_MAIN(KT_CASE(test_create_open_close), KT_CASE(test_bad_wrong_layout),
         KT_CASE(test_bad_truncated), KT_CASE(test_bad_corrupt_header),
         KT_CASE(test_bad_below_minimum), KT_CASE(test_bad_version), KT_CASE(test_bad_old_version),
         KT_CASE(test_bad_log_offsets), KT_CASE(test_bad_epoch), KT_CASE(test_bad_log_seq),
         KT_CASE(test_bad_already_open), KT_CASE(test_alloc_free_sizes), KT_CASE(test_misuse_aborts),
-        KT_CASE(test_reserve_publish_cancel), KT_CASE(test_tx_commit_abort_nested),
-        KT_CASE(test_tx_publish_and_zalloc), KT_CASE(test_tx_out_of_space_aborts),
-        KT_CASE(test_tx_undo_overflow), KT_CASE(test_tx_undo_overflow_out_of_space),
-        KT_CASE(test_lazy_rebuild_on_open), KT_CASE(test_deferred_checkpoints),
-        KT_CASE(test_deferrer_on_sched_cancelled), KT_CASE(test_full_pool_free_never_fails),
-        KT_CASE(test_arenas_separate), KT_CASE(test_arenas_adopt_after_reopen),
-        KT_CASE(test_arenas_fixed_pool_shares), KT_CASE(test_arenas_adopt_concurrent),
-        KT_CASE(test_arenas_full_pool_steals), KT_CASE(test_full_filesystem),
-        KT_CASE(test_open_reserves_holes), KT_CASE(test_open_finds_hidden_holes),
-        KT_CASE(test_grow), KT_CASE(test_barrier_counts), KT_CASE(test_tx_counts_per_thread),
-        KT_CASE(test_tx_counts_thread_exit), KT_CASE(test_check_detects_corruption),
-        KT_CASE(test_stress_threads), KT_CASE(test_tx_cache_not_evicted),
-        KT_CASE(test_close_while_other_thread_caches), KT_CASE(test_classes_fragmentation),
-        KT_CASE(test_huge_objects), KT_CASE(test_huge_limits), KT_CASE(test_grow_into_next_zone),
-        KT_CASE(test_atomic_op_in_tx_all_lanes_busy),
+        KT_CASE(test_misaligned_and_wrapping), KT_CASE(test_add_range_on_new_huge_object),
+        KT_CASE(test_persist_waits_for_logs_in_flight), KT_CASE(test_reserve_publish_cancel),
+        KT_CASE(test_tx_commit_abort_nested), KT_CASE(test_tx_publish_and_zalloc),
+        KT_CASE(test_tx_out_of_space_aborts), KT_CASE(test_tx_undo_overflow),
+        KT_CASE(test_tx_undo_overflow_out_of_space), KT_CASE(test_lazy_rebuild_on_open),
+        KT_CASE(test_deferred_checkpoints), KT_CASE(test_deferrer_on_sched_cancelled),
+        KT_CASE(test_full_pool_free_never_fails), KT_CASE(test_arenas_separate),
+        KT_CASE(test_arenas_adopt_after_reopen), KT_CASE(test_arenas_fixed_pool_shares),
+        KT_CASE(test_arenas_adopt_concurrent), KT_CASE(test_arenas_full_pool_steals),
+        KT_CASE(test_full_filesystem), KT_CASE(test_open_reserves_holes),
+        KT_CASE(test_open_finds_hidden_holes), KT_CASE(test_grow), KT_CASE(test_barrier_counts),
+        KT_CASE(test_tx_counts_per_thread), KT_CASE(test_tx_counts_thread_exit),
+        KT_CASE(test_check_detects_corruption), KT_CASE(test_stress_threads),
+        KT_CASE(test_tx_cache_not_evicted), KT_CASE(test_close_while_other_thread_caches),
+        KT_CASE(test_classes_fragmentation), KT_CASE(test_huge_objects), KT_CASE(test_huge_limits),
+        KT_CASE(test_grow_into_next_zone), KT_CASE(test_atomic_op_in_tx_all_lanes_busy),
         KT_CASE(test_cross_pool_atomic_ops_all_lanes_busy),
         KT_CASE(test_root_while_transactions_hold_lanes),
         KT_CASE(test_tx_stress_wraps_and_full_logs), KT_CASE(test_deferrer_calls_back_into_pool),
