@@ -243,7 +243,9 @@ KEEL_API void keel_pheap_persist(keel_pheap_t *ph, const void *p, size_t len);
  * warning. */
 
 /* Begins (or nests) a transaction on ph. KEEL_EINVAL if a transaction on
- * another pool is open in this thread. May block for a free lane. */
+ * another pool is open in this thread (that one goes on). Whatever it
+ * returns, pair it with keel_tx_end, as in PMDK (after a failed outermost
+ * begin that returns KEEL_EPERM). May block for a free lane. */
 KEEL_API int keel_tx_begin(keel_pheap_t *ph);
 
 /* Snapshots [ptr, ptr+size) so it is restored on abort or crash; must precede

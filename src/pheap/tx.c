@@ -197,7 +197,9 @@ int keel_tx_begin(keel_pheap_t *ph) {
    * of the child's own replaces it. */
   if (tx.depth > 0 && _keel_ph_forked(tx.ph)) _keel_ph_tx_forget(tx.ph);
   if (tx.depth > 0) {
-    if (tx.ph != ph)
+    /* A level all the same: the caller's keel_tx_end pairs with every
+     * begin (pheap.h), and must not end the outer transaction. */
+    if (tx.ph != ph && ++tx.depth)
       return KEEL_REJECT(KEEL_EINVAL, "keel_tx_begin",
                          "nested in a transaction of another pool (%s, not %s)", tx.ph->path,
                          ph->path);

@@ -572,6 +572,23 @@ static void test_tx_commit_abort_nested(void) {
   /* Misuse outside a tx. */
   KT_EQ(keel_tx_add_range(r, 8), KEEL_EPERM);
   KT_EQ(keel_tx_end(), KEEL_EPERM);
+  /* A begin on another pool fails but counts a level (its keel_tx_end
+   * pairs with it, as after any begin) and leaves the outer one going:
+   * the end used to end the outer transaction, aborting it. */
+  char p2[256];
+  keel_pheap_t *other = create_pool(p2, sizeof p2, "tx-other");
+  KT_EQ(keel_tx_begin(ph), 0);
+  KT_EQ(keel_tx_add_range(r->counter, 8), 0);
+  r->counter[0] = 77;
+  KT_EQ(keel_tx_begin(other), KEEL_EINVAL);
+  KT_EQ(keel_tx_depth(), 2);
+  KT_EQ(keel_tx_end(), 0);
+  KT_EQ(keel_tx_depth(), 1);
+  KT_EQ(keel_tx_commit(), 0);
+  KT_EQ(keel_tx_end(), 0);
+  KT_EQ(r->counter[0], 77);
+  KT_EQ(keel_pheap_close(other), 0);
+  unlink(p2);
   keel_pheap_close(ph);
   KT_EQ(keel_pheap_check(p), 0);
   unlink(p);
