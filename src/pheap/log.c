@@ -141,9 +141,10 @@ static uint64_t data_sum(keel_pheap_t *ph, const ph_redo_entry_t *e, size_t n) {
   uint64_t h = 0x243f6a8885a308d3ull, size = keel_load_relaxed(&ph->size);
   for (size_t i = 0; i < n; i++) {
     if ((e[i].off_op & 7) != PH_OP_CHK) continue;
-    uint64_t off = e[i].off_op & ~(uint64_t)7;
-    if (off > size || e[i].val > size - off) return 0; /* cannot match: the data is not there */
-    h = _keel_ph_csum(ph->view.base + off, e[i].val, h);
+    uint64_t off, len;
+    ph_chk_range(&e[i], &off, &len);
+    if (off > size || len > size - off) return 0; /* cannot match: the data is not there */
+    h = _keel_ph_csum(ph->view.base + off, len, h);
   }
   return h;
 }
@@ -154,9 +155,9 @@ bool _keel_ph_redo_data_ok(keel_pheap_t *ph, const ph_redo_t *r) {
 
 bool _keel_ph_chk_add(ph_redo_entry_t *e, size_t *n, size_t cap, uint64_t off, uint64_t len,
                       uint64_t *chk_bytes) {
-  if (*n == cap || *chk_bytes + len > PH_CHK_MAX_BYTES || (off & 7)) return false;
+  if (*n == cap || *chk_bytes + len > PH_CHK_MAX_BYTES) return false;
   *chk_bytes += len;
-  e[(*n)++] = (ph_redo_entry_t){off | PH_OP_CHK, len};
+  e[(*n)++] = (ph_redo_entry_t){(off & ~(uint64_t)7) | PH_OP_CHK, PH_CHK_VAL(off, len)};
   return true;
 }
 
@@ -534,8 +535,10 @@ static bool overwritten_later(const rec_item_t *items, unsigned n, unsigned i, u
     for (size_t k = 0; k < r->n; k++) {
       unsigned op = (unsigned)(r->e[k].off_op & 7);
       if (op != PH_OP_CHK && op != PH_OP_COVER) continue;
-      uint64_t lo = r->e[k].off_op & ~(uint64_t)7;
-      if (off >= lo && off < lo + r->e[k].val) return true;
+      uint64_t lo = r->e[k].off_op & ~(uint64_t)7, len = r->e[k].val;
+      if (op == PH_OP_CHK) ph_chk_range(&r->e[k], &lo, &len);
+      /* Any word the range touches: the store would undo some of it. */
+      if (off + 8 > lo && off < lo + len) return true;
     }
   }
   return false;
@@ -551,7 +554,12 @@ static bool redo_in_bounds(uint64_t size, const ph_redo_t *r) {
     uint64_t off = r->e[k].off_op & ~(uint64_t)7;
     unsigned op = (unsigned)(r->e[k].off_op & 7);
     if (op == PH_OP_CHK || op == PH_OP_COVER) {
-      if (off < PH_HDR_BYTES || off > size || r->e[k].val > size - off) return false;
+      uint64_t len = r->e[k].val;
+      if (op == PH_OP_CHK) {
+        if (len >> 35) return false; /* not a CHK value (PH_CHK_VAL) */
+        ph_chk_range(&r->e[k], &off, &len);
+      }
+      if (off < PH_HDR_BYTES || off > size || len > size - off) return false;
     } else if (off != offsetof(ph_header_t, root_off) && (off < PH_HDR_BYTES || off > size - 8)) {
       return false;
     }

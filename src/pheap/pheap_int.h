@@ -121,6 +121,10 @@ typedef struct ph_header {
  * transaction wrote that a barrier made durable before the log (past the CHK
  * budget). Recovery, like for CHK, replays no older log's store into them. */
 enum { PH_OP_SET = 0, PH_OP_OR = 1, PH_OP_ANDNOT = 2, PH_OP_CHK = 3, PH_OP_COVER = 4 };
+/* A CHK entry names bytes exactly: the word offset in off_op, and in val the
+ * byte within that word the range starts at (bits 32-34) and its length
+ * (bits 0-31: at most PH_CHK_MAX_BYTES). COVER's val is a plain length. */
+#define PH_CHK_VAL(off, len) ((((uint64_t)(off)&7) << 32) | (uint64_t)(len))
 /* Data a log may vouch for by checksum; beyond it a barrier orders the data
  * first. */
 #define PH_CHK_MAX_BYTES                                                                           \
@@ -129,6 +133,12 @@ typedef struct ph_redo_entry {
   uint64_t off_op; /* 8-aligned pool offset | op in the low 3 bits */
   uint64_t val;
 } ph_redo_entry_t;
+
+/* A CHK entry's bytes (PH_CHK_VAL). */
+static inline void ph_chk_range(const ph_redo_entry_t *e, uint64_t *lo, uint64_t *len) {
+  *lo = (e->off_op & ~(uint64_t)7) + ((e->val >> 32) & 7);
+  *len = (uint32_t)e->val;
+}
 typedef struct ph_redo {
   uint64_t seq; /* global order; valid only above the header's ckpt_seq */
   uint64_t tx;  /* undo seq this log commits, or 0 */
@@ -511,7 +521,10 @@ void _keel_ph_checkpoint_past(keel_pheap_t *ph, ph_tcache_t *tc, uint64_t need) 
 /* True if the data named by a log's CHK entries still matches its dsum. */
 bool _keel_ph_redo_data_ok(keel_pheap_t *ph, const ph_redo_t *r) KEEL_HIDDEN;
 /* Appends a CHK entry for [off, off+len) if the budget (*chk_bytes) allows;
- * false otherwise: the caller then needs a barrier before writing the log. */
+ * false otherwise: the caller then needs a barrier before writing the log.
+ * The range is exact to the byte (ph_chk_range): bytes around it in the
+ * same words may belong to fields other threads change meanwhile, and a
+ * checksum over them would call a whole commit log torn. */
 bool _keel_ph_chk_add(ph_redo_entry_t *e, size_t *n, size_t cap, uint64_t off, uint64_t len,
                       uint64_t *chk_bytes) KEEL_HIDDEN;
 /* Crash recovery (see log.c). Returns logs processed, or KEEL_ECORRUPT

@@ -497,14 +497,15 @@ static void stray_check(void) {
 }
 
 /* Names [off, off + len) in the commit log: a CHK entry while the checksum
- * budget lasts, then COVER entries (the caller then orders the data with a
- * barrier). False once the log has no room left. */
+ * budget lasts, then COVER entries of the whole words (the caller then
+ * orders the data with a barrier). False once the log has no room left. */
 static bool name_range(ph_redo_entry_t *e, size_t *k, uint64_t off, uint64_t len, uint64_t *chk,
                        bool *vouched) {
   if (*vouched && _keel_ph_chk_add(e, k, PH_REDO_MAX, off, len, chk)) return true;
   *vouched = false;
   if (*k == PH_REDO_MAX) return false;
-  e[(*k)++] = (ph_redo_entry_t){off | PH_OP_COVER, len};
+  uint64_t lo = KEEL_ALIGN_DOWN(off, (uint64_t)8);
+  e[(*k)++] = (ph_redo_entry_t){lo | PH_OP_COVER, KEEL_ALIGN_UP(off + len, (uint64_t)8) - lo};
   return true;
 }
 
@@ -634,11 +635,8 @@ static int tx_commit_outer(void) {
       if (tx.acts[i].kind == PH_ACT_SET &&
           covered((uint64_t)((char *)tx.acts[i].dest - ph->view.base)))
         *tx.acts[i].dest = tx.acts[i].value;
-    for (size_t i = 0; i < tx.nr && named; i++) {
-      uint64_t alo = KEEL_ALIGN_DOWN(tx.ranges[i].lo, (uint64_t)8);
-      uint64_t alen = KEEL_ALIGN_UP(tx.ranges[i].hi, (uint64_t)8) - alo;
-      named = name_range(e, &k, alo, alen, &chk, &vouched);
-    }
+    for (size_t i = 0; i < tx.nr && named; i++)
+      named = name_range(e, &k, tx.ranges[i].lo, tx.ranges[i].hi - tx.ranges[i].lo, &chk, &vouched);
     name_new_objects(ph, e, &k, &chk, &vouched, &named);
     uint64_t seq = _keel_ph_log_seq(ph, tc, tx.lane, k); /* before the flushes (pheap_int.h) */
     for (size_t i = 0; i < tx.nr; i++)

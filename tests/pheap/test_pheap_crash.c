@@ -1099,6 +1099,74 @@ static void test_tx_publish_set_in_range_survives_crash(void) {
   unlink(g_trial);
 }
 
+/* Regression (audit of issue 8): a commit log vouched for the whole words
+ * around each snapshot range, so a neighbouring 4-byte field that another
+ * thread changed (legally: it is not in the range) and made durable
+ * between the commit log and the undo log's emptying made recovery take
+ * the commit for a torn one: it rolled the snapshots back, but the commit's
+ * allocation changes stayed (here the tx_free'd object was free, with the
+ * restored slot still naming it). The checksum now covers the range's own
+ * bytes. The child crashes at the commit's second barrier with a seeded
+ * subset of the flushed lines written and the neighbour's store on the
+ * media; the pool must come back committed or rolled back, whole, with the
+ * neighbour's store kept. */
+static void neighbour_hook(keel_pheap_t *ph, ph_tcache_t *tc) {
+  if (++g_barrier != 2) return;
+  root_t *r = keel_pheap_root(ph, sizeof *r);
+  uint32_t *half = (uint32_t *)(void *)&r->c[1];
+  half[1] = 7; /* another thread's store to its own field */
+  uint64_t off = (uint64_t)((char *)&r->c[1] - ph->view.base);
+  if (pwrite(ph->fd, &r->c[1], 8, (off_t)off) != 8) _exit(5);
+  _keel_pm_sim_crash(ph, tc, g_seed, false);
+  _exit(77);
+}
+static void fn_neighbour_store(void) {
+  _keel_ph_sim_next = true;
+  keel_pheap_t *ph = keel_pheap_open(g_trial, LAYOUT);
+  if (ph == NULL) _exit(3);
+  root_t *r = keel_pheap_root(ph, sizeof *r);
+  uint32_t *half = (uint32_t *)(void *)&r->c[1];
+  keel_tx_begin(ph);
+  keel_tx_add_range(&half[0], 4);
+  half[0] = 1;
+  keel_tx_add_range(&r->slot[0], 8);
+  keel_tx_free(r->slot[0]);
+  r->slot[0] = 0;
+  g_barrier = 0;
+  _keel_ph_barrier_hook = neighbour_hook;
+  keel_tx_commit();
+  _exit(6); /* the hook exits first */
+}
+static void test_neighbour_field_does_not_tear_commit(void) {
+  tp_path(g_trial, sizeof g_trial, "neighbour");
+  int seeds = (int)kt_env_int("KEEL_TEST_CRASH_SEEDS", 3) * 8;
+  for (int seed = 0; seed < seeds; seed++) {
+    unlink(g_trial);
+    keel_pheap_t *ph = keel_pheap_create(g_trial, LAYOUT, KEEL_PHEAP_MIN_SIZE, 0);
+    KT_REQUIRE(ph != NULL);
+    root_t *r = keel_pheap_root(ph, sizeof *r);
+    KT_REQUIRE(keel_pheap_alloc(ph, &r->slot[0], 100, TYPE) == 0);
+    keel_poff_t x = r->slot[0];
+    keel_pheap_close(ph);
+    g_seed = (uint64_t)seed;
+    KT_EQ(run_child(fn_neighbour_store), 77);
+    ph = keel_pheap_open(g_trial, LAYOUT);
+    KT_REQUIRE(ph != NULL);
+    r = keel_pheap_root(ph, sizeof *r);
+    offs_t s = {.n = 0};
+    keel_pheap_foreach(ph, KEEL_PHEAP_ANY_TYPE, collect, &s); /* skips the root */
+    const uint32_t *half = (const uint32_t *)(const void *)&r->c[1];
+    bool committed = half[0] == 1 && r->slot[0] == 0 && s.n == 0;
+    bool rolled = half[0] == 0 && r->slot[0] == x && s.n == 1 && s.o[0] == x;
+    if (half[1] != 7 || !(committed || rolled))
+      kt_fail(__FILE__, __LINE__, "seed %d: field %u, neighbour %u, slot0 %llx, %d live objects",
+              seed, half[0], half[1], (unsigned long long)r->slot[0], s.n);
+    keel_pheap_close(ph);
+    KT_EQ(keel_pheap_check(g_trial), 0);
+  }
+  unlink(g_trial);
+}
+
 /* Regression (found by review): a new run checkpointed, then took its
  * chunks; a large free that finished in between left its log above the
  * watermark, and the run reused those chunks with no log of its own (the
@@ -1394,4 +1462,5 @@ KT_MAIN(KT_CASE(test_torn_commit_log_not_replayed_after_recovery_crash),
         KT_CASE(test_tx_past_chk_budget_keeps_its_stores),
         KT_CASE(test_new_object_body_survives_older_dest_log),
         KT_CASE(test_tx_publish_set_in_range_survives_crash),
+        KT_CASE(test_neighbour_field_does_not_tear_commit),
         KT_CASE(test_new_run_survives_large_free_replay), KT_CASE(test_huge_objects_crash_points))
