@@ -960,6 +960,14 @@ void _keel_heap_fork_prepare(void) {
       while (keel_load_acquire(&h->owner_busy) != 0) sched_yield();
     }
   }
+  /* A remote freer between claiming DELAYING on a full page and setting it
+   * back (free_remote: a few instructions, no lock) would leave the child
+   * a page stuck in that state, and every tf_set_state on it there would
+   * spin for good. With every heap locked no page enters or leaves a full
+   * list, and the freer needs no lock to finish: wait for it. */
+  for (keel_heap_t *h = heaps_all; h != NULL; h = h->next_all)
+    for (keel_page_t *p = h->full.first; p != NULL; p = p->next)
+      while (KEEL_TF_STATE(keel_load_acquire(&p->thread_free)) == KEEL_TF_DELAYING) sched_yield();
   _keel_segments_lock();
   _keel_large_lock();
 }

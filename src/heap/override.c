@@ -104,8 +104,9 @@ KEEL_EXPORT void *aligned_alloc(size_t align, size_t size) {
 KEEL_EXPORT void *memalign(size_t align, size_t size) {
   /* glibc rounds an alignment that is not a power of two up to one, and
    * refuses (EINVAL) only one above the largest power of two; 2^63 itself
-   * then fails for want of memory (ENOMEM), as there. */
-  if (!KEEL_IS_POW2(align)) {
+   * then fails for want of memory (ENOMEM), as there. 0 is glibc's malloc,
+   * like any alignment below 16 (below). */
+  if (align != 0 && !KEEL_IS_POW2(align)) {
     if (align > ((size_t)1 << 63)) {
       _keel_reject("memalign", "alignment %zu is above 2^63", align);
       errno = EINVAL;

@@ -27,11 +27,20 @@
  * hold none): pthread_create allocates the new thread's TLS through malloc,
  * which may be us. After fork the child has no purge thread; the next
  * schedule in the child starts one.
+ *
+ * It ends when it finds itself the process's last thread (main returned
+ * through pthread_exit, or a child forked from another thread let that one
+ * end): glibc then exits the process, atexit handlers and stdio flushes
+ * included, within a tick of the last thread's end. Kept alive, it held the
+ * process for good, and with every signal blocked only SIGKILL ended it.
  */
 #define _GNU_SOURCE
+#include <fcntl.h>
 #include <pthread.h>
 #include <signal.h>
+#include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "base/options.h"
 #include "heap/internal.h"
@@ -44,9 +53,36 @@ void _keel_purge_note_work(void) {
   if (!keel_load_relaxed(&work_noted)) keel_store_relaxed(&work_noted, 1);
 }
 
+/* Whether the calling thread (never the main one) is the process's only
+ * live one: /proc/self/stat, read without allocating, counts the threads
+ * (field 20), a main thread that ended with pthread_exit among them as a
+ * zombie until the process ends, and gives the main thread's state (field
+ * 3). False if it cannot be read. */
+static bool only_thread(void) {
+  char buf[1024];
+  int fd = open("/proc/self/stat", O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return false;
+  ssize_t n = read(fd, buf, sizeof(buf) - 1);
+  close(fd);
+  if (n <= 0) return false;
+  buf[n] = 0;
+  const char *p = strrchr(buf, ')'); /* the command name may hold spaces */
+  if (p == NULL || p[1] != ' ') return false;
+  char state = p[2];
+  for (int field = 2; field < 20; field++) {
+    p = strchr(p + 1, ' ');
+    if (p == NULL) return false;
+  }
+  return (p[1] == '1' && p[2] == ' ') || (p[1] == '2' && p[2] == ' ' && state == 'Z');
+}
+
 static void *purge_main(void *arg) {
   (void)arg;
   for (;;) {
+    if (only_thread()) {
+      keel_store_relaxed(&bg_state, BG_NONE);
+      return NULL; /* glibc's exit(0) for the last thread */
+    }
     int64_t delay = _keel_option(KEEL_OPT_heap_purge_ms);
     int64_t tick = delay / 4;
     if (tick < 10) tick = 10;

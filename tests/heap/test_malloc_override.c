@@ -20,6 +20,9 @@
 #include <fcntl.h>
 #include <link.h>
 #include <malloc.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdbool.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -575,6 +578,22 @@ static char *run_capture(char *const argv[], char *const extra_env[], int *statu
   return buf;
 }
 
+/* `--pthread-exit`: a worker frees a large block (the purge thread starts),
+ * main ends with pthread_exit: the process must end when the worker does,
+ * with exit status 0 and stdio flushed, as with glibc. */
+static void *exit_worker(void *arg) {
+  (void)arg;
+  start_purge_thread();
+  fputs("worker done\n", stderr);
+  return NULL;
+}
+static int pthread_exit_main(void) {
+  pthread_t t;
+  pthread_create(&t, NULL, exit_worker, NULL);
+  printf("buffered"); /* flushed by exit(), if the process exits */
+  pthread_exit(NULL);
+}
+
 static int child_main(void) {
   void *keep[64];
   for (int i = 0; i < 64; i++) keep[i] = malloc((size_t)(i + 1) * 40);
@@ -627,7 +646,54 @@ static void stats_option_under_ld_preload(void) {
   free(err);
 }
 
+/* Regression (audit of issue 4): the purge thread outlived the program's
+ * last thread and kept the process alive for good (a zombie main, every
+ * signal blocked: only SIGKILL ended it, and stdout was never flushed). */
+static void last_thread_ends_process(void) {
+  int out[2];
+  KT_REQUIRE(pipe(out) == 0);
+  fflush(stdout);
+  pid_t pid = fork();
+  if (pid == 0) {
+    dup2(out[1], STDOUT_FILENO);
+    dup2(out[1], STDERR_FILENO);
+    close(out[0]);
+    close(out[1]);
+    execl("/proc/self/exe", "test_malloc_override", "--pthread-exit", (char *)NULL);
+    _exit(127);
+  }
+  close(out[1]);
+  int status = 0;
+  pid_t got = 0;
+  for (int ms = 0; ms < 20000 && (got = waitpid(pid, &status, WNOHANG)) == 0; ms += 10)
+    usleep(10 * 1000);
+  if (got == 0) {
+    kill(pid, SIGKILL);
+    waitpid(pid, &status, 0);
+    kt_fail(__FILE__, __LINE__, "the process outlived its last thread by 20 s");
+  }
+  char buf[256];
+  ssize_t n = read(out[0], buf, sizeof(buf) - 1);
+  close(out[0]);
+  buf[n > 0 ? n : 0] = 0;
+  KT_CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+  KT_CONTAINS(buf, "worker done");
+  KT_CONTAINS(buf, "buffered");
+}
+
 /* ---- libkeel.so is dlopen-able --------------------------------------- */
+
+static void *(*g_k_malloc)(size_t);
+static void (*g_k_free)(void *);
+static void *dl_worker(void *arg) {
+  (void)arg;
+  for (int i = 0; i < 100; i++) g_k_free(g_k_malloc((size_t)(i + 1) * 64));
+  g_k_free(g_k_malloc(8 * MiB));
+  return NULL;
+}
+static void *dl_worker_idle(void *arg) {
+  return arg;
+}
 
 static void libkeel_dlopen_without_static_tls(void) {
   void *h = dlopen(KEEL_SHARED_LIB, RTLD_NOW | RTLD_LOCAL);
@@ -649,7 +715,22 @@ static void libkeel_dlopen_without_static_tls(void) {
   KT_CHECK(p != NULL);
   memset(p, 0, 1000);
   k_free(p);
+  /* Its own threads (the purge thread, started by a large free) and the
+   * TLS destructors of threads that used it run its code after dlclose:
+   * it is never unloaded (it crashed the process). */
+  bool nodelete = false;
+  for (const ElfW(Dyn) *d = lm->l_ld; d->d_tag != DT_NULL; d++)
+    if (d->d_tag == DT_FLAGS_1 && (d->d_un.d_val & DF_1_NODELETE)) nodelete = true;
+  KT_CHECK(nodelete);
+  g_k_malloc = k_malloc;
+  g_k_free = k_free;
+  pthread_t t[4];
+  for (int i = 0; i < 4; i++) pthread_create(&t[i], NULL, dl_worker, NULL);
+  for (int i = 0; i < 4; i++) pthread_join(t[i], NULL);
   dlclose(h);
+  usleep(300 * 1000); /* the purge thread's ticks, after the close */
+  pthread_create(&t[0], NULL, dl_worker_idle, NULL);
+  pthread_join(t[0], NULL);
 }
 
 static const kt_case_t cases[] = {
@@ -674,10 +755,12 @@ static const kt_case_t cases[] = {
     KT_CASE(stats_option_prints_table_at_exit),
     KT_CASE(stats_option_under_ld_preload),
     KT_CASE(libkeel_dlopen_without_static_tls),
+    KT_CASE(last_thread_ends_process),
 };
 
 int main(int argc, char **argv) {
   /* `--child`: the program run with KEEL_OPTIONS=stats=1 by a case above. */
   if (argc > 1 && strcmp(argv[1], "--child") == 0) return child_main();
+  if (argc > 1 && strcmp(argv[1], "--pthread-exit") == 0) return pthread_exit_main();
   return kt_main(argc, argv, cases, sizeof(cases) / sizeof(cases[0]));
 }

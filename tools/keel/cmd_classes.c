@@ -4,6 +4,8 @@
  *   keel classes 4108   the class serving 4108 bytes and what a block costs
  */
 #include <errno.h>
+#include <stddef.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -37,6 +39,10 @@ static int print_one(const char *arg) {
   if (errno != 0 || *end != 0 || arg[0] == '-') {
     fprintf(stderr, "keel classes: '%s' is not a size in bytes\n", arg);
     return 2;
+  }
+  if (req > PTRDIFF_MAX) {
+    printf("%llu bytes: above PTRDIFF_MAX, refused: malloc returns NULL with ENOMEM\n", req);
+    return 0;
   }
   int c = keel_heap_class_of((size_t)req);
   if (c < 0) {
