@@ -176,25 +176,30 @@ KEEL_API keel_lockspace_t *keel_lockspace_create(const keel_lockspace_config_t *
 /* keel_lockspace_release flag: cancel every lock (AST with KEEL_ECANCELED). */
 #define KEEL_LOCKSPACE_FORCE 0x1u
 
-/* Releases a lockspace: KEEL_EBUSY (and nothing changes) while it holds locks,
- * unless KEEL_LOCKSPACE_FORCE, which cancels every lock and request first,
- * calling each AST with lksb->status = KEEL_ECANCELED and lksb->lock = NULL;
- * blocking calls waiting in it return KEEL_ECANCELED (release waits for them
- * to leave). Callbacks still queued (KEEL_LOCKSPACE_SCHED) may run during
- * the release: they find their locks cancelled (lksb->lock NULL, and
- * KEEL_ENOENT from a handle read before), and lksb->status may change under
- * them (read it atomically there). New requests and conversions made during
- * the release (by an AST it causes, say) get KEEL_ESHUTDOWN; it returns once
- * every callback has run. Without FORCE nothing is refused unless the
- * release goes ahead: a request or conversion that races its search for
- * locks goes on and makes it return KEEL_EBUSY. A grant AST already under way when the release
- * starts (on the timeout thread, or queued on sched) may run after that
- * lock's KEEL_ECANCELED notice, seeing status KEEL_ECANCELED: free callback
- * arguments once the release has returned, not in the notice. Other calls
- * must not run concurrently with it.
+/* Releases a lockspace: KEEL_EBUSY (and nothing changes) while it holds locks
+ * or a request races it (below), unless KEEL_LOCKSPACE_FORCE, which cancels
+ * every lock and request first, calling each AST with lksb->status =
+ * KEEL_ECANCELED and lksb->lock = NULL; blocking calls waiting in it return
+ * KEEL_ECANCELED (release waits for them to leave). Callbacks still queued
+ * (KEEL_LOCKSPACE_SCHED) may run during the release: they find their locks
+ * cancelled (lksb->lock NULL, and KEEL_ENOENT from a handle read before),
+ * and lksb->status may change under them (read it atomically there). New
+ * requests and conversions made during a forced release (by an AST it
+ * causes, say) get KEEL_ESHUTDOWN; it returns once every callback has run.
+ * Without FORCE nothing is refused unless the release goes ahead, and
+ * nothing waits for it: a request that races its search for locks goes on
+ * and makes it return KEEL_EBUSY (so does a lock it finds, whoever holds
+ * it). A grant AST already under way when the release starts (on the
+ * timeout thread, or queued on sched) may run after that lock's
+ * KEEL_ECANCELED notice, seeing status KEEL_ECANCELED: free callback
+ * arguments once the release has returned, not in the notice. The only
+ * calls that may run concurrently with it are keel's own callbacks (timer
+ * and sched) and, on other threads, calls on a lockspace that holds a lock
+ * for the whole time (the release then cannot go ahead); anything else may
+ * find the lockspace freed.
  * Calls on the released handle return KEEL_ESHUTDOWN (checked for the last
- * 1,024 released lockspaces; their 80-byte headers are kept until exit for
- * this). */
+ * 1,024 released lockspaces; their headers, about 80 bytes, are kept until
+ * exit for this). */
 KEEL_API int keel_lockspace_release(keel_lockspace_t *ls, unsigned flags);
 
 /* Drops up to n cached unused resources (a memory-pressure callback calls

@@ -191,9 +191,7 @@ int keel_lock(keel_lockspace_t *ls, const void *name, size_t namelen, int mode, 
                       .arg = arg};
   _keel_lksb_set_status(lksb, 0);
   set_deadline(lkb, flags);
-  keel_res_t *res;
-again:
-  res = _keel_dir_attach(ls, name, namelen); /* res->mu held from here */
+  keel_res_t *res = _keel_dir_attach(ls, name, namelen); /* res->mu held from here */
   if (keel_unlikely(res == NULL)) {
     _keel_lksb_set_lock(lksb, NULL);
     free(lkb);
@@ -203,14 +201,13 @@ again:
    * CLOSING before its walk takes each resource's mutex, so a request that
    * still reads the lockspace live here is one the walk will find (res->mu
    * orders them; for a resource just created, see dir_create). One that
-   * reads PROBING goes on, counted; else it waits for the verdict and tries
-   * again if the release gave up (see keel_lockspace_release). */
+   * meets a non-forced release vetoes it and goes on (see
+   * keel_lockspace_release). */
   if (keel_unlikely(__atomic_load_n(&ls->magic, __ATOMIC_SEQ_CST) != KEEL_LS_MAGIC) &&
-      _keel_ls_join_probe(ls) != 0) {
+      _keel_ls_veto(ls) != 0) {
     bool last = __keel_dir_detach(res);
     __keel_mutex_unlock(&res->mu);
     if (last) _keel_dir_put(res);
-    if (_keel_ls_await(ls) == 0) goto again;
     _keel_lksb_set_lock(lksb, NULL);
     free(lkb);
     return KEEL_ESHUTDOWN;
@@ -263,9 +260,9 @@ int _keel_lock_convert(keel_lksb_t *lksb, int mode, unsigned flags, const keel_l
   }
   /* A release under way refuses conversions too: one would start BASTs or a
    * timer the release has already stopped waiting for. Not a non-forced
-   * one (PROBING, DECIDING): this granted lock makes it KEEL_EBUSY. */
+   * one: this granted lock makes it KEEL_EBUSY. */
   uint32_t m = __atomic_load_n(&res->ls->magic, __ATOMIC_SEQ_CST);
-  if (keel_unlikely(m != KEEL_LS_MAGIC && m != KEEL_LS_PROBING && m != KEEL_LS_DECIDING)) {
+  if (keel_unlikely(m != KEEL_LS_MAGIC) && !_keel_ls_open(m)) {
     __keel_mutex_unlock(&res->mu);
     return KEEL_ESHUTDOWN;
   }

@@ -25,7 +25,6 @@
 
 #include "base/clock.h"
 #include "base/die.h"
-#include "base/futex.h"
 #include "base/options.h"
 #include "lockspace.h"
 
@@ -163,29 +162,18 @@ keel_lockspace_t *keel_lockspace_create(const keel_lockspace_config_t *config) {
   return ls;
 }
 
-int _keel_ls_await(keel_lockspace_t *ls) {
-  uint32_t m = __atomic_load_n(&ls->magic, __ATOMIC_SEQ_CST);
-  if (m == KEEL_LS_DECIDING) {
-    /* Counted in before the futex's own check of the value: a release
-     * that stores its verdict and then reads no awaiters left us to find
-     * the verdict there (seq_cst on both sides). */
-    __atomic_fetch_add(&ls->awaiters, 1, __ATOMIC_SEQ_CST);
-    while ((m = __atomic_load_n(&ls->magic, __ATOMIC_SEQ_CST)) == KEEL_LS_DECIDING)
-      keel_futex_wait(&ls->magic, KEEL_LS_DECIDING);
-    __atomic_fetch_sub(&ls->awaiters, 1, __ATOMIC_RELAXED);
-  }
-  return m == KEEL_LS_MAGIC || m == KEEL_LS_PROBING ? 0 : KEEL_ESHUTDOWN;
-}
-
-int _keel_ls_join_probe(keel_lockspace_t *ls) {
-  if (__atomic_load_n(&ls->magic, __ATOMIC_SEQ_CST) != KEEL_LS_PROBING) return -1;
-  /* Counted, then still PROBING: the count precedes the release's exchange
-   * to DECIDING and so its read of the count, and the release says
-   * KEEL_EBUSY. Anything else (DECIDING: the release may have read the
-   * count already) and the caller waits for the verdict. */
-  __atomic_fetch_add(&ls->racers, 1, __ATOMIC_SEQ_CST);
-  uint32_t m = __atomic_load_n(&ls->magic, __ATOMIC_SEQ_CST);
-  return m == KEEL_LS_PROBING || m == KEEL_LS_MAGIC ? 0 : -1;
+int _keel_ls_veto(keel_lockspace_t *ls) {
+  /* PROBING -> VETOED, or the value that stopped it: the release's CAS
+   * PROBING -> CLOSING and ours are ordered on the word, so either we veto
+   * first and that release says KEEL_EBUSY, or it went ahead and we back
+   * out. VETOED (another request vetoed) and MAGIC (a release that has
+   * already given up) let us go on as well; a request that read an older
+   * round's PROBING and vetoes a later round only makes it busy. */
+  uint32_t m = KEEL_LS_PROBING;
+  if (__atomic_compare_exchange_n(&ls->magic, &m, KEEL_LS_VETOED, false, __ATOMIC_SEQ_CST,
+                                  __ATOMIC_SEQ_CST))
+    return 0;
+  return _keel_ls_open(m) ? 0 : KEEL_ESHUTDOWN;
 }
 
 size_t keel_lockspace_shrink(keel_lockspace_t *ls, size_t n) {
@@ -647,29 +635,30 @@ int keel_lockspace_release(keel_lockspace_t *ls, unsigned flags) {
    * callback still queued or one the release causes, or the timer's): a
    * lock taken now would escape the cancel and keep the table referenced
    * past its destroy. A forced release sets it at once. Without FORCE the
-   * release must not refuse anything unless it goes ahead, yet a request
-   * may take a resource its busy walk has passed. So the walk runs under
-   * PROBING: a request that meets it (after attaching, under res->mu)
-   * counts itself in `racers` and goes on. Then DECIDING, during which
-   * requests wait: the release reads the count, and any request counted
-   * (or lock found) makes it KEEL_EBUSY, the lockspace live again and
-   * nothing refused; else CLOSING. A request that read MAGIC under res->mu
+   * release must refuse nothing unless it goes ahead, yet a request may
+   * take a resource its busy walk has passed. So the walk runs under
+   * PROBING, and a request that meets it (after attaching, under res->mu)
+   * turns it into VETOED and goes on; conversions go on too (their granted
+   * lock makes the walk find the lockspace busy). The release then goes
+   * ahead only by a CAS from PROBING to CLOSING: a veto, or a lock found,
+   * makes it KEEL_EBUSY and the lockspace live again, with nothing refused
+   * and nobody made to wait. A request that read MAGIC under res->mu
    * before PROBING was set is one the walk finds (res->mu orders them; for
    * a resource just created, see dir_create). */
   bool force = flags & KEEL_LOCKSPACE_FORCE;
-  if (!force) __atomic_store_n(&ls->racers, 0, __ATOMIC_RELAXED); /* published by the exchange */
   (void)__atomic_exchange_n(&ls->magic, force ? KEEL_LS_CLOSING : KEEL_LS_PROBING,
                             __ATOMIC_SEQ_CST);
   cancel_ctx_t c;
   CDS_INIT_LIST_HEAD(&c.gone);
   CDS_INIT_LIST_HEAD(&c.owed);
   if (!force) {
-    bool busy = keel_table_for_each(ls->table, busy_fn, NULL) != 0;
-    (void)__atomic_exchange_n(&ls->magic, KEEL_LS_DECIDING, __ATOMIC_SEQ_CST);
-    busy = busy || __atomic_load_n(&ls->racers, __ATOMIC_SEQ_CST) != 0;
-    __atomic_store_n(&ls->magic, busy ? KEEL_LS_MAGIC : KEEL_LS_CLOSING, __ATOMIC_SEQ_CST);
-    if (__atomic_load_n(&ls->awaiters, __ATOMIC_SEQ_CST) != 0) keel_futex_wake(&ls->magic, INT_MAX);
-    if (busy) return KEEL_EBUSY;
+    uint32_t m = KEEL_LS_PROBING;
+    if (keel_table_for_each(ls->table, busy_fn, NULL) != 0 ||
+        !__atomic_compare_exchange_n(&ls->magic, &m, KEEL_LS_CLOSING, false, __ATOMIC_SEQ_CST,
+                                     __ATOMIC_SEQ_CST)) {
+      (void)__atomic_exchange_n(&ls->magic, KEEL_LS_MAGIC, __ATOMIC_SEQ_CST);
+      return KEEL_EBUSY;
+    }
   } else {
     /* The timer's passes end (one under way finishes); its thread is joined
      * only after the cancel, which wakes a call it may be blocked in. */

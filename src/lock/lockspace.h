@@ -8,11 +8,11 @@
 
 #include "lock_internal.h"
 
-#define KEEL_LS_MAGIC    0x6c73706bu /* "lspk": live lockspace */
-#define KEEL_LS_DEAD     0x6c736464u /* released (header kept, see lockspace.c) */
-#define KEEL_LS_CLOSING  0x6c73636cu /* being released: new requests get KEEL_ESHUTDOWN */
-#define KEEL_LS_PROBING  0x6c737062u /* a release looks for locks: requests go on, counted */
-#define KEEL_LS_DECIDING 0x6c737064u /* a release reads the count: requests wait (briefly) */
+#define KEEL_LS_MAGIC   0x6c73706bu /* "lspk": live lockspace */
+#define KEEL_LS_DEAD    0x6c736464u /* released (header kept, see lockspace.c) */
+#define KEEL_LS_CLOSING 0x6c73636cu /* being released: new requests get KEEL_ESHUTDOWN */
+#define KEEL_LS_PROBING 0x6c737062u /* a release looks for locks: a request vetoes it, goes on */
+#define KEEL_LS_VETOED  0x6c737076u /* ...and one did: that release will say KEEL_EBUSY */
 
 /* One armed resource in the timer's heap. */
 typedef struct keel_timer_ent {
@@ -68,34 +68,30 @@ typedef struct keel_ls_timer {
 struct keel_lockspace {
   uint32_t magic;         /* KEEL_LS_MAGIC while live */
   uint32_t sleepers;      /* atomic: threads in a blocking wait (release waits for them) */
-  uint32_t racers;        /* atomic: requests that went on while a release probed */
-  uint32_t awaiters;      /* atomic: threads waiting for a release's verdict */
   keel_table_t *table;    /* NULL once released */
   keel_ls_timer_t *timer; /* allocated on first timed asynchronous request */
   keel_cbq_t *cbq;        /* KEEL_LOCKSPACE_SCHED: callbacks go here; NULL: inline */
   pthread_mutex_t timer_once;
 };
-_Static_assert(sizeof(struct keel_lockspace) == 80, "keel/lock.h gives the size of a kept header");
 
-/* A non-forced release and the requests it races (keel_lockspace_release):
- * 0 if a request may go on (live, or a release only probing), else
- * KEEL_ESHUTDOWN. Waits out the few instructions of a release's DECIDING
- * state, so that a request is refused only if the release goes ahead. */
-int _keel_ls_await(keel_lockspace_t *ls) KEEL_HIDDEN;
+/* Whether calls may go on: the lockspace is live, or a non-forced release
+ * is only looking for locks (keel_lockspace_release). */
+KEEL_INLINE bool _keel_ls_open(uint32_t magic) {
+  return magic == KEEL_LS_MAGIC || magic == KEEL_LS_PROBING || magic == KEEL_LS_VETOED;
+}
 
-/* 0, or KEEL_EINVAL (NULL) / KEEL_ESHUTDOWN (released); may wait for a
- * release's verdict (_keel_ls_await). */
-KEEL_INLINE int _keel_ls_check(keel_lockspace_t *ls) {
+/* 0, or KEEL_EINVAL (NULL) / KEEL_ESHUTDOWN (released or being released). */
+KEEL_INLINE int _keel_ls_check(const keel_lockspace_t *ls) {
   if (keel_unlikely(ls == NULL)) return KEEL_EINVAL;
-  if (keel_unlikely(__atomic_load_n(&ls->magic, __ATOMIC_RELAXED) != KEEL_LS_MAGIC))
-    return _keel_ls_await(ls);
+  uint32_t m = __atomic_load_n(&ls->magic, __ATOMIC_RELAXED);
+  if (keel_unlikely(m != KEEL_LS_MAGIC) && !_keel_ls_open(m)) return KEEL_ESHUTDOWN;
   return 0;
 }
 
 /* A request that found the lockspace not live after attaching to its
- * resource (res->mu held): 0 if it may go on, counted so that a probing
- * release sees it; else the caller backs out and calls _keel_ls_await. */
-int _keel_ls_join_probe(keel_lockspace_t *ls) KEEL_HIDDEN;
+ * resource (res->mu held): 0 if it may go on, having vetoed a probing
+ * release; else (the release went ahead) KEEL_ESHUTDOWN. */
+int _keel_ls_veto(keel_lockspace_t *ls) KEEL_HIDDEN;
 
 /* Resource references. The resources' table counts references with an atomic
  * per entry; bumping it for every lock would make two extra atomic operations

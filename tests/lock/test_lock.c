@@ -1455,9 +1455,11 @@ static void lookup_spare(void) {
 
 /* A release that finds locks returns KEEL_EBUSY and changes nothing, also
  * for requests and conversions that race its check (as a timer's or
- * sched's callbacks do, which the caller cannot hold back): they wait for
- * its verdict and go ahead. Before, they got KEEL_ESHUTDOWN during the
- * walk. Then, once the lockspace is idle, a release goes through. */
+ * sched's callbacks do, which the caller cannot hold back): they go ahead.
+ * Before, they got KEEL_ESHUTDOWN during the walk. Then, once the
+ * lockspace is idle, a release goes through. (The pin keeps every release
+ * busy; test_lock_stress's release_races_callbacks covers the releases
+ * that go ahead, and the vetoes.) */
 typedef struct busy_race {
   keel_lockspace_t *ls;
   int stop, refused, done; /* atomic */

@@ -356,5 +356,157 @@ static void timer_churn(void) {
   KT_EQ(keel_lockspace_release(ls, 0), 0);
 }
 
-KT_MAIN(KT_CASE(hot_resources), KT_CASE(hot_resources_sched), KT_CASE(churn_resources),
-        KT_CASE(timer_churn))
+/* Non-forced releases racing callback chains on sched (keel's own threads,
+ * the callers a release cannot hold back; from helper-74's review). Each
+ * chain locks a resource, converts it, unlocks it and locks the next, from
+ * its ASTs, over 37 names. While a pin is held every release must say
+ * KEEL_EBUSY and refuse nothing; once the pin is dropped the releases go on
+ * until one goes ahead, and then the chain still running (chain 0) has been
+ * refused exactly once, and none saw an error. With FORCE, the chains end
+ * by cancellation and are never refused a lock before it. A release that
+ * ignored the requests racing its walk (a veto) failed here within 300
+ * rounds ("convert refused" or a refused chain). */
+#define NCHAIN 2
+
+typedef struct chain {
+  keel_lockspace_t *ls;
+  keel_lksb_t lksb;
+  unsigned n, seed;
+  int idx;
+  int phase;               /* 0: waiting for a new lock's grant, 1: for a conversion's */
+  int refused, ended, bad; /* atomic */
+  int *phase2;             /* atomic: 1 once the pin is dropped */
+} chain_t;
+
+static int force_mode;
+static void chain_ast(void *arg);
+
+static void chain_next(chain_t *c) {
+  char name[48];
+  int len = snprintf(name, sizeof name, "c%pr%u", (void *)c, c->n++ % 37);
+  if ((rand_r(&c->seed) & 7) == 0)
+    usleep(rand_r(&c->seed) % (__atomic_load_n(c->phase2, __ATOMIC_RELAXED) ? 300 : 30));
+  else if ((rand_r(&c->seed) & 3) == 0)
+    sched_yield();
+  c->phase = 0;
+  int rc = keel_lock(c->ls, name, (size_t)len, KEEL_LOCK_PR, 0, &c->lksb, chain_ast, NULL, c);
+  if (rc == KEEL_ESHUTDOWN && force_mode) {
+    __atomic_store_n(&c->ended, 3, __ATOMIC_SEQ_CST);
+  } else if (rc == KEEL_ESHUTDOWN) {
+    if (!__atomic_load_n(c->phase2, __ATOMIC_SEQ_CST))
+      __atomic_fetch_add(&c->refused, 1, __ATOMIC_SEQ_CST);
+    __atomic_store_n(&c->ended, 1, __ATOMIC_SEQ_CST);
+  } else if (rc != 0) {
+    fprintf(stderr, "keel_lock rc %d\n", rc);
+    __atomic_fetch_add(&c->bad, 1, __ATOMIC_SEQ_CST);
+    __atomic_store_n(&c->ended, 1, __ATOMIC_SEQ_CST);
+  }
+}
+
+static void chain_ast(void *arg) {
+  chain_t *c = arg;
+  int st = __atomic_load_n(&c->lksb.status, __ATOMIC_SEQ_CST);
+  if (st != 0 && force_mode && st == KEEL_ECANCELED) {
+    __atomic_store_n(&c->ended, 3, __ATOMIC_SEQ_CST);
+    return;
+  }
+  if (st != 0) {
+    fprintf(stderr, "ast status %d\n", st);
+    __atomic_fetch_add(&c->bad, 1, __ATOMIC_SEQ_CST);
+    __atomic_store_n(&c->ended, 1, __ATOMIC_SEQ_CST);
+    return;
+  }
+  if (c->phase == 0) {
+    c->phase = 1;
+    int rc = keel_lock_convert(&c->lksb, KEEL_LOCK_EX, 0);
+    if (rc == 0) return; /* its AST comes */
+    if (rc != 0 && force_mode) {
+      keel_unlock(&c->lksb, 0);
+      __atomic_store_n(&c->ended, 3, __ATOMIC_SEQ_CST);
+      return;
+    }
+    if (rc == KEEL_ESHUTDOWN) {
+      /* Must not happen: a granted lock exists, so no non-forced release goes ahead. */
+      fprintf(stderr, "convert refused\n");
+      __atomic_fetch_add(&c->bad, 1, __ATOMIC_SEQ_CST);
+    } else {
+      fprintf(stderr, "convert rc %d\n", rc);
+      __atomic_fetch_add(&c->bad, 1, __ATOMIC_SEQ_CST);
+    }
+  }
+  if (keel_unlock(&c->lksb, 0) != 0 && !force_mode) {
+    fprintf(stderr, "unlock failed\n");
+    __atomic_fetch_add(&c->bad, 1, __ATOMIC_SEQ_CST);
+  }
+  if (c->idx != 0 && __atomic_load_n(c->phase2, __ATOMIC_SEQ_CST)) {
+    __atomic_fetch_add(&c->refused, 0, __ATOMIC_SEQ_CST);
+    __atomic_store_n(&c->ended, 2, __ATOMIC_SEQ_CST); /* stopped on its own */
+    return;
+  }
+  chain_next(c);
+}
+
+static void release_races_callbacks_mode(int force, long rounds) {
+  force_mode = force;
+  long busy_tries = kt_sanitized() ? 50 : 200;
+  unsigned long succ_after = 0, total_busy = 0;
+  for (long r = 0; r < rounds; r++) {
+    keel_lockspace_config_t cfg = {.flags = KEEL_LOCKSPACE_SCHED};
+    keel_lockspace_t *ls = keel_lockspace_create(&cfg);
+    KT_REQUIRE(ls != NULL);
+    int phase2 = 0;
+    keel_lksb_t pin = {0};
+    KT_EQ(keel_lock(ls, "pin", 3, KEEL_LOCK_EX, 0, &pin, NULL, NULL, NULL), 0);
+    chain_t c[NCHAIN];
+    memset(c, 0, sizeof c);
+    for (int i = 0; i < NCHAIN; i++) {
+      c[i].ls = ls;
+      c[i].seed = (unsigned)(r * 31 + i);
+      c[i].phase2 = &phase2;
+      c[i].n = (unsigned)i * 5;
+      c[i].idx = i;
+      KT_EQ(keel_lock(ls, i ? "r0" : "r1", 2, KEEL_LOCK_PR, 0, &c[i].lksb, chain_ast, NULL, &c[i]),
+            0);
+    }
+    for (long i = 0; i < busy_tries; i++) KT_EQ(keel_lockspace_release(ls, 0), KEEL_EBUSY);
+    if (force_mode) {
+      KT_EQ(keel_lockspace_release(ls, KEEL_LOCKSPACE_FORCE), 0);
+      for (int i = 0; i < NCHAIN; i++) {
+        KT_CHECK(__atomic_load_n(&c[i].ended, __ATOMIC_SEQ_CST) != 0);
+        KT_EQ(__atomic_load_n(&c[i].refused, __ATOMIC_SEQ_CST), 0);
+        KT_EQ(__atomic_load_n(&c[i].bad, __ATOMIC_SEQ_CST), 0);
+      }
+      continue;
+    }
+    __atomic_store_n(&phase2, 1, __ATOMIC_SEQ_CST);
+    KT_EQ(keel_unlock(&pin, 0), 0);
+    int rc;
+    unsigned long tries = 0;
+    while ((rc = keel_lockspace_release(ls, 0)) == KEEL_EBUSY) {
+      tries++;
+      if ((tries & 63) == 0) sched_yield();
+    }
+    KT_EQ(rc, 0);
+    total_busy += tries;
+    succ_after++;
+    /* Drained: every chain has ended, refused exactly once, after the pin. */
+    for (int i = 0; i < NCHAIN; i++) {
+      KT_EQ(__atomic_load_n(&c[i].ended, __ATOMIC_SEQ_CST), i ? 2 : 1);
+      KT_EQ(__atomic_load_n(&c[i].refused, __ATOMIC_SEQ_CST), 0);
+      KT_EQ(__atomic_load_n(&c[i].bad, __ATOMIC_SEQ_CST), 0);
+    }
+    KT_EQ(keel_lockspace_release(ls, 0), KEEL_ESHUTDOWN); /* graveyard check */
+  }
+  if (!force)
+    printf("  %lu rounds: releases that found the lockspace busy before one went ahead: %lu\n",
+           succ_after, total_busy);
+}
+
+static void release_races_callbacks(void) {
+  long rounds = kt_env_int("KEEL_TEST_RELEASE_ROUNDS", kt_sanitized() ? 60 : 300);
+  release_races_callbacks_mode(0, rounds);
+  release_races_callbacks_mode(1, rounds / 3);
+}
+
+KT_MAIN(KT_CASE(release_races_callbacks), KT_CASE(hot_resources), KT_CASE(hot_resources_sched),
+        KT_CASE(churn_resources), KT_CASE(timer_churn))
