@@ -368,6 +368,8 @@ bool _keel_large_pending(void) KEEL_HIDDEN;
  * returns true if it is one; its usable size, or 0 if it is not one. */
 bool _keel_huge_free(void *p) KEEL_HIDDEN;
 size_t _keel_huge_usable(const void *p) KEEL_HIDDEN;
+/* Whether p was one of the last large or huge blocks unmapped (large.c). */
+bool _keel_large_gone(const void *p) KEEL_HIDDEN;
 void _keel_large_totals(size_t *live, size_t *bytes, size_t *cached, size_t *requested) KEEL_HIDDEN;
 /* The usable bytes of live large blocks: their mapped bytes (`bytes` above)
  * less header pages and alignment gaps. */

@@ -204,7 +204,29 @@ static keel_segment_t *cache_take(size_t size) {
   return seg;
 }
 
+/* The user pointers of the last large and huge blocks unmapped. A second
+ * free of one finds no mapping and would be called an invalid pointer:
+ * _keel_die_invalid asks here first, to say "double free" (once its slot
+ * is reused, or if another mapping now has the address, the message is
+ * the plainer one; either way the process aborts). Written racily: read
+ * only on the way to an abort. */
+#define GONE_SLOTS 64
+static keel_atomic(uintptr_t) gone[GONE_SLOTS];
+static keel_atomic(unsigned) gone_next;
+
+static void note_gone(const void *user) {
+  unsigned i = keel_fetch_add_relaxed(&gone_next, 1) % GONE_SLOTS;
+  keel_store_relaxed(&gone[i], (uintptr_t)user);
+}
+
+bool _keel_large_gone(const void *p) {
+  for (unsigned i = 0; i < GONE_SLOTS; i++)
+    if (keel_load_relaxed(&gone[i]) == (uintptr_t)p) return true;
+  return false;
+}
+
 static void release(keel_segment_t *seg) {
+  note_gone((uint8_t *)seg + seg->user_off);
   _keel_segmap_set(seg, false);
   _keel_os_release(seg, seg->mapped);
 }
@@ -268,6 +290,7 @@ bool _keel_huge_free(void *p) {
   keel_fetch_sub_relaxed(&live_bytes, h->mapped);
   keel_fetch_sub_relaxed(&live_hdr_bytes, (size_t)((uint8_t *)h->user - (uint8_t *)h));
   keel_fetch_sub_relaxed(&live_requested, h->size);
+  note_gone(h->user);
   _keel_os_release(h, h->mapped);
   return true;
 }

@@ -41,6 +41,7 @@ void *_keel_page_bad_link(const void *b) {
 }
 
 void _keel_die_invalid(const char *call, const void *p) {
+  if (_keel_large_gone(p)) _keel_die_double_free(call, (void *)p); /* unmapped already */
   keel_die(call, "invalid pointer %p", p);
 }
 

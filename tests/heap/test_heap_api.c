@@ -1221,6 +1221,28 @@ static void delayed_remote_owner_malloc_child(void *p) {
   keel_free(ht_launder(p));
 }
 
+/* Regression (audit of issue 4): a large block that went straight back to
+ * the OS (too big for the cache), or a huge one (aligned past 2 MiB), is
+ * unmapped by its free, and a second free was called an invalid pointer. */
+static void free_twice_child_any(void *p) {
+  keel_free(p);
+  keel_free(ht_launder(p));
+}
+
+static void double_free_unmapped_large(void) {
+  void *p = keel_malloc((size_t)600 << 20); /* past the large cache's limit */
+  KT_REQUIRE(p != NULL);
+  char expect[64];
+  snprintf(expect, sizeof(expect), "keel: free: double free of %p", p);
+  KT_EXPECT_ABORT(free_twice_child_any, p, expect);
+  keel_free(p);
+  p = keel_aligned_alloc((size_t)4 << 20, 100);
+  KT_REQUIRE(p != NULL);
+  snprintf(expect, sizeof(expect), "keel: free: double free of %p", p);
+  KT_EXPECT_ABORT(free_twice_child_any, p, expect);
+  keel_free(p);
+}
+
 static void double_free_through_delayed_list(void) {
   void (*children[])(void *) = {delayed_remote_remote_child, delayed_remote_owner_child,
                                 delayed_remote_owner_malloc_child};
@@ -1396,7 +1418,8 @@ KT_MAIN(KT_CASE(malloc_zero_unique), KT_CASE(free_null), KT_CASE(malloc_alignmen
         KT_CASE(bad_free_interior_pointer), KT_CASE(bad_free_foreign_mmap),
         KT_CASE(bad_realloc_invalid_pointer), KT_CASE(double_free_small),
         KT_CASE(overwritten_link_is_named), KT_CASE(double_free_across_threads),
-        KT_CASE(double_free_through_delayed_list), KT_CASE(realloc_of_block_on_delayed_list_aborts),
-        KT_CASE(double_free_large), KT_CASE(double_free_stale_span),
-        KT_CASE(aligned_alloc_size_zero), KT_CASE(realloc_freed_from_other_thread_aborts),
-        KT_CASE(realloc_after_free_aborts), KT_CASE(realloc_in_place_of_freed_block_aborts))
+        KT_CASE(double_free_unmapped_large), KT_CASE(double_free_through_delayed_list),
+        KT_CASE(realloc_of_block_on_delayed_list_aborts), KT_CASE(double_free_large),
+        KT_CASE(double_free_stale_span), KT_CASE(aligned_alloc_size_zero),
+        KT_CASE(realloc_freed_from_other_thread_aborts), KT_CASE(realloc_after_free_aborts),
+        KT_CASE(realloc_in_place_of_freed_block_aborts))
