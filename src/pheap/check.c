@@ -1,15 +1,20 @@
 /* pheap inspection: offline check, stats, info.
  *
- * keel_pheap_check maps a closed pool read-only (private, never written, no
- * recovery) and verifies, in order: the header (as open does), every chunk
+ * keel_pheap_check maps a closed pool privately (the file is never written)
+ * and verifies, in order: the header (as open does), the logs a crash left
+ * (as open's recovery does before it writes anything), then, on the heap as
+ * that recovery would leave it (it runs on the private copy), every chunk
  * word (known type, extent inside its zone and the pool), every run (magic,
  * block size of a known class, bitmap bits only below nblocks), every live
  * object header (requested size fits the block or extent), and that the root
- * offset is a live object. Valid logs left by a crash are reported, not
+ * offset is a live object. So check and open agree: a pool with logs to
+ * replay was called corrupt where the replay would have mended it, and one
+ * whose logs open refuses was called ok. Valid logs are reported, not
  * errors: the next open recovers them.
  */
 #define _GNU_SOURCE
 #include <fcntl.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/file.h>
 #include <sys/mman.h>
@@ -17,6 +22,7 @@
 #include <unistd.h>
 
 #include "base/die.h"
+#include "base/options.h"
 #include "pheap/pheap_int.h"
 
 typedef struct walk {
@@ -118,6 +124,35 @@ static int walk_heap(walk_t *w, const char *path) {
   return 0;
 }
 
+/* Open's recovery (log.c) on the private copy at w->base: a pool struct
+ * with just what recovery reads, no flushes (KEEL_FLUSH_NONE) and no file. */
+static int recover_copy(walk_t *w, const char *path) {
+  keel_pheap_t *ph = calloc(1, sizeof *ph);
+  ph_tcache_t *tc = calloc(1, sizeof *tc);
+  int rc = 0;
+  if (ph == NULL || tc == NULL) {
+    rc = _keel_ph_err(KEEL_ENOMEM, path, "out of memory");
+  } else {
+    ph->view.base = (char *)w->base;
+    keel_store_relaxed(&ph->size, w->size);
+    ph->fd = -1;
+    ph->flush_mode = KEEL_FLUSH_NONE;
+    ph->path = (char *)path;
+    ph->hdr = (ph_header_t *)(void *)ph->view.base;
+    for (unsigned i = 0; i < PH_NLANES; i++) {
+      char *l = ph->view.base + ph->hdr->lanes_off + i * PH_LANE_BYTES;
+      ph->lanes[i].ring = l;
+      ph->lanes[i].undo = (ph_undo_t *)(void *)(l + PH_REDO_BYTES);
+      ph->lanes[i].idx = i;
+    }
+    rc = _keel_ph_recover(ph, tc);
+    if (rc > 0) rc = 0;
+  }
+  free(tc);
+  free(ph);
+  return rc;
+}
+
 /* Checks a closed pool; fills *w. Keeps the mapping in *map (caller unmaps). */
 static int check_file(const char *path, walk_t *w, void **map, uint64_t *maplen) {
   memset(w, 0, sizeof *w);
@@ -138,7 +173,9 @@ static int check_file(const char *path, walk_t *w, void **map, uint64_t *maplen)
   if (rc == 0) rc = _keel_ph_header_check(&h, path, (uint64_t)st.st_size, NULL);
   if (rc == 0) {
     w->size = _keel_ph_size_from_word(h.size_word);
-    void *p = mmap(NULL, w->size, PROT_READ, MAP_PRIVATE, fd, 0);
+    /* Writable but private (and not charged: only pages recovery writes
+     * are copied): recovery may run on it (recover_copy). */
+    void *p = mmap(NULL, w->size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_NORESERVE, fd, 0);
     if (p == MAP_FAILED)
       rc = _keel_ph_err(-errno, path, "mmap failed: %s", strerror(errno));
     else {
@@ -166,6 +203,7 @@ static int check_file(const char *path, walk_t *w, void **map, uint64_t *maplen)
                             "undo log of lane %u has seq %#llx, beyond the pool's epoch %llu", i,
                             (unsigned long long)useq, (unsigned long long)h.epoch);
       }
+      if (rc == 0 && w->pending_logs) rc = recover_copy(w, path);
       if (rc == 0) rc = walk_heap(w, path);
     }
   }

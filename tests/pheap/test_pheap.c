@@ -241,6 +241,9 @@ static void test_bad_log_offsets(void) {
   for (size_t i = 0; i < KEEL_ARRAY_SIZE(bad); i++) {
     make_pool(p);
     patch_redo(p, bad[i].off_op, bad[i].val);
+    /* The offline check refuses what open refuses (it said "ok"). */
+    KT_EQ(keel_pheap_check(p), KEEL_ECORRUPT);
+    KT_CONTAINS(keel_pheap_errmsg(), "redo log at line 0 of lane 0");
     expect_open_fails(p, LAYOUT, KEEL_ECORRUPT, "redo log at line 0 of lane 0");
     unlink(p);
   }
@@ -254,6 +257,7 @@ static void test_bad_log_offsets(void) {
   u.e.csum = _keel_ph_undo_csum(seq, &u.e);
   patch(p, PH_HDR_BYTES + PH_REDO_BYTES + offsetof(ph_undo_t, data), &u, sizeof u);
   patch(p, PH_HDR_BYTES + PH_REDO_BYTES, &seq, 8);
+  KT_EQ(keel_pheap_check(p), KEEL_ECORRUPT);
   expect_open_fails(p, LAYOUT, KEEL_ECORRUPT, "undo log of lane 0");
   unlink(p);
   /* The root word is a store target (keel_pheap_root's allocation). */
