@@ -141,8 +141,9 @@ static inline keel_poff_t keel_pheap_off(const keel_pheap_t *ph, const void *p) 
 
 /* Allocates `size` bytes tagged with `type` and stores its offset in *dest in
  * the same failure-atomic step (dest may be inside the pool or not; only one
- * inside is crash-atomic). 0, KEEL_ENOSPC (pool full and cannot grow),
- * KEEL_EINVAL. 1 persist barrier; may block on growth or a checkpoint. */
+ * inside is crash-atomic; 8-byte aligned either way). 0, KEEL_ENOSPC (pool
+ * full and cannot grow), KEEL_EINVAL. 1 persist barrier; may block on
+ * growth or a checkpoint. */
 KEEL_API int keel_pheap_alloc(keel_pheap_t *ph, keel_poff_t *dest, size_t size, uint64_t type);
 
 /* As keel_pheap_alloc, with the object's bytes zeroed and persisted. */
@@ -244,8 +245,9 @@ KEEL_API void keel_pheap_persist(keel_pheap_t *ph, const void *p, size_t len);
 
 /* Begins (or nests) a transaction on ph. KEEL_EINVAL if a transaction on
  * another pool is open in this thread (that one goes on). Whatever it
- * returns, pair it with keel_tx_end, as in PMDK (after a failed outermost
- * begin that returns KEEL_EPERM). May block for a free lane. */
+ * returns, pair it with keel_tx_end, as in PMDK: a failed nested begin
+ * still counts a level; after a failed outermost one, keel_tx_end returns
+ * KEEL_EPERM. May block for a free lane. */
 KEEL_API int keel_tx_begin(keel_pheap_t *ph);
 
 /* Snapshots [ptr, ptr+size) so it is restored on abort or crash; must precede

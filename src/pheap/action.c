@@ -165,9 +165,13 @@ long _keel_ph_acts_entries(keel_pheap_t *ph, const keel_pheap_act_t *acts, size_
           if (acts[j].kind == PH_ACT_FREE && acts[j].off == acts[i].off)
             keel_die(call, "offset 0x%llx is freed twice in one publish of %s",
                      (unsigned long long)acts[i].off, ph->path);
-        /* Live still: a keel_pheap_free of it since defer_free (or
-         * keel_tx_free) checked would have it handed out twice. */
-        (void)_keel_ph_live_class(ph, acts[i].off, call);
+        /* Live still, in the class it had: a keel_pheap_free of it since
+         * defer_free (or keel_tx_free) checked would have it handed out
+         * twice, and an object of another class at the offset since then
+         * would be freed with the wrong bit or extent. */
+        if (_keel_ph_live_class(ph, acts[i].off, call) != (int)acts[i].cls)
+          keel_die(call, "offset 0x%llx of %s was freed and reused since it was queued",
+                   (unsigned long long)acts[i].off, ph->path);
         e[k++] = _keel_ph_mark(ph, (int)acts[i].cls, acts[i].off, false);
         break;
       case PH_ACT_SET:
@@ -247,6 +251,7 @@ void *keel_pheap_root(keel_pheap_t *ph, size_t size) {
 
 void keel_pheap_persist(keel_pheap_t *ph, const void *p, size_t len) {
   PH_NOT_FORKED(ph, "keel_pheap_persist");
+  _keel_ph_not_in_flight(ph, "keel_pheap_persist"); /* it would wait for its own log */
   ph_tcache_t *tc = _keel_ph_tcache(ph);
   if (tc == NULL) keel_die("keel_pheap_persist", "out of memory for the thread cache");
   _keel_pm_flush(ph, tc, p, len, PH_S_NONE);

@@ -83,6 +83,15 @@ uint64_t _keel_ph_next_seq(keel_pheap_t *ph) {
 }
 
 __thread unsigned _keel_ph_holds;
+__thread unsigned _keel_ph_flying;
+
+void _keel_ph_not_in_flight(keel_pheap_t *ph, const char *call) {
+  if (keel_unlikely(_keel_ph_flying))
+    keel_die(call,
+             "%s: a pool operation from inside another one's commit (a deferrer "
+             "must queue its work and return, not call the pool)",
+             ph->path);
+}
 
 /* Lanes [0, PH_TX_LANES) serve transactions and atomic operations; the
  * last PH_ATOMIC_LANES serve atomic operations only. A thread that holds
@@ -101,11 +110,8 @@ ph_lane_t *_keel_ph_lane_get(keel_pheap_t *ph, ph_tcache_t *tc, bool for_tx) {
    * pheap operation (a deferrer that runs pool work itself). Going on could
    * wait forever: a ring wrap waits for the watermark, which that log holds
    * below it. */
-  if (keel_unlikely(tc->flying))
-    keel_die("keel_pheap",
-             "%s: a pool operation from inside another one's commit (a deferrer "
-             "must queue its work and return, not call the pool)",
-             ph->path);
+  (void)tc;
+  _keel_ph_not_in_flight(ph, "keel_pheap"); /* any pool's: B's op from A's deferrer too */
   /* An atomic operation inside this thread's transaction logs in the
    * transaction's lane, which is not in flight until its commit. Waiting
    * for a second lane of the same pool while holding one could close a
@@ -201,6 +207,7 @@ uint64_t _keel_ph_log_seq(keel_pheap_t *ph, ph_tcache_t *tc, ph_lane_t *l, size_
   uint64_t seq = atomic_fetch_add(&ph->seq, 1) + 1;
   keel_store_relaxed(&l->inflight, seq);
   tc->flying = true;
+  _keel_ph_flying++;
   return seq;
 }
 
@@ -301,12 +308,14 @@ void _keel_ph_log_apply(keel_pheap_t *ph, ph_tcache_t *tc, ph_lane_t *l, const p
   if (deferred) {
     keel_store_release(&l->inflight, 0);
     tc->flying = false;
+    _keel_ph_flying--;
   }
 }
 
 void _keel_ph_log_end(ph_tcache_t *tc, ph_lane_t *l) {
   keel_store_release(&l->inflight, 0);
   tc->flying = false;
+  _keel_ph_flying--;
 }
 
 bool _keel_ph_deferred(keel_pheap_t *ph) {
@@ -407,13 +416,23 @@ void _keel_ph_checkpoint(keel_pheap_t *ph, ph_tcache_t *tc) {
   checkpoint_unless(ph, tc, 0);
 }
 
+/* Whether some lane has a log at or below `need` in flight. */
+static bool inflight_upto(keel_pheap_t *ph, uint64_t need) {
+  for (unsigned i = 0; i < PH_NLANES; i++) {
+    uint64_t f = atomic_load(&ph->lanes[i].inflight);
+    if (f && f <= need) return true;
+  }
+  return false;
+}
+
 void _keel_ph_checkpoint_past(keel_pheap_t *ph, ph_tcache_t *tc, uint64_t need) {
   while (keel_load_acquire(&ph->ckpt_seq) < need) {
+    /* A checkpoint stops below the oldest log in flight: let the threads
+     * with logs at or below `need` finish them first, rather than pay a
+     * checkpoint per try (2 barriers each). */
+    while (inflight_upto(ph, need) && keel_load_acquire(&ph->ckpt_seq) < need) sched_yield();
     /* A checkpoint that was running when we came may cover `need`. */
     checkpoint_unless(ph, tc, need);
-    /* Still short: a log at or below `need` is in flight on another lane;
-     * let its thread finish it. */
-    if (keel_load_acquire(&ph->ckpt_seq) < need) sched_yield();
   }
 }
 

@@ -123,7 +123,11 @@ typedef struct ph_header {
 enum { PH_OP_SET = 0, PH_OP_OR = 1, PH_OP_ANDNOT = 2, PH_OP_CHK = 3, PH_OP_COVER = 4 };
 /* A CHK entry names bytes exactly: the word offset in off_op, and in val the
  * byte within that word the range starts at (bits 32-34) and its length
- * (bits 0-31: at most PH_CHK_MAX_BYTES). COVER's val is a plain length. */
+ * (bits 0-31: at most PH_CHK_MAX_BYTES). COVER's val is a plain length.
+ * Older libraries (format version 2 too) wrote only whole-word CHK ranges,
+ * which read the same here; a commit log with a range starting mid-word,
+ * left by a crash, must be recovered by this library or a later one (an
+ * older one refuses it as naming bytes outside the pool). */
 #define PH_CHK_VAL(off, len) ((((uint64_t)(off)&7) << 32) | (uint64_t)(len))
 /* Data a log may vouch for by checksum; beyond it a barrier orders the data
  * first. */
@@ -481,6 +485,13 @@ ph_lane_t *_keel_ph_lane_get(keel_pheap_t *ph, ph_tcache_t *tc, bool for_tx) KEE
 /* Nonzero while this thread holds a transaction's lane or a root_lock: its
  * waits for a lane go to the lanes transactions never take (log.c). */
 extern __thread unsigned _keel_ph_holds KEEL_HIDDEN;
+/* Logs this thread has in flight, over every pool (tc->flying is one pool's):
+ * nonzero only while a deferrer called from inside an operation runs. */
+extern __thread unsigned _keel_ph_flying KEEL_HIDDEN;
+/* Dies naming `call` if this thread has a log in flight on any pool: the
+ * caller would wait for a watermark that log holds back (a deferrer must
+ * queue its work and return, not call the pool). */
+void _keel_ph_not_in_flight(keel_pheap_t *ph, const char *call) KEEL_HIDDEN;
 void _keel_ph_lane_put(ph_tcache_t *tc, ph_lane_t *l) KEEL_HIDDEN;
 uint64_t _keel_ph_next_seq(keel_pheap_t *ph) KEEL_HIDDEN;
 /* Makes room in the lane's ring for a log of n entries (a wrap waits for

@@ -191,7 +191,10 @@ static int tx_check(void) {
 }
 
 int keel_tx_begin(keel_pheap_t *ph) {
-  if (ph == NULL) return KEEL_REJECT(KEEL_EINVAL, "keel_tx_begin", "pool is NULL");
+  if (ph == NULL) {
+    if (tx.depth > 0) tx.depth++; /* a level, as below: the caller's end pairs with it */
+    return KEEL_REJECT(KEEL_EINVAL, "keel_tx_begin", "pool is NULL");
+  }
   PH_NOT_FORKED(ph, "keel_tx_begin");
   /* A transaction inherited from the parent is the parent's: one on a pool
    * of the child's own replaces it. */
@@ -253,9 +256,12 @@ int keel_tx_depth(void) {
  * size: the tail past the request is not flushed (so a range there is
  * snapshotted like any other), and a huge object's chunk word, which gives
  * its usable size, is written only at commit. */
-static uint64_t new_end(size_t i) {
-  uint64_t o = tx.news[i].off;
+static uint64_t obj_end(keel_poff_t o) {
   return o + ((const ph_objhdr_t *)(tx.ph->view.base + o - PH_OBJ_HDR))->size;
+}
+
+static uint64_t new_end(size_t i) {
+  return obj_end(tx.news[i].off);
 }
 
 static bool in_new(uint64_t lo, uint64_t hi) {
@@ -472,11 +478,9 @@ static bool covered(uint64_t off) {
     if (off >= tx.news[i].off - PH_OBJ_HDR && off < new_end(i)) return true;
   }
   for (size_t i = 0; i < tx.na; i++) {
+    /* A reservation's extent as commit flushes it (see new_end). */
     if (tx.acts[i].kind != PH_ACT_RESERVE) continue;
-    uint64_t o = tx.acts[i].off - PH_OBJ_HDR;
-    if (off >= o &&
-        off < o + PH_OBJ_HDR + _keel_ph_usable(tx.ph, (int)tx.acts[i].cls, tx.acts[i].off))
-      return true;
+    if (off >= tx.acts[i].off - PH_OBJ_HDR && off < obj_end(tx.acts[i].off)) return true;
   }
   return false;
 }

@@ -233,7 +233,8 @@ static void test_bad_log_offsets(void) {
   } bad[] = {
       {wrap | PH_OP_SET, 1},                     /* off + 8 wraps */
       {wrap | PH_OP_OR, 1},                      /* the same, another op */
-      {(PH_HDR_BYTES + 64) | PH_OP_CHK, wrap},   /* off + len wraps */
+      {(PH_HDR_BYTES + 64) | PH_OP_CHK, wrap},   /* not a CHK value (PH_CHK_VAL) */
+      {wrap | PH_OP_CHK, PH_CHK_VAL(7, 16)},     /* off + len wraps */
       {(PH_HDR_BYTES + 64) | PH_OP_COVER, wrap}, /* the same, not checksummed */
       {8 | PH_OP_SET, 1},                        /* inside the pool header */
       {KEEL_PHEAP_MIN_SIZE | PH_OP_SET, 1},      /* past the end */
@@ -586,6 +587,9 @@ static void test_tx_commit_abort_nested(void) {
   r->counter[0] = 77;
   KT_EQ(keel_tx_begin(other), KEEL_EINVAL);
   KT_EQ(keel_tx_depth(), 2);
+  KT_EQ(keel_tx_end(), 0);
+  KT_EQ(keel_tx_depth(), 1);
+  KT_EQ(keel_tx_begin(NULL), KEEL_EINVAL); /* the same */
   KT_EQ(keel_tx_end(), 0);
   KT_EQ(keel_tx_depth(), 1);
   KT_EQ(keel_tx_commit(), 0);
@@ -2238,13 +2242,17 @@ static void test_tx_stress_wraps_and_full_logs(void) {
  * in-flight mark. Such a call now dies naming the file. */
 static keel_pheap_t *reent_ph;
 static keel_poff_t *reent_slots;
-static bool reent_call_pool;
+static int reent_call_pool;
 static long reent_calls;
 
 static int reent_defer(void *arg, keel_pheap_work_fn fn, void *work_arg) {
   (void)arg;
   reent_calls++;
-  if (reent_call_pool) {
+  if (reent_call_pool == 2) {
+    /* Regression (review): persist waits for every log drawn before it,
+     * this thread's in-flight one included: it hung here. */
+    keel_pheap_persist(reent_ph, reent_slots, 8);
+  } else if (reent_call_pool) {
     keel_poff_t *s = &reent_slots[reent_calls % 8];
     if (*s)
       keel_pheap_free(reent_ph, s);
@@ -2281,13 +2289,19 @@ static void reent_run(void *arg) {
 static void test_deferrer_calls_back_into_pool(void) {
   char p[256];
   tp_path(p, sizeof p, "reent");
-  reent_call_pool = false; /* running fn inline is allowed */
+  reent_call_pool = 0; /* running fn inline is allowed */
   reent_run(p);
   KT_CHECK(reent_calls > 0);
   KT_EQ(keel_pheap_check(p), 0);
   unlink(p);
-  reent_call_pool = true;
+  reent_call_pool = 1;
   KT_EXPECT_ABORT(reent_run, p, "from inside another one's commit");
+  unlink(p);
+  reent_call_pool = 2;
+  char out[512];
+  KT_CHECK(kt_expect_abort(__FILE__, __LINE__, reent_run, p, "keel: keel_pheap_persist: ", out,
+                           sizeof out));
+  KT_CONTAINS(out, "from inside another one's commit");
   unlink(p);
 }
 
