@@ -268,9 +268,9 @@ static bool __page_to_full(keel_heap_t *heap, keel_page_t *page) {
 static void __page_unfull(keel_heap_t *heap, keel_page_t *page) {
   __keel_page_queue_remove(&heap->full, page);
   __keel_page_queue_push_back(&heap->queue[page->cls], page);
-  uintptr_t w = keel_load_relaxed(&page->thread_free);
-  while (KEEL_TF_STATE(w) == KEEL_TF_USE_DELAYED &&
-         !keel_cas_weak_acq_rel(&page->thread_free, &w, (w & ~(uintptr_t)3) | KEEL_TF_NORMAL)) {}
+  /* Waits out a freer mid-way through the delayed hand-off: a page is
+   * DELAYING only while on a full list, which fork's prepare relies on. */
+  tf_set_state(page, KEEL_TF_NORMAL);
   /* Release: everything done to the page under the lock is visible to an
    * owner whose free fast path sees flags == 0 (acquire there). */
   keel_store_release(&page->flags, 0);
@@ -963,8 +963,11 @@ void _keel_heap_fork_prepare(void) {
   /* A remote freer between claiming DELAYING on a full page and setting it
    * back (free_remote: a few instructions, no lock) would leave the child
    * a page stuck in that state, and every tf_set_state on it there would
-   * spin for good. With every heap locked no page enters or leaves a full
-   * list, and the freer needs no lock to finish: wait for it. */
+   * spin for good. Such a page is on its heap's full list (__page_unfull
+   * waits the state out), with every heap locked no page enters or leaves
+   * one, and the freer needs no lock to finish: wait for it. (Not if the
+   * freer is this thread, forking from a signal handler: not
+   * async-signal-safe, as with any atfork handler.) */
   for (keel_heap_t *h = heaps_all; h != NULL; h = h->next_all)
     for (keel_page_t *p = h->full.first; p != NULL; p = p->next)
       while (KEEL_TF_STATE(keel_load_acquire(&p->thread_free)) == KEEL_TF_DELAYING) sched_yield();

@@ -220,9 +220,14 @@ static void note_gone(const void *user) {
 }
 
 bool _keel_large_gone(const void *p) {
-  for (unsigned i = 0; i < GONE_SLOTS; i++)
-    if (keel_load_relaxed(&gone[i]) == (uintptr_t)p) return true;
-  return false;
+  bool found = false;
+  for (unsigned i = 0; i < GONE_SLOTS && !found; i++)
+    found = keel_load_relaxed(&gone[i]) == (uintptr_t)p;
+  if (!found) return false;
+  /* And still unmapped: a pointer into a mapping made there since (the
+   * program's own mmap) is an invalid pointer, not our block. */
+  unsigned char v;
+  return mincore((void *)((uintptr_t)p & ~(uintptr_t)4095), 1, &v) != 0 && errno == ENOMEM;
 }
 
 static void release(keel_segment_t *seg) {

@@ -28,11 +28,17 @@
  * which may be us. After fork the child has no purge thread; the next
  * schedule in the child starts one.
  *
- * It ends when it finds itself the process's last thread (main returned
+ * It ends when it finds itself the process's last live thread (main returned
  * through pthread_exit, or a child forked from another thread let that one
  * end): glibc then exits the process, atexit handlers and stdio flushes
- * included, within a tick of the last thread's end. Kept alive, it held the
- * process for good, and with every signal blocked only SIGKILL ended it.
+ * included, within a tick of the last thread's end; so the thread has a
+ * 2 MiB stack, and restores the signal mask of the thread that started it
+ * first. Kept alive, it held the process for good, and with
+ * every signal blocked only SIGKILL ended it. It looks (a read of
+ * /proc/self/stat) only when no thread holds a keel heap any more: the
+ * read costs hundreds of microseconds with thousands of threads, and its
+ * open could take the lowest free descriptor from a program that counts on
+ * it (close(0); open(...)).
  */
 #define _GNU_SOURCE
 #include <fcntl.h>
@@ -48,6 +54,7 @@
 enum { BG_NONE, BG_STARTING, BG_RUNNING, BG_FAILED };
 static keel_atomic(int) bg_state;
 static keel_atomic(int) work_noted;
+static sigset_t creator_mask; /* the signal mask to run the process's exit with */
 
 void _keel_purge_note_work(void) {
   if (!keel_load_relaxed(&work_noted)) keel_store_relaxed(&work_noted, 1);
@@ -79,8 +86,9 @@ static bool only_thread(void) {
 static void *purge_main(void *arg) {
   (void)arg;
   for (;;) {
-    if (only_thread()) {
+    if (_keel_heaps_active() == 0 && only_thread()) {
       keel_store_relaxed(&bg_state, BG_NONE);
+      pthread_sigmask(SIG_SETMASK, &creator_mask, NULL);
       return NULL; /* glibc's exit(0) for the last thread */
     }
     int64_t delay = _keel_option(KEEL_OPT_heap_purge_ms);
@@ -104,10 +112,15 @@ void _keel_purge_schedule(void) {
   sigset_t all, old;
   sigfillset(&all);
   pthread_sigmask(SIG_SETMASK, &all, &old);
+  creator_mask = old; /* before the thread exists: it reads it */
   pthread_attr_t attr;
   pthread_attr_init(&attr);
   pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-  pthread_attr_setstacksize(&attr, 256 << 10);
+  /* Room for the process's exit (atexit handlers, destructors) if it ends
+   * last; address space only. Not the default size: a forked child's
+   * threads would then reuse its stack, and its thread id, which TSan
+   * refuses ("dup thread"). */
+  pthread_attr_setstacksize(&attr, 2 << 20);
   pthread_t t;
   int rc = pthread_create(&t, &attr, purge_main, NULL);
   pthread_attr_destroy(&attr);

@@ -40,8 +40,10 @@ static int print_one(const char *arg) {
     fprintf(stderr, "keel classes: '%s' is not a size in bytes\n", arg);
     return 2;
   }
-  if (req > PTRDIFF_MAX) {
-    printf("%llu bytes: above PTRDIFF_MAX, refused: malloc returns NULL with ENOMEM\n", req);
+  /* The large path's own bound: the request, a page of header and a 4 MiB
+   * segment's alignment slack must stay within PTRDIFF_MAX. */
+  if (req > (unsigned long long)PTRDIFF_MAX - 4096 - (4u << 20)) {
+    printf("%llu bytes: too close to PTRDIFF_MAX, refused: malloc returns NULL with ENOMEM\n", req);
     return 0;
   }
   int c = keel_heap_class_of((size_t)req);
