@@ -237,7 +237,11 @@ KEEL_API void keel_pheap_persist(keel_pheap_t *ph, const void *p, size_t len);
  *   keel_tx_commit(); rc = keel_tx_end();
  * After any failure inside (KEEL_ENOSPC, ...) the transaction is already
  * rolled back; later calls return KEEL_ECANCELED and keel_tx_end returns the
- * first error. Holds one of the pool's log lanes from begin to end (62 of
+ * first error. An atomic operation (alloc, free, publish) inside the
+ * transaction whose destination the transaction has snapshotted returns
+ * KEEL_EINVAL: its abort would undo the store, a crash's recovery replay
+ * it (use keel_tx_alloc/tx_free/tx_publish). Holds one of the pool's log
+ * lanes from begin to end (62 of
  * the 64; the other two are kept for atomic operations, so that one made
  * inside a transaction on another pool never waits on a transaction); a
  * thread that exits inside a transaction has it rolled back, with a

@@ -52,6 +52,11 @@ static int alloc_common(keel_pheap_t *ph, keel_poff_t *dest, size_t size, uint64
     return KEEL_REJECT(KEEL_EINVAL, zero ? "keel_pheap_zalloc" : "keel_pheap_alloc",
                        "pool %p, dest %p", (void *)ph, (void *)dest);
   PH_NOT_FORKED(ph, zero ? "keel_pheap_zalloc" : "keel_pheap_alloc");
+  if (keel_unlikely(_keel_ph_tx_snapshots(ph, dest)))
+    return KEEL_REJECT(KEEL_EINVAL, zero ? "keel_pheap_zalloc" : "keel_pheap_alloc",
+                       "destination %p is in this thread's transaction's snapshot (keel_tx_alloc "
+                       "is the transactional allocation)",
+                       (void *)dest);
   ph_tcache_t *tc = _keel_ph_tcache(ph);
   if (keel_unlikely(tc == NULL)) return KEEL_ENOMEM;
   int cls;
@@ -92,6 +97,11 @@ int keel_pheap_free(keel_pheap_t *ph, keel_poff_t *dest) {
   keel_poff_t off = *dest;
   if (off == 0) return 0;
   PH_NOT_FORKED(ph, "keel_pheap_free");
+  if (keel_unlikely(_keel_ph_tx_snapshots(ph, dest)))
+    return KEEL_REJECT(KEEL_EINVAL, "keel_pheap_free",
+                       "destination %p is in this thread's transaction's snapshot (keel_tx_free "
+                       "is the transactional free)",
+                       (void *)dest);
   ph_tcache_t *tc = _keel_ph_tcache(ph);
   if (keel_unlikely(tc == NULL)) return KEEL_ENOMEM;
   int cls = _keel_ph_live_class(ph, off, "keel_pheap_free");
@@ -198,6 +208,13 @@ int keel_pheap_publish(keel_pheap_t *ph, keel_pheap_act_t *acts, size_t n) {
     return KEEL_REJECT(KEEL_EINVAL, "keel_pheap_publish", "pool %p, %zu acts at %p", (void *)ph, n,
                        (void *)acts);
   PH_NOT_FORKED(ph, "keel_pheap_publish");
+  /* keel_tx_publish is the transactional one: its commit makes the stores. */
+  for (size_t i = 0; i < n; i++)
+    if (acts[i].kind == PH_ACT_SET && keel_unlikely(_keel_ph_tx_snapshots(ph, acts[i].dest)))
+      return KEEL_REJECT(KEEL_EINVAL, "keel_pheap_publish",
+                         "destination %p is in this thread's transaction's snapshot "
+                         "(keel_tx_publish is the transactional publish)",
+                         (void *)acts[i].dest);
   ph_tcache_t *tc = _keel_ph_tcache(ph);
   if (keel_unlikely(tc == NULL)) return KEEL_ENOMEM;
   ph_redo_entry_t e[PH_REDO_MAX];

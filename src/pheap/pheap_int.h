@@ -559,6 +559,10 @@ enum { PH_ACT_NONE = 0, PH_ACT_RESERVE = 1, PH_ACT_SET = 2, PH_ACT_FREE = 3 };
 #define PH_PUBLISH_HDR_ENTRIES 2u /* the header words lead */
 size_t _keel_ph_publish_entries(keel_pheap_t *ph, int cls, keel_poff_t off,
                                 ph_redo_entry_t *e) KEEL_HIDDEN;
+/* Whether this thread's open transaction on ph snapshots any byte of the
+ * word at p. An atomic operation's store there would be undone by the
+ * transaction's abort, yet replayed by recovery after a crash. */
+bool _keel_ph_tx_snapshots(keel_pheap_t *ph, const void *p) KEEL_HIDDEN;
 /* Redo entries for n actions into e (capacity cap); -1 if too many. Dies
  * naming `call` if a free's block is no longer live (freed twice). */
 long _keel_ph_acts_entries(keel_pheap_t *ph, const keel_pheap_act_t *acts, size_t n,

@@ -251,6 +251,14 @@ int keel_tx_depth(void) {
   return tx.depth;
 }
 
+bool _keel_ph_tx_snapshots(keel_pheap_t *ph, const void *p) {
+  if (keel_likely(tx.depth == 0) || tx.ph != ph || tx.aborted || tx.committed) return false;
+  uint64_t lo = (uint64_t)((const char *)p - ph->view.base), hi = lo + 8;
+  for (size_t i = 0; i < tx.nr; i++)
+    if (lo < tx.ranges[i].hi && hi > tx.ranges[i].lo) return true;
+  return false;
+}
+
 /* The bytes of this transaction's new object i that commit makes durable
  * (flush_new_objects): its requested size, from its header. Not the usable
  * size: the tail past the request is not flushed (so a range there is

@@ -592,6 +592,21 @@ static void test_tx_commit_abort_nested(void) {
   KT_EQ(keel_tx_begin(NULL), KEEL_EINVAL); /* the same */
   KT_EQ(keel_tx_end(), 0);
   KT_EQ(keel_tx_depth(), 1);
+  /* Atomic operations into a snapshotted word are refused (audit): the
+   * abort would undo them, a crash's recovery replay them. Outside the
+   * ranges they are allowed. */
+  KT_EQ(keel_tx_add_range(&r->slot[7], 8), 0);
+  KT_EQ(keel_pheap_alloc(ph, &r->slot[7], 64, 9), KEEL_EINVAL);
+  KT_EQ(keel_pheap_zalloc(ph, &r->slot[7], 64, 9), KEEL_EINVAL);
+  keel_pheap_act_t sa;
+  keel_pheap_set_value(ph, &sa, &r->slot[7], 1);
+  KT_EQ(keel_pheap_publish(ph, &sa, 1), KEEL_EINVAL);
+  KT_EQ(r->slot[7], 0);
+  KT_EQ(keel_pheap_alloc(ph, &r->slot[8], 64, 9), 0); /* not snapshotted */
+  KT_EQ(keel_tx_add_range(&r->slot[8], 8), 0);
+  KT_EQ(keel_pheap_free(ph, &r->slot[8]), KEEL_EINVAL);
+  KT_EQ(keel_tx_free(r->slot[8]), 0);
+  r->slot[8] = 0;
   KT_EQ(keel_tx_commit(), 0);
   KT_EQ(keel_tx_end(), 0);
   KT_EQ(r->counter[0], 77);
