@@ -997,6 +997,9 @@ void _keel_heap_fork_child(void) {
   /* membarrier registration belongs to the parent's mm; the child has one
    * thread, so switching mode here races with no one. */
   if (asym_ok) asym_init();
+  /* The parent's other threads, and their heaps' counts, are gone: the
+   * purge thread's end (purge.c) waits for this count to reach zero. */
+  keel_store_relaxed(&heaps_active, _keel_heap_tls != &_keel_empty_heap ? 1 : 0);
   _keel_segments_fork_child();
   _keel_purge_fork_child();
 }

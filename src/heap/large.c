@@ -227,7 +227,8 @@ bool _keel_large_gone(const void *p) {
   /* And still unmapped: a pointer into a mapping made there since (the
    * program's own mmap) is an invalid pointer, not our block. */
   unsigned char v;
-  return mincore((void *)((uintptr_t)p & ~(uintptr_t)4095), 1, &v) != 0 && errno == ENOMEM;
+  uintptr_t page = (uintptr_t)p & ~(uintptr_t)(_keel_os_page_size() - 1);
+  return mincore((void *)page, 1, &v) != 0 && errno == ENOMEM;
 }
 
 static void release(keel_segment_t *seg) {

@@ -87,8 +87,8 @@ static void *purge_main(void *arg) {
   (void)arg;
   for (;;) {
     if (_keel_heaps_active() == 0 && only_thread()) {
-      keel_store_relaxed(&bg_state, BG_NONE);
       pthread_sigmask(SIG_SETMASK, &creator_mask, NULL);
+      keel_store_relaxed(&bg_state, BG_NONE);
       return NULL; /* glibc's exit(0) for the last thread */
     }
     int64_t delay = _keel_option(KEEL_OPT_heap_purge_ms);

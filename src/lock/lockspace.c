@@ -656,7 +656,12 @@ int keel_lockspace_release(keel_lockspace_t *ls, unsigned flags) {
     if (keel_table_for_each(ls->table, busy_fn, NULL) != 0 ||
         !__atomic_compare_exchange_n(&ls->magic, &m, KEEL_LS_CLOSING, false, __ATOMIC_SEQ_CST,
                                      __ATOMIC_SEQ_CST)) {
-      (void)__atomic_exchange_n(&ls->magic, KEEL_LS_MAGIC, __ATOMIC_SEQ_CST);
+      /* Live again, from PROBING or VETOED only: a forced release that
+       * (misused, concurrently) set CLOSING keeps it. */
+      m = __atomic_load_n(&ls->magic, __ATOMIC_SEQ_CST);
+      while ((m == KEEL_LS_PROBING || m == KEEL_LS_VETOED) &&
+             !__atomic_compare_exchange_n(&ls->magic, &m, KEEL_LS_MAGIC, false, __ATOMIC_SEQ_CST,
+                                          __ATOMIC_SEQ_CST)) {}
       return KEEL_EBUSY;
     }
   } else {

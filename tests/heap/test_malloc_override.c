@@ -659,9 +659,11 @@ static void stats_option_under_ld_preload(void) {
 /* Regression (audit of issue 4): the purge thread outlived the program's
  * last thread and kept the process alive for good (a zombie main, every
  * signal blocked: only SIGKILL ended it, and stdout was never flushed). */
-static void last_thread_ends_process(void) {
+/* Runs this program with `mode`; its exit status in *status and its output
+ * in buf; false (and it is killed) if it outlives `limit_ms`. */
+static bool run_self(const char *mode, int limit_ms, int *status, char *buf, size_t cap) {
   int out[2];
-  KT_REQUIRE(pipe(out) == 0);
+  if (pipe(out) != 0) return false;
   fflush(stdout);
   pid_t pid = fork();
   if (pid == 0) {
@@ -670,30 +672,68 @@ static void last_thread_ends_process(void) {
     close(out[0]);
     close(out[1]);
     unsetenv("KEEL_OPTIONS"); /* stats=1 would add its table to the output */
-    execl("/proc/self/exe", "test_malloc_override", "--pthread-exit", (char *)NULL);
+    execl("/proc/self/exe", "test_malloc_override", mode, (char *)NULL);
     _exit(127);
   }
   close(out[1]);
-  int status = 0;
   pid_t got = 0;
-  for (int ms = 0; ms < 20000 && (got = waitpid(pid, &status, WNOHANG)) == 0; ms += 10)
+  for (int ms = 0; ms < limit_ms && (got = waitpid(pid, status, WNOHANG)) == 0; ms += 10)
     usleep(10 * 1000);
   if (got == 0) {
     kill(pid, SIGKILL);
-    waitpid(pid, &status, 0);
-    kt_fail(__FILE__, __LINE__, "the process outlived its last thread by 20 s");
+    waitpid(pid, status, 0);
   }
-  char buf[4096];
   size_t len = 0;
   ssize_t n;
-  while (len < sizeof(buf) - 1 && (n = read(out[0], buf + len, sizeof(buf) - 1 - len)) > 0)
-    len += (size_t)n;
+  while (len < cap - 1 && (n = read(out[0], buf + len, cap - 1 - len)) > 0) len += (size_t)n;
   close(out[0]);
   buf[len] = 0;
+  return got != 0;
+}
+
+/* `--fork-pthread-exit`: a thread of this process holds a heap and stays;
+ * a child forked then starts the purge thread from a thread of its own and
+ * ends main with pthread_exit. The child inherited the parent's count of
+ * live heaps, which then never fell to zero there, and the purge thread
+ * kept the child alive for good (review of the fix, helper-77). Exit
+ * status 0 if the child ended within 10 s. */
+static void *parent_holder(void *arg) {
+  void *k[1000];
+  for (int i = 0; i < 1000; i++) k[i] = malloc(64);
+  for (int i = 0; i < 1000; i++) free(k[i]);
+  pause();
+  return arg;
+}
+static int fork_pthread_exit_main(void) {
+  pthread_t w;
+  pthread_create(&w, NULL, parent_holder, NULL);
+  usleep(100 * 1000);
+  pid_t pid = fork();
+  if (pid == 0) {
+    pthread_t t;
+    pthread_create(&t, NULL, exit_worker, NULL);
+    pthread_exit(NULL);
+  }
+  int st = 0;
+  pid_t got = 0;
+  for (int ms = 0; ms < 10000 && (got = waitpid(pid, &st, WNOHANG)) == 0; ms += 10)
+    usleep(10 * 1000);
+  if (got == 0) kill(pid, SIGKILL);
+  return got != 0 && WIFEXITED(st) && WEXITSTATUS(st) == 0 ? 0 : 1;
+}
+
+static void last_thread_ends_process(void) {
+  char buf[4096];
+  int status = 0;
+  if (!run_self("--pthread-exit", 20000, &status, buf, sizeof buf))
+    kt_fail(__FILE__, __LINE__, "the process outlived its last thread by 20 s");
   KT_CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0);
   KT_CONTAINS(buf, "worker done");
   KT_CONTAINS(buf, "buffered");
   KT_CONTAINS(buf, "atexit ok");
+  /* The same in a child forked while another thread holds a heap. */
+  KT_CHECK(run_self("--fork-pthread-exit", 20000, &status, buf, sizeof buf));
+  KT_CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0);
 }
 
 /* ---- libkeel.so is dlopen-able --------------------------------------- */
@@ -777,5 +817,6 @@ int main(int argc, char **argv) {
   /* `--child`: the program run with KEEL_OPTIONS=stats=1 by a case above. */
   if (argc > 1 && strcmp(argv[1], "--child") == 0) return child_main();
   if (argc > 1 && strcmp(argv[1], "--pthread-exit") == 0) return pthread_exit_main();
+  if (argc > 1 && strcmp(argv[1], "--fork-pthread-exit") == 0) return fork_pthread_exit_main();
   return kt_main(argc, argv, cases, sizeof(cases) / sizeof(cases[0]));
 }
