@@ -150,7 +150,8 @@ KEEL_API int keel_pheap_alloc(keel_pheap_t *ph, keel_poff_t *dest, size_t size, 
 KEEL_API int keel_pheap_zalloc(keel_pheap_t *ph, keel_poff_t *dest, size_t size, uint64_t type);
 
 /* Frees *dest (if non-zero) and sets *dest to 0 in one failure-atomic step.
- * Never fails for lack of space. Aborts if *dest is not a live object. */
+ * Never fails for lack of space. Aborts if *dest is not a live object, or
+ * if dest is a word this thread's transaction snapshotted (keel_tx_free). */
 KEEL_API int keel_pheap_free(keel_pheap_t *ph, keel_poff_t *dest);
 
 /* Usable bytes of a live object (at least the size asked for). */
@@ -185,8 +186,10 @@ KEEL_API void keel_pheap_defer_free(keel_pheap_t *ph, keel_pheap_act_t *act, kee
 
 /* Makes n actions durable atomically (1 barrier). A reservation takes 3 log
  * entries, a value or free 1, of about 1000 per call (KEEL_ENOSPC beyond;
- * nothing is published then). The contents written into a reservation are
- * the caller's to persist (keel_pheap_persist) before publishing. */
+ * nothing is published then; KEEL_EINVAL for a value whose destination this
+ * thread's transaction snapshotted: keel_tx_publish). The contents written
+ * into a reservation are the caller's to persist (keel_pheap_persist)
+ * before publishing. */
 KEEL_API int keel_pheap_publish(keel_pheap_t *ph, keel_pheap_act_t *acts, size_t n);
 
 /* Drops n unpublished actions (reservations go back to the heap). */
@@ -221,9 +224,11 @@ KEEL_API int keel_pheap_stats(keel_pheap_t *ph, keel_pheap_stats_t *st);
 /* Prints header, layout, sizes, classes in use and stats (keel pheap info). */
 KEEL_API int keel_pheap_print_info(keel_pheap_t *ph, FILE *out);
 
-/* Offline consistency check of a closed pool file, read-only (it does not
- * recover): header, extents, runs, object headers, root. 0, or KEEL_ECORRUPT
- * / another open error with keel_pheap_errmsg() naming the first problem. */
+/* Offline consistency check of a closed pool file, which it never writes:
+ * header and logs as open checks them, then, on a private copy recovered as
+ * open would (if a crash left logs), extents, runs, object headers, root. 0,
+ * or KEEL_ECORRUPT / another open error with keel_pheap_errmsg() naming the
+ * first problem. */
 KEEL_API int keel_pheap_check(const char *path);
 
 /* Makes [p, p+len) durable (flush + barrier), for plain stores outside tx;

@@ -97,11 +97,13 @@ int keel_pheap_free(keel_pheap_t *ph, keel_poff_t *dest) {
   keel_poff_t off = *dest;
   if (off == 0) return 0;
   PH_NOT_FORKED(ph, "keel_pheap_free");
+  /* Dies, as other misuse of a free does: callers count on a free not
+   * failing (pheap.h). */
   if (keel_unlikely(_keel_ph_tx_snapshots(ph, dest)))
-    return KEEL_REJECT(KEEL_EINVAL, "keel_pheap_free",
-                       "destination %p is in this thread's transaction's snapshot (keel_tx_free "
-                       "is the transactional free)",
-                       (void *)dest);
+    keel_die("keel_pheap_free",
+             "destination %p is in this thread's transaction's snapshot (keel_tx_free is the "
+             "transactional free) in %s",
+             (void *)dest, ph->path);
   ph_tcache_t *tc = _keel_ph_tcache(ph);
   if (keel_unlikely(tc == NULL)) return KEEL_ENOMEM;
   int cls = _keel_ph_live_class(ph, off, "keel_pheap_free");

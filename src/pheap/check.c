@@ -127,7 +127,9 @@ static int walk_heap(walk_t *w, const char *path) {
 /* Open's recovery (log.c) on the private copy at w->base: a pool struct
  * with just what recovery reads, no flushes (KEEL_FLUSH_NONE) and no file. */
 static int recover_copy(walk_t *w, const char *path) {
-  keel_pheap_t *ph = calloc(1, sizeof *ph);
+  keel_pheap_t *ph = NULL; /* cache-line aligned, as the struct asks */
+  if (posix_memalign((void **)&ph, KEEL_CACHE_LINE, sizeof *ph) != 0) ph = NULL;
+  if (ph != NULL) memset(ph, 0, sizeof *ph);
   ph_tcache_t *tc = calloc(1, sizeof *tc);
   int rc = 0;
   if (ph == NULL || tc == NULL) {
@@ -173,9 +175,10 @@ static int check_file(const char *path, walk_t *w, void **map, uint64_t *maplen)
   if (rc == 0) rc = _keel_ph_header_check(&h, path, (uint64_t)st.st_size, NULL);
   if (rc == 0) {
     w->size = _keel_ph_size_from_word(h.size_word);
-    /* Writable but private (and not charged: only pages recovery writes
-     * are copied): recovery may run on it (recover_copy). */
-    void *p = mmap(NULL, w->size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_NORESERVE, fd, 0);
+    /* Read-only; remapped writable (private: the file is never written)
+     * only if recovery must run on it (recover_copy), which a host with
+     * strict overcommit charges for the whole pool. */
+    void *p = mmap(NULL, w->size, PROT_READ, MAP_PRIVATE, fd, 0);
     if (p == MAP_FAILED)
       rc = _keel_ph_err(-errno, path, "mmap failed: %s", strerror(errno));
     else {
@@ -203,7 +206,14 @@ static int check_file(const char *path, walk_t *w, void **map, uint64_t *maplen)
                             "undo log of lane %u has seq %#llx, beyond the pool's epoch %llu", i,
                             (unsigned long long)useq, (unsigned long long)h.epoch);
       }
-      if (rc == 0 && w->pending_logs) rc = recover_copy(w, path);
+      if (rc == 0 && w->pending_logs) {
+        void *q = mmap(p, w->size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_NORESERVE | MAP_FIXED,
+                       fd, 0);
+        if (q == MAP_FAILED)
+          rc = _keel_ph_err(-errno, path, "mmap for recovery failed: %s", strerror(errno));
+        else
+          rc = recover_copy(w, path);
+      }
       if (rc == 0) rc = walk_heap(w, path);
     }
   }

@@ -61,6 +61,7 @@ static void atfork_parent(void) {
 static void atfork_child(void) {
   pthread_mutex_unlock(&registry_lock);
   keel_store_relaxed(&_keel_ph_fork_gen, keel_load_relaxed(&_keel_ph_fork_gen) + 1);
+  _keel_ph_flying = 0; /* the parent's logs (forked from a deferrer) are not the child's */
 }
 static void atfork_register(void) {
   if (pthread_atfork(atfork_prepare, atfork_parent, atfork_child) != 0)
