@@ -323,9 +323,9 @@ int _keel_tidx_del(keel_table_t *t, keel_table_node_t *n, bool *check, uint32_t 
       prev = p;
       continue;
     }
-    if (mark)
-      atomic_fetch_or_explicit(node_ref(n), mark,
-                               memory_order_relaxed); /* the unlock publishes it */
+    /* For the marker whose own unlink will fail (REF_HELPED); the bucket
+     * unlock below publishes it. */
+    if (mark) atomic_fetch_or_explicit(node_ref(n), mark, memory_order_relaxed);
     /* n keeps its link: a reader standing on it still reaches the rest. */
     keel_table_node_t *nx = keel_load_relaxed(node_next(n));
     if (prev == NULL) {
