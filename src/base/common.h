@@ -73,4 +73,13 @@ KEEL_NORETURN void _keel_assert_fail(const char *expr, const char *file, int lin
 #define KEEL_ASSERT_FULL(e) ((void)0)
 #endif
 
+/* splitmix64: the next of a sequence of well-mixed 64-bit values (keys and
+ * cookies, not cryptography). */
+KEEL_INLINE uint64_t keel_splitmix64(uint64_t *state) {
+  uint64_t z = (*state += 0x9e3779b97f4a7c15ull);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
 #endif /* KEEL_BASE_COMMON_H */

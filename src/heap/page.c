@@ -45,13 +45,6 @@ void _keel_die_invalid(const char *call, const void *p) {
   keel_die(call, "invalid pointer %p", p);
 }
 
-static uint64_t splitmix64(uint64_t *state) {
-  uint64_t z = (*state += 0x9e3779b97f4a7c15ull);
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-  return z ^ (z >> 31);
-}
-
 void _keel_page_init(keel_page_t *page, unsigned cls, keel_heap_t *heap) {
   keel_segment_t *seg = _keel_segment_of(page);
   size_t idx = (size_t)(page - seg->pages);
@@ -66,7 +59,7 @@ void _keel_page_init(keel_page_t *page, unsigned cls, keel_heap_t *heap) {
   keel_store_relaxed(&page->remote_in, 0);
   page->div_magic = UINT64_MAX / bsize + 1;
   /* Bit 63 set: see the encoding argument in internal.h. */
-  page->key = (splitmix64(&heap->rng) | ((uint64_t)1 << 63)) & ~(uint64_t)7;
+  page->key = (keel_splitmix64(&heap->rng) | ((uint64_t)1 << 63)) & ~(uint64_t)7;
   page->free = page->local_free = _keel_list_end(page);
   page->abandoned = 0;
   page->next = page->prev = NULL;

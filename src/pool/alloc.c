@@ -15,6 +15,7 @@
 #include "base/options.h"
 #include "heap/shared.h"
 #include "pool_impl.h"
+#include "track.h"
 
 /* Pops from the calling thread's hot list, or NULL for the generic path.
  * `heavy` is a constant false on the plain fast path. The pop itself is
@@ -129,6 +130,12 @@ void *keel_pool_zalloc(keel_pool_t *p) {
   return pool_alloc_generic(p, true);
 }
 
+/* A header's link, read where the heap may have freed the block (ASan has
+ * it poisoned then; the block is still mapped: the heap vouched for it). */
+POOL_ASAN_UNCHECKED static uintptr_t pool_hdr_link(const pool_hdr_t *h) {
+  return (uintptr_t)h->next;
+}
+
 /* The misuse checks, in the order that gives the most precise message.
  * The header of an object that is not at a page start lies on obj's own
  * page, so it can be read at once; at a page start (the fast paths send
@@ -137,16 +144,6 @@ void *keel_pool_zalloc(keel_pool_t *p) {
  * would die of SIGSEGV instead of this message. A tag that does not match
  * costs a lookup in the heap's segment map (an interior pointer is no
  * block start). */
-/* A header's link, read where the heap may have freed the block (ASan has
- * it poisoned then; the block is still mapped: the heap vouched for it). */
-#if defined(KEEL_ASAN)
-__attribute__((no_sanitize("address")))
-#endif
-static uintptr_t
-pool_hdr_link(const pool_hdr_t *h) {
-  return (uintptr_t)h->next;
-}
-
 static void pool_free_check(keel_pool_t *p, void *obj) {
   _keel_pool_check_live(p, "keel_pool_free");
   pool_hdr_t *h = pool_hdr(obj);

@@ -125,10 +125,7 @@ static uintptr_t __pool_tag_key(void) {
     }
     state |= 1;
   }
-  uint64_t z = (state += 0x9e3779b97f4a7c15ull);
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-  z ^= z >> 31;
+  uint64_t z = keel_splitmix64(&state);
   /* Bits 0 and 1 clear: the free and released marks (a pool is 64-byte
    * aligned, so its address has them clear too). */
   return (uintptr_t)z & ~(uintptr_t)3;

@@ -25,7 +25,10 @@
 #include <sanitizer/asan_interface.h>
 #define POOL_ASAN_POISON(p, n)   ASAN_POISON_MEMORY_REGION((p), (n))
 #define POOL_ASAN_UNPOISON(p, n) ASAN_UNPOISON_MEMORY_REGION((p), (n))
+/* A function whose reads ASan must not check (memory the heap has freed). */
+#define POOL_ASAN_UNCHECKED      __attribute__((no_sanitize("address")))
 #else
+#define POOL_ASAN_UNCHECKED
 #define POOL_ASAN_POISON(p, n)   ((void)(p), (void)(n))
 #define POOL_ASAN_UNPOISON(p, n) ((void)(p), (void)(n))
 #endif
