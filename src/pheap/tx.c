@@ -595,6 +595,22 @@ static int tx_commit_outer(void) {
   keel_pheap_t *ph = tx.ph;
   ph_tcache_t *tc = tx.tc;
   if (keel_unlikely(_keel_ph_stray_check) && ph->sim) stray_check();
+  /* A queued store into a word that a snapshot range covers only in part:
+   * the rest of the word is snapshotted now (its bytes are as before the
+   * transaction), so the early store below, and any rollback, treat the
+   * word whole. Else the store, made by the apply after the commit log's
+   * checksum, could reach the media while the undo log still stands, and
+   * recovery, taking the commit for torn, rolled back half the word. */
+  for (size_t i = 0; i < tx.na; i++) {
+    if (tx.acts[i].kind != PH_ACT_SET) continue;
+    uint64_t off = (uint64_t)((char *)tx.acts[i].dest - ph->view.base);
+    unsigned n = 0;
+    for (unsigned b = 0; b < 8; b++) n += covered(off + b);
+    if (n != 0 && n != 8) {
+      int rc = keel_tx_add_range(tx.acts[i].dest, 8);
+      if (rc) return rc; /* the transaction is aborted already */
+    }
+  }
   ph_redo_entry_t e[PH_REDO_MAX];
   size_t k = 0;
   if (tx.nn > PH_REDO_MAX / PH_PUBLISH_ENTRIES) return tx_fail(KEEL_ENOSPC);
