@@ -141,12 +141,7 @@ static int recover_copy(walk_t *w, const char *path) {
     ph->flush_mode = KEEL_FLUSH_NONE;
     ph->path = (char *)path;
     ph->hdr = (ph_header_t *)(void *)ph->view.base;
-    for (unsigned i = 0; i < PH_NLANES; i++) {
-      char *l = ph->view.base + ph->hdr->lanes_off + i * PH_LANE_BYTES;
-      ph->lanes[i].ring = l;
-      ph->lanes[i].undo = (ph_undo_t *)(void *)(l + PH_REDO_BYTES);
-      ph->lanes[i].idx = i;
-    }
+    _keel_ph_lanes_attach(ph);
     rc = _keel_ph_recover(ph, tc);
     if (rc > 0) rc = 0;
   }

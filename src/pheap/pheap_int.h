@@ -541,6 +541,8 @@ bool _keel_ph_chk_add(ph_redo_entry_t *e, size_t *n, size_t cap, uint64_t off, u
 /* Crash recovery (see log.c). Returns logs processed, or KEEL_ECORRUPT
  * (with the pool's error set) for a log naming bytes outside the pool. */
 int _keel_ph_recover(keel_pheap_t *ph, ph_tcache_t *tc) KEEL_HIDDEN;
+/* Points ph->lanes at the lane areas of the mapping (view.base, hdr). */
+void _keel_ph_lanes_attach(keel_pheap_t *ph) KEEL_HIDDEN;
 /* Undo log entry walk in one segment (the lane's area or an overflow
  * block's data) of `cap` bytes. */
 bool _keel_ph_undo_next(const uint8_t *data, uint64_t cap, uint64_t seq, uint64_t *pos,

@@ -114,6 +114,15 @@ static void *zalloc_lines(size_t n) {
 }
 
 /* Maps a validated pool and brings it up; consumes fd. */
+void _keel_ph_lanes_attach(keel_pheap_t *ph) {
+  for (unsigned i = 0; i < PH_NLANES; i++) {
+    char *l = ph->view.base + ph->hdr->lanes_off + i * PH_LANE_BYTES;
+    ph->lanes[i].ring = l;
+    ph->lanes[i].undo = (ph_undo_t *)(void *)(l + PH_REDO_BYTES);
+    ph->lanes[i].idx = i;
+  }
+}
+
 static keel_pheap_t *ph_start(const char *path, int fd, uint64_t size, unsigned flags) {
   keel_pheap_t *ph = zalloc_lines(sizeof *ph);
   if (ph == NULL) {
@@ -170,12 +179,7 @@ static keel_pheap_t *ph_start(const char *path, int fd, uint64_t size, unsigned 
   }
   for (unsigned i = 0; i < ph->narenas * _keel_ph_nclasses; i++)
     pthread_mutex_init(&ph->classq[i].lock, NULL);
-  for (unsigned i = 0; i < PH_NLANES; i++) {
-    char *l = ph->view.base + ph->hdr->lanes_off + i * PH_LANE_BYTES;
-    ph->lanes[i].ring = l;
-    ph->lanes[i].undo = (ph_undo_t *)(l + PH_REDO_BYTES);
-    ph->lanes[i].idx = i;
-  }
+  _keel_ph_lanes_attach(ph);
   keel_store_relaxed(&ph->nchunks, _keel_ph_chunks_for(ph->hdr->heap_off, size));
   ph_tcache_t *tc = _keel_ph_registry_add(ph) == 0 ? _keel_ph_tcache(ph) : NULL;
   if (tc == NULL) {

@@ -1112,17 +1112,20 @@ static void fn_set_in_range(void) {
   _exit(6); /* the hook exits first */
 }
 
-/* A fresh trial pool whose slot 0 holds a 100-byte object (*x); the child
- * fn then crashes on it with the seed, and the pool is reopened: returned
- * with its root (*r) and live objects, root aside (*s). */
-static keel_pheap_t *crash_one_object(void (*fn)(void), int seed, keel_poff_t *x, root_t **r,
-                                      offs_t *s) {
+/* A fresh trial pool whose slot 0 holds a 100-byte object (*x) and whose
+ * c[1] holds c1 (persisted); the child fn then crashes on it with the seed,
+ * and the pool is reopened: returned with its root (*r) and live objects,
+ * root aside (*s). */
+static keel_pheap_t *crash_one_object(void (*fn)(void), int seed, int64_t c1, keel_poff_t *x,
+                                      root_t **r, offs_t *s) {
   unlink(g_trial);
   keel_pheap_t *ph = keel_pheap_create(g_trial, LAYOUT, KEEL_PHEAP_MIN_SIZE, 0);
   KT_REQUIRE(ph != NULL);
   *r = keel_pheap_root(ph, sizeof **r);
   KT_REQUIRE(keel_pheap_alloc(ph, &(*r)->slot[0], 100, TYPE) == 0);
   *x = (*r)->slot[0];
+  (*r)->c[1] = c1;
+  keel_pheap_persist(ph, &(*r)->c[1], 8);
   keel_pheap_close(ph);
   g_seed = (uint64_t)seed;
   KT_EQ(run_child(fn), 77);
@@ -1141,7 +1144,7 @@ static void test_tx_publish_set_in_range_survives_crash(void) {
     keel_poff_t x;
     root_t *r;
     offs_t s;
-    keel_pheap_t *ph = crash_one_object(fn_set_in_range, seed, &x, &r, &s);
+    keel_pheap_t *ph = crash_one_object(fn_set_in_range, seed, 0, &x, &r, &s);
     bool committed =
         r->c[0] == 1 && r->slot[0] == 0 && r->slot[1] != 0 && s.n == 1 && s.o[0] == r->slot[1];
     bool rolled = r->c[0] == 0 && r->slot[0] == x && r->slot[1] == 0 && s.n == 1 && s.o[0] == x;
@@ -1191,22 +1194,11 @@ static void test_set_into_partly_covered_word(void) {
   tp_path(g_trial, sizeof g_trial, "partly");
   int seeds = (int)kt_env_int("KEEL_TEST_CRASH_SEEDS", 3) * 8;
   for (int seed = 0; seed < seeds; seed++) {
-    unlink(g_trial);
-    keel_pheap_t *ph = keel_pheap_create(g_trial, LAYOUT, KEEL_PHEAP_MIN_SIZE, 0);
-    KT_REQUIRE(ph != NULL);
-    root_t *r = keel_pheap_root(ph, sizeof *r);
-    KT_REQUIRE(keel_pheap_alloc(ph, &r->slot[0], 100, TYPE) == 0);
-    keel_poff_t x = r->slot[0];
-    r->c[1] = (int64_t)PARTIAL_OLD;
-    keel_pheap_persist(ph, &r->c[1], 8);
-    keel_pheap_close(ph);
-    g_seed = (uint64_t)seed;
-    KT_EQ(run_child(fn_set_partly_covered), 77);
-    ph = keel_pheap_open(g_trial, LAYOUT);
-    KT_REQUIRE(ph != NULL);
-    r = keel_pheap_root(ph, sizeof *r);
-    offs_t s = {.n = 0};
-    keel_pheap_foreach(ph, KEEL_PHEAP_ANY_TYPE, collect, &s);
+    keel_poff_t x;
+    root_t *r;
+    offs_t s;
+    keel_pheap_t *ph =
+        crash_one_object(fn_set_partly_covered, seed, (int64_t)PARTIAL_OLD, &x, &r, &s);
     uint64_t w = (uint64_t)r->c[1];
     bool committed = w == PARTIAL_NEW && r->slot[0] == 0 && s.n == 0;
     bool rolled = w == PARTIAL_OLD && r->slot[0] == x && s.n == 1 && s.o[0] == x;
@@ -1329,7 +1321,7 @@ static void test_neighbour_field_does_not_tear_commit(void) {
     keel_poff_t x;
     root_t *r;
     offs_t s;
-    keel_pheap_t *ph = crash_one_object(fn_neighbour_store, seed, &x, &r, &s);
+    keel_pheap_t *ph = crash_one_object(fn_neighbour_store, seed, 0, &x, &r, &s);
     const uint32_t *half = (const uint32_t *)(const void *)&r->c[1];
     bool committed = half[0] == 1 && r->slot[0] == 0 && s.n == 0;
     bool rolled = half[0] == 0 && r->slot[0] == x && s.n == 1 && s.o[0] == x;
