@@ -129,6 +129,10 @@ enum { PH_OP_SET = 0, PH_OP_OR = 1, PH_OP_ANDNOT = 2, PH_OP_CHK = 3, PH_OP_COVER
  * left by a crash, must be recovered by this library or a later one (an
  * older one refuses it as naming bytes outside the pool). */
 #define PH_CHK_VAL(off, len) ((((uint64_t)(off)&7) << 32) | (uint64_t)(len))
+/* New-object bytes a transaction with no snapshot carries in its commit log
+ * as SET entries (16 log bytes per word), sparing the barrier that would
+ * otherwise order them before the log (tx.c). */
+#define PH_TX_BODY_BYTES 256u
 /* Data a log may vouch for by checksum; beyond it a barrier orders the data
  * first. */
 #define PH_CHK_MAX_BYTES                                                                           \
@@ -273,8 +277,6 @@ typedef struct ph_lane {
   keel_poff_t keep[PH_OVF_KEEP];
 } KEEL_CACHE_ALIGNED ph_lane_t;
 
-/* One pending range for msync-mode barriers. */
-#define PH_MS_RANGES 4
 struct ph_tcache {
   keel_pheap_t *ph;
   uint64_t id;
@@ -287,8 +289,9 @@ struct ph_tcache {
   unsigned arena; /* whose runs refill this cache */
   uint64_t flushes, barriers;
   uint64_t tx_commits, tx_aborts; /* per cache: a shared counter cost a line transfer per tx */
-  uint64_t ms_lo[PH_MS_RANGES], ms_hi[PH_MS_RANGES];
-  unsigned ms_n;
+  /* msync mode: the span of the pages flushed since the last drain
+   * (ms_lo == ms_hi: none), which the drain syncs in one call. */
+  uint64_t ms_lo, ms_hi;
   /* simulated media: lines flushed since the last drain */
   uint64_t *sim_lines;
   unsigned sim_n, sim_cap;

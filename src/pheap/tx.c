@@ -9,8 +9,10 @@
  * transaction need no snapshot: they vanish on abort.
  *
  * tx_alloc only reserves (volatile); tx_free and tx_publish only queue. A
- * transaction that snapshot nothing commits like an atomic operation after a
- * barrier that orders its new objects' bytes (2 barriers). Otherwise, at
+ * transaction that snapshot nothing commits like an atomic operation: its
+ * commit log carries the bodies of its new objects when they are small
+ * (PH_TX_BODY_BYTES in all), so 1 barrier makes both durable; larger ones
+ * are ordered before the log by a barrier of their own (2). Otherwise, at
  * commit: (1) flush the snapshot ranges and the new objects, write the commit
  * log (bit sets for allocations, clears for frees, queued value stores; its
  * `tx` names the undo log) with CHK entries whose checksum vouches for those
@@ -563,20 +565,64 @@ static void flush_new_objects(keel_pheap_t *ph, ph_tcache_t *tc) {
 
 /* Drops from e, in place, the entries that rewrite the headers of the
  * objects tx_alloc'ed in this transaction (each object's publish entries
- * lead the log, headers first: _keel_ph_publish_entries), and returns how
- * many are left to apply. Those words already hold the values (the
- * allocation wrote them, and flush_new_objects made them durable before the
- * commit log): the entries are there for replay only. Applying them would
- * store to a line the flush just evicted (CLWB does on AMD), and the next
- * locked instruction would wait for that line to come back from memory (4%
- * of tx-alloc here). The log was written before this, whole. Reservations
- * published with the transaction and the caller's own SETs are applied. */
-static size_t to_apply(ph_redo_entry_t *e, size_t n) {
+ * lead the log, headers first: _keel_ph_publish_entries), and the `nbody`
+ * body entries that follow them (carry_bodies), and returns how many are
+ * left to apply. Those words already hold the values (the allocation and
+ * the caller wrote them, and flush_new_objects made them durable no later
+ * than the commit log): the entries are there for replay only. Applying
+ * them would store to a line the flush just evicted (CLWB does on AMD), and
+ * the next locked instruction would wait for that line to come back from
+ * memory (4% of tx-alloc here). The log was written before this, whole.
+ * Reservations published with the transaction and the caller's own SETs are
+ * applied. */
+static size_t to_apply(ph_redo_entry_t *e, size_t n, size_t nbody) {
   size_t m = 0, lead = tx.nn * PH_PUBLISH_ENTRIES;
   for (size_t i = 0; i < lead; i += PH_PUBLISH_ENTRIES)
     for (size_t j = PH_PUBLISH_HDR_ENTRIES; j < PH_PUBLISH_ENTRIES; j++) e[m++] = e[i + j];
-  memmove(e + m, e + lead, (n - lead) * sizeof *e);
-  return m + n - lead;
+  memmove(e + m, e + lead + nbody, (n - lead - nbody) * sizeof *e);
+  return m + n - lead - nbody;
+}
+
+/* Words of the new objects' bodies (requested sizes, whole words) if the
+ * commit log can carry them all as SET entries next to its other `k`
+ * entries, within PH_TX_BODY_BYTES; else 0. */
+static size_t body_words(keel_pheap_t *ph, size_t k) {
+  size_t words = 0;
+  for (size_t i = 0; i < tx.nn + tx.na; i++) {
+    const ph_objhdr_t *h = new_object(ph, i);
+    if (h == NULL) continue;
+    words += KEEL_ALIGN_UP(h->size, (uint64_t)8) / 8;
+    if (words * 8 > PH_TX_BODY_BYTES) return 0;
+  }
+  return k + words <= PH_REDO_MAX ? words : 0;
+}
+
+/* A transaction that snapshot nothing and created small objects: their
+ * bodies go into the commit log as SET entries, between the new objects'
+ * publish entries and the queued actions, so one barrier makes the log and
+ * the flushed bodies durable together. A crash that let the log reach the
+ * media before a body line did replays the body from the log; replay in seq
+ * order lets any later log's store into the object win, and a plain store
+ * made durable with keel_pheap_persist retires this log first. Queued SETs
+ * into the new objects are made before the bodies are read, so the log's
+ * values are the final ones; their own entries follow and store the same.
+ * Inserts `nbody` entries at e[lead]; returns the new count. */
+static size_t carry_bodies(keel_pheap_t *ph, ph_redo_entry_t *e, size_t k, size_t nbody) {
+  for (size_t i = 0; i < tx.na; i++)
+    if (tx.acts[i].kind == PH_ACT_SET &&
+        covered((uint64_t)((char *)tx.acts[i].dest - ph->view.base)))
+      *tx.acts[i].dest = tx.acts[i].value;
+  size_t lead = tx.nn * PH_PUBLISH_ENTRIES, at = lead;
+  memmove(e + lead + nbody, e + lead, (k - lead) * sizeof *e);
+  for (size_t i = 0; i < tx.nn + tx.na; i++) {
+    const ph_objhdr_t *h = new_object(ph, i);
+    if (h == NULL) continue;
+    const uint64_t *w = (const uint64_t *)(const void *)(h + 1);
+    uint64_t off = (uint64_t)((const char *)w - ph->view.base);
+    for (uint64_t j = 0; j < KEEL_ALIGN_UP(h->size, (uint64_t)8) / 8; j++)
+      e[at++] = (ph_redo_entry_t){(off + 8 * j) | PH_OP_SET, w[j]};
+  }
+  return k + nbody;
 }
 
 /* A commit log that cannot name every range it covers: instead, the
@@ -627,7 +673,16 @@ static int tx_commit_outer(void) {
     ph_tc_count(&tx.tc->tx_commits);
     return 0;
   }
-  if (!tx.undo_started) {
+  size_t nbody = tx.undo_started ? 0 : body_words(ph, k);
+  if (nbody != 0) {
+    /* Nothing snapshot, small new objects: one barrier (carry_bodies). */
+    k = carry_bodies(ph, e, k, nbody);
+    uint64_t seq = _keel_ph_log_seq(ph, tc, tx.lane, k); /* before the flushes (pheap_int.h) */
+    flush_new_objects(ph, tc);
+    _keel_ph_log_write(ph, tc, tx.lane, seq, 0, e, k);
+    _keel_pm_drain(ph, tc); /* committed, the bodies durable */
+    _keel_ph_log_apply(ph, tc, tx.lane, e, to_apply(e, k, nbody), true);
+  } else if (!tx.undo_started) {
     /* Nothing snapshot: flush the new objects, order them with a barrier,
      * then log like an atomic operation (deferred apply, log.c), naming them
      * (COVER) so recovery replays no older store into their bodies. */
@@ -642,7 +697,7 @@ static int tx_commit_outer(void) {
       _keel_pm_drain(ph, tc);
     _keel_ph_log_write(ph, tc, tx.lane, seq, 0, e, k);
     _keel_pm_drain(ph, tc); /* committed */
-    _keel_ph_log_apply(ph, tc, tx.lane, e, to_apply(e, k), true);
+    _keel_ph_log_apply(ph, tc, tx.lane, e, to_apply(e, k, 0), true);
   } else {
     /* The new bytes must be durable no later than the commit log: the log
      * vouches for them by checksum (CHK entries), or past the budget a
@@ -679,7 +734,7 @@ static int tx_commit_outer(void) {
     _keel_pm_drain(ph, tc); /* committed */
     /* Applied, flushed and the undo log emptied before commit returns: from
      * then on recovery replays this log whatever its data (log.c). */
-    _keel_ph_log_apply(ph, tc, tx.lane, e, to_apply(e, k), false);
+    _keel_ph_log_apply(ph, tc, tx.lane, e, to_apply(e, k, 0), false);
     uint64_t zero = 0; /* non-temporal: the line is not re-read until the next tx */
     _keel_pm_write_nt(ph, tc, &tx.lane->undo->seq, &zero, 8, PH_S_UNDO_INV);
     _keel_pm_drain(ph, tc);
