@@ -240,12 +240,34 @@ void _keel_ph_log_write(keel_pheap_t *ph, ph_tcache_t *tc, ph_lane_t *l, uint64_
   if (ph->defer && l->ring_pos > limit / 2) _keel_ph_checkpoint_soon(ph);
 }
 
+/* A lane's dirty list is shared by the lane's holder, which adds a few lines
+ * per operation, and a checkpoint, which copies it out; each holds it for a
+ * short loop and never across a wait. So a spin lock, yielding every 128
+ * spins in case the holder lost its CPU (more threads than CPUs), with one
+ * locked instruction per pair where a pthread mutex has two: publish-1
+ * took 195 ns of CPU against 204 with the mutex (5 paired runs). */
+static void dirty_lock(ph_lane_t *l) {
+  unsigned spins = 0;
+  while (atomic_exchange_explicit(&l->dirty_lock, 1, memory_order_acquire)) {
+    while (keel_load_relaxed(&l->dirty_lock)) {
+      if (++spins % 128 == 0)
+        sched_yield();
+      else
+        keel_cpu_relax();
+    }
+  }
+}
+
+static void dirty_unlock(ph_lane_t *l) {
+  atomic_store_explicit(&l->dirty_lock, 0, memory_order_release);
+}
+
 /* Records lines for the next checkpoint (deduplicated against the recent
  * ones: an allocation burst touches the same bitmap and header lines). */
 static void dirty_add(keel_pheap_t *ph, ph_tcache_t *tc, ph_lane_t *l, const uint64_t *lines,
                       unsigned n) {
   bool full = false;
-  pthread_mutex_lock(&l->dirty_lock);
+  dirty_lock(l);
   for (unsigned i = 0; i < n; i++) {
     bool seen = false;
     for (unsigned k = l->ndirty > 16 ? l->ndirty - 16 : 0; k < l->ndirty && !seen; k++)
@@ -261,7 +283,7 @@ static void dirty_add(keel_pheap_t *ph, ph_tcache_t *tc, ph_lane_t *l, const uin
     l->dirty[l->ndirty++] = lines[i];
   }
   bool half = l->ndirty > PH_DIRTY_MAX / 2;
-  pthread_mutex_unlock(&l->dirty_lock);
+  dirty_unlock(l);
   if (full)
     _keel_ph_checkpoint(ph, tc);
   else if (half && ph->defer)
@@ -388,11 +410,11 @@ static void checkpoint_locked(keel_pheap_t *ph, ph_tcache_t *tc) {
   uint64_t lines[PH_DIRTY_MAX];
   for (unsigned i = 0; i < PH_NLANES; i++) {
     ph_lane_t *l = &ph->lanes[i];
-    pthread_mutex_lock(&l->dirty_lock);
+    dirty_lock(l);
     unsigned n = l->ndirty;
     memcpy(lines, l->dirty, n * sizeof lines[0]);
     l->ndirty = 0;
-    pthread_mutex_unlock(&l->dirty_lock);
+    dirty_unlock(l);
     for (unsigned k = 0; k < n; k++)
       _keel_pm_flush(ph, tc, ph->view.base + lines[k], PH_LINE, PH_S_CKPT);
   }

@@ -268,7 +268,7 @@ typedef struct ph_lane {
   unsigned ring_pos;                  /* next free line in the ring */
   keel_atomic(uint64_t) ring_max_seq; /* highest seq of a log in the ring (any kind) */
   keel_atomic(uint64_t) inflight;
-  pthread_mutex_t dirty_lock;
+  keel_atomic(uint32_t) dirty_lock; /* a spin lock: dirty_lock() in log.c */
   unsigned ndirty;
   uint64_t dirty[PH_DIRTY_MAX]; /* line offsets */
   /* Overflow blocks kept reserved for the lane's next transaction (under

@@ -88,10 +88,7 @@ static void ph_free_volatile(keel_pheap_t *ph, bool locks) {
     for (unsigned i = 0; i < ph->narenas * _keel_ph_nclasses; i++)
       pthread_mutex_destroy(&ph->classq[i].lock);
   free(ph->classq);
-  for (unsigned i = 0; i < PH_NLANES && locks; i++) {
-    pthread_mutex_destroy(&ph->lanes[i].lock);
-    pthread_mutex_destroy(&ph->lanes[i].dirty_lock);
-  }
+  for (unsigned i = 0; i < PH_NLANES && locks; i++) pthread_mutex_destroy(&ph->lanes[i].lock);
   if (locks) {
     pthread_mutex_destroy(&ph->ckpt_lock);
     pthread_mutex_destroy(&ph->lock);
@@ -135,7 +132,7 @@ static keel_pheap_t *ph_start(const char *path, int fd, uint64_t size, unsigned 
   pthread_mutex_init(&ph->root_lock, NULL);
   for (unsigned i = 0; i < PH_NLANES; i++) {
     pthread_mutex_init(&ph->lanes[i].lock, NULL);
-    pthread_mutex_init(&ph->lanes[i].dirty_lock, NULL);
+    atomic_init(&ph->lanes[i].dirty_lock, 0);
   }
   pthread_mutex_init(&ph->ckpt_lock, NULL);
   ph->path = strdup(path);
