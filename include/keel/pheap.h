@@ -25,8 +25,10 @@
  * Durability costs (persist barriers = fence or msync, see KEEL_OPTIONS
  * pheap_flush): atomic alloc/free/publish 1, plus a 2-barrier checkpoint
  * shared by every lane about once per 100 operations of a lane; zalloc 1
- * more; transaction commit 2 (1 extra when it snapshot more than 1 KiB),
- * abort 2, plus 1 per keel_tx_add_range that snapshots new bytes.
+ * more; transaction commit 2 (1 extra when it snapshot more than 1 KiB;
+ * 1 when it snapshot nothing and its new objects total at most 256 B, 2
+ * past that), abort 2, plus 1 per keel_tx_add_range that snapshots new
+ * bytes.
  *
  * Sizes: one atomic publish or one transaction may change at most about
  * 1000 allocation words (a reservation or tx allocation takes 1-3). A
@@ -232,8 +234,9 @@ KEEL_API int keel_pheap_print_info(keel_pheap_t *ph, FILE *out);
 KEEL_API int keel_pheap_check(const char *path);
 
 /* Makes [p, p+len) durable (flush + barrier), for plain stores outside tx;
- * also checkpoints pending atomic operations, so a plain store to a word an
- * earlier alloc/free/publish set is never undone by that log's replay. */
+ * also checkpoints pending logs, so a plain store to a word an earlier
+ * alloc/free/publish or small transaction set is never undone by that log's
+ * replay. */
 KEEL_API void keel_pheap_persist(keel_pheap_t *ph, const void *p, size_t len);
 
 /* Transactions (per thread, flat nesting: an inner begin/commit only counts
@@ -277,8 +280,9 @@ KEEL_API int keel_tx_free(keel_poff_t off);
 /* Publishes reservations and queued actions with the transaction. */
 KEEL_API int keel_tx_publish(keel_pheap_act_t *acts, size_t n);
 
-/* Commits the outermost transaction (inner: no-op). 2 persist barriers (0 if
- * it changed nothing). */
+/* Commits the outermost transaction (inner: no-op). 2 persist barriers (1
+ * with no snapshot and small new objects; 0 if it changed nothing). A value
+ * queued into a new object's header: KEEL_EINVAL, and it rolls back. */
 KEEL_API int keel_tx_commit(void);
 
 /* Aborts and rolls back the whole transaction; err (<0) is what keel_tx_end

@@ -276,8 +276,9 @@ void keel_pheap_persist(keel_pheap_t *ph, const void *p, size_t len) {
   _keel_pm_flush(ph, tc, p, len, PH_S_NONE);
   _keel_pm_drain(ph, tc);
   /* A plain store may overwrite a word an atomic operation's log (still
-   * above the watermark) sets; replaying that log after a crash would undo
-   * the store, so the logs are retired first: every log drawn so far, not
+   * above the watermark) sets, or any byte of a small object a transaction
+   * created (its commit log carries the body); replaying that log after a
+   * crash would undo the store, so the logs are retired first: every log drawn so far, not
    * just up to the oldest operation still in flight on another thread (a
    * single checkpoint stops there, leaving later logs, this thread's own
    * included, to be replayed over the store). Such an operation finishes

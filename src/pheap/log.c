@@ -48,9 +48,13 @@
  * COVER must replay after the store): the clock would have to travel with
  * the block holding any destination word. Not done; it is a protocol change.
  *
- * Transactions commit with a ring log too. One that snapshot nothing orders
- * its new objects' bytes with a barrier and then logs like an atomic
- * operation. One with an undo log writes a commit log (tx = the undo log's
+ * Transactions commit with a ring log too. One that snapshot nothing logs
+ * like an atomic operation; its log carries its new objects' bodies as SET
+ * entries when they are small (one barrier makes both durable), else a
+ * barrier orders the bodies before the log, which names them (COVER). Those
+ * SETs replay like any other: a later log's store wins by seq, a later
+ * transaction's CHK or COVER range keeps them out, and a plain store made
+ * durable with keel_pheap_persist retires them first. One with an undo log writes a commit log (tx = the undo log's
  * seq) whose CHK entries vouch for the new data by checksum, then applies and
  * flushes at once and empties the undo log: 2 barriers. Its log still pins
  * the ring until a checkpoint passes it, like every log (see log_write), so

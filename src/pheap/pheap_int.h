@@ -132,7 +132,7 @@ enum { PH_OP_SET = 0, PH_OP_OR = 1, PH_OP_ANDNOT = 2, PH_OP_CHK = 3, PH_OP_COVER
 /* New-object bytes a transaction with no snapshot carries in its commit log
  * as SET entries (16 log bytes per word), sparing the barrier that would
  * otherwise order them before the log (tx.c). */
-#define PH_TX_BODY_BYTES 256u
+#define PH_TX_BODY_BYTES     256u
 /* Data a log may vouch for by checksum; beyond it a barrier orders the data
  * first. */
 #define PH_CHK_MAX_BYTES                                                                           \

@@ -536,6 +536,30 @@ static const ph_objhdr_t *new_object(keel_pheap_t *ph, size_t i) {
   return (const ph_objhdr_t *)(ph->view.base + off - PH_OBJ_HDR);
 }
 
+/* Whether the word at `off` is in the header of an object this transaction
+ * created. */
+static bool in_new_header(keel_pheap_t *ph, uint64_t off) {
+  for (size_t i = 0; i < tx.nn + tx.na; i++) {
+    const ph_objhdr_t *h = new_object(ph, i);
+    if (h == NULL) continue;
+    uint64_t lo = (uint64_t)((const char *)h - ph->view.base);
+    if (off >= lo && off < lo + PH_OBJ_HDR) return true;
+  }
+  return false;
+}
+
+/* Whether the word at `off` is in the body of an object this transaction
+ * created (its requested size, whole words), not its header. */
+static bool in_new_body(keel_pheap_t *ph, uint64_t off) {
+  for (size_t i = 0; i < tx.nn + tx.na; i++) {
+    const ph_objhdr_t *h = new_object(ph, i);
+    if (h == NULL) continue;
+    uint64_t lo = (uint64_t)((const char *)(h + 1) - ph->view.base);
+    if (off >= lo && off < lo + KEEL_ALIGN_UP(h->size, (uint64_t)8)) return true;
+  }
+  return false;
+}
+
 /* Names every object this transaction created in the commit log, so
  * recovery replays no older log's store into its body. Returns whether
  * there was one; *named turns false once the log has no room left. */
@@ -574,13 +598,17 @@ static void flush_new_objects(keel_pheap_t *ph, ph_tcache_t *tc) {
  * the next locked instruction would wait for that line to come back from
  * memory (4% of tx-alloc here). The log was written before this, whole.
  * Reservations published with the transaction and the caller's own SETs are
- * applied. */
-static size_t to_apply(ph_redo_entry_t *e, size_t n, size_t nbody) {
+ * applied, but for SETs into carried bodies, stored before the bodies were
+ * read. */
+static size_t to_apply(keel_pheap_t *ph, ph_redo_entry_t *e, size_t n, size_t nbody) {
   size_t m = 0, lead = tx.nn * PH_PUBLISH_ENTRIES;
   for (size_t i = 0; i < lead; i += PH_PUBLISH_ENTRIES)
     for (size_t j = PH_PUBLISH_HDR_ENTRIES; j < PH_PUBLISH_ENTRIES; j++) e[m++] = e[i + j];
-  memmove(e + m, e + lead + nbody, (n - lead - nbody) * sizeof *e);
-  return m + n - lead - nbody;
+  for (size_t i = lead + nbody; i < n; i++)
+    if (nbody == 0 || (e[i].off_op & 7) != PH_OP_SET ||
+        !in_new_body(ph, e[i].off_op & ~(uint64_t)7)) /* stored early (carry_bodies) */
+      e[m++] = e[i];
+  return m;
 }
 
 /* Words of the new objects' bodies (requested sizes, whole words) if the
@@ -608,9 +636,11 @@ static size_t body_words(keel_pheap_t *ph, size_t k) {
  * values are the final ones; their own entries follow and store the same.
  * Inserts `nbody` entries at e[lead]; returns the new count. */
 static size_t carry_bodies(keel_pheap_t *ph, ph_redo_entry_t *e, size_t k, size_t nbody) {
+  /* Only into bodies: a SET into a new object's header (misuse) would change
+   * the size that body_words counted. */
   for (size_t i = 0; i < tx.na; i++)
     if (tx.acts[i].kind == PH_ACT_SET &&
-        covered((uint64_t)((char *)tx.acts[i].dest - ph->view.base)))
+        in_new_body(ph, (uint64_t)((char *)tx.acts[i].dest - ph->view.base)))
       *tx.acts[i].dest = tx.acts[i].value;
   size_t lead = tx.nn * PH_PUBLISH_ENTRIES, at = lead;
   memmove(e + lead + nbody, e + lead, (k - lead) * sizeof *e);
@@ -619,9 +649,14 @@ static size_t carry_bodies(keel_pheap_t *ph, ph_redo_entry_t *e, size_t k, size_
     if (h == NULL) continue;
     const uint64_t *w = (const uint64_t *)(const void *)(h + 1);
     uint64_t off = (uint64_t)((const char *)w - ph->view.base);
-    for (uint64_t j = 0; j < KEEL_ALIGN_UP(h->size, (uint64_t)8) / 8; j++)
+    uint64_t words = KEEL_ALIGN_UP(h->size, (uint64_t)8) / 8;
+    if (words > lead + nbody - at) /* its size changed since body_words read it */
+      keel_die("keel_tx_commit", "a new object's header in %s changed during the commit", ph->path);
+    for (uint64_t j = 0; j < words; j++)
       e[at++] = (ph_redo_entry_t){(off + 8 * j) | PH_OP_SET, w[j]};
   }
+  if (at != lead + nbody)
+    keel_die("keel_tx_commit", "a new object's header in %s changed during the commit", ph->path);
   return k + nbody;
 }
 
@@ -650,6 +685,14 @@ static int tx_commit_outer(void) {
   for (size_t i = 0; i < tx.na; i++) {
     if (tx.acts[i].kind != PH_ACT_SET) continue;
     uint64_t off = (uint64_t)((char *)tx.acts[i].dest - ph->view.base);
+    /* The header of an object this transaction created: the commit reads
+     * its size (flush extents, carried bodies) and would go by a value the
+     * caller chose. */
+    if (in_new_header(ph, off))
+      return tx_fail(KEEL_REJECT(KEEL_EINVAL, "keel_tx_commit",
+                                 "queued destination %p is the header of an object created in "
+                                 "this transaction (pool %s)",
+                                 (void *)tx.acts[i].dest, ph->path));
     unsigned n = 0;
     for (unsigned b = 0; b < 8; b++) n += covered(off + b);
     if (n != 0 && n != 8) {
@@ -681,7 +724,7 @@ static int tx_commit_outer(void) {
     flush_new_objects(ph, tc);
     _keel_ph_log_write(ph, tc, tx.lane, seq, 0, e, k);
     _keel_pm_drain(ph, tc); /* committed, the bodies durable */
-    _keel_ph_log_apply(ph, tc, tx.lane, e, to_apply(e, k, nbody), true);
+    _keel_ph_log_apply(ph, tc, tx.lane, e, to_apply(ph, e, k, nbody), true);
   } else if (!tx.undo_started) {
     /* Nothing snapshot: flush the new objects, order them with a barrier,
      * then log like an atomic operation (deferred apply, log.c), naming them
@@ -697,7 +740,7 @@ static int tx_commit_outer(void) {
       _keel_pm_drain(ph, tc);
     _keel_ph_log_write(ph, tc, tx.lane, seq, 0, e, k);
     _keel_pm_drain(ph, tc); /* committed */
-    _keel_ph_log_apply(ph, tc, tx.lane, e, to_apply(e, k, 0), true);
+    _keel_ph_log_apply(ph, tc, tx.lane, e, to_apply(ph, e, k, 0), true);
   } else {
     /* The new bytes must be durable no later than the commit log: the log
      * vouches for them by checksum (CHK entries), or past the budget a
@@ -734,7 +777,7 @@ static int tx_commit_outer(void) {
     _keel_pm_drain(ph, tc); /* committed */
     /* Applied, flushed and the undo log emptied before commit returns: from
      * then on recovery replays this log whatever its data (log.c). */
-    _keel_ph_log_apply(ph, tc, tx.lane, e, to_apply(e, k, 0), false);
+    _keel_ph_log_apply(ph, tc, tx.lane, e, to_apply(ph, e, k, 0), false);
     uint64_t zero = 0; /* non-temporal: the line is not re-read until the next tx */
     _keel_pm_write_nt(ph, tc, &tx.lane->undo->seq, &zero, 8, PH_S_UNDO_INV);
     _keel_pm_drain(ph, tc);

@@ -1259,8 +1259,10 @@ static void test_set_into_partly_covered_word(void) {
  * in its commit log (tx.c, carry_bodies), and one barrier makes the log and
  * the flushed bodies durable together. The child crashes at that barrier
  * with the log's lines on the media and none of the object's: recovery must
- * bring the body back from the log. (A commit with a barrier of its own
- * before the log fails here too: at barrier 1 no log is written.) */
+ * bring the body back from the log, with the value queued into it by
+ * keel_tx_publish (review, helper-79: nothing checked that one). (A commit
+ * with a barrier of its own before the log fails here too: at barrier 1 no
+ * log is written.) */
 static keel_poff_t g_body_obj;
 static void body_hook(keel_pheap_t *ph, ph_tcache_t *tc) {
   for (unsigned i = 0; i < tc->sim_n; i++) {
@@ -1275,13 +1277,15 @@ static void fn_plain_tx_alloc(void) {
   keel_pheap_t *ph = keel_pheap_open(g_trial, LAYOUT);
   if (ph == NULL) _exit(3);
   root_t *r = keel_pheap_root(ph, sizeof *r);
-  keel_pheap_act_t act;
+  keel_pheap_act_t act[2];
   keel_tx_begin(ph);
   g_body_obj = keel_tx_alloc(64, TYPE);
   if (g_body_obj == 0) _exit(4);
-  memset(keel_pheap_ptr(ph, g_body_obj), 0x5c, 64);
-  keel_pheap_set_value(ph, &act, &r->slot[1], g_body_obj);
-  keel_tx_publish(&act, 1);
+  uint64_t *w = keel_pheap_ptr(ph, g_body_obj);
+  memset(w, 0x5c, 64);
+  keel_pheap_set_value(ph, &act[0], &r->slot[1], g_body_obj);
+  keel_pheap_set_value(ph, &act[1], &w[1], 0x1234); /* into the body: in the log */
+  keel_tx_publish(act, 2);
   _keel_ph_barrier_hook = body_hook;
   keel_tx_commit();
   _exit(6); /* the hook exits first */
@@ -1294,8 +1298,8 @@ static void test_tx_body_rides_in_commit_log(void) {
   keel_pheap_t *ph = crash_one_object(fn_plain_tx_alloc, 0, 0, &x, &r, &s);
   KT_REQUIRE(r->slot[1] != 0);
   KT_EQ(s.n, 2);
-  const unsigned char *b = keel_pheap_ptr(ph, r->slot[1]);
-  for (int i = 0; i < 64; i++) KT_EQ(b[i], 0x5c);
+  const uint64_t *w = keel_pheap_ptr(ph, r->slot[1]);
+  for (int i = 0; i < 8; i++) KT_EQ(w[i], i == 1 ? 0x1234 : 0x5c5c5c5c5c5c5c5cull);
   keel_pheap_close(ph);
   KT_EQ(keel_pheap_check(g_trial), 0);
   unlink(g_trial);
