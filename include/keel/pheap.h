@@ -156,7 +156,8 @@ KEEL_API int keel_pheap_zalloc(keel_pheap_t *ph, keel_poff_t *dest, size_t size,
  * if dest is a word this thread's transaction snapshotted (keel_tx_free). */
 KEEL_API int keel_pheap_free(keel_pheap_t *ph, keel_poff_t *dest);
 
-/* Usable bytes of a live object (at least the size asked for). */
+/* Usable bytes of a live object (at least the size asked for), or of one
+ * this thread's open transaction allocated. */
 KEEL_API size_t keel_pheap_usable_size(keel_pheap_t *ph, keel_poff_t off);
 
 /* The type number an object was allocated with. */

@@ -120,6 +120,8 @@ int keel_pheap_free(keel_pheap_t *ph, keel_poff_t *dest) {
 
 size_t keel_pheap_usable_size(keel_pheap_t *ph, keel_poff_t off) {
   if (ph == NULL || off == 0) return 0;
+  size_t n;
+  if (_keel_ph_tx_new_usable(ph, off, &n)) return n;
   return _keel_ph_usable(ph, _keel_ph_live_class(ph, off, "keel_pheap_usable_size"), off);
 }
 

@@ -568,6 +568,9 @@ size_t _keel_ph_publish_entries(keel_pheap_t *ph, int cls, keel_poff_t off,
  * word at p. An atomic operation's store there would be undone by the
  * transaction's abort, yet replayed by recovery after a crash. */
 bool _keel_ph_tx_snapshots(keel_pheap_t *ph, const void *p) KEEL_HIDDEN;
+/* The usable size of `off` if this thread's open transaction on ph
+ * allocated it (not live until the commit); false otherwise. */
+bool _keel_ph_tx_new_usable(keel_pheap_t *ph, keel_poff_t off, size_t *usable) KEEL_HIDDEN;
 /* Redo entries for n actions into e (capacity cap); -1 if too many. Dies
  * naming `call` if a free's block is no longer live (freed twice). */
 long _keel_ph_acts_entries(keel_pheap_t *ph, const keel_pheap_act_t *acts, size_t n,

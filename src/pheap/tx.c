@@ -261,6 +261,21 @@ bool _keel_ph_tx_snapshots(keel_pheap_t *ph, const void *p) {
   return false;
 }
 
+bool _keel_ph_tx_new_usable(keel_pheap_t *ph, keel_poff_t off, size_t *usable) {
+  if (keel_likely(tx.depth == 0) || tx.ph != ph || tx.aborted || tx.committed) return false;
+  for (size_t i = 0; i < tx.nn; i++) {
+    if (tx.news[i].off != off) continue;
+    if (tx.news[i].cls >= 0) {
+      *usable = _keel_ph_classes[tx.news[i].cls].block - PH_OBJ_HDR;
+    } else { /* huge: the chunk word is written at commit; its length as _keel_ph_mark's */
+      uint64_t size = ((const ph_objhdr_t *)(ph->view.base + off - PH_OBJ_HDR))->size;
+      *usable = (size + PH_OBJ_HDR + PH_CHUNK - 1) / PH_CHUNK * PH_CHUNK - PH_OBJ_HDR;
+    }
+    return true;
+  }
+  return false;
+}
+
 /* The bytes of this transaction's new object i that commit makes durable
  * (flush_new_objects): its requested size, from its header. Not the usable
  * size: the tail past the request is not flushed (so a range there is

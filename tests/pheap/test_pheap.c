@@ -697,6 +697,33 @@ static void test_tx_publish_into_new_object(void) {
   unlink(p);
 }
 
+/* keel_pheap_usable_size of an object the open transaction allocated (not
+ * live until the commit) is what it is after the commit, small or huge; it
+ * used to abort with "not a live object". */
+static void test_tx_new_usable_size(void) {
+  char p[256];
+  tp_path(p, sizeof p, "txusable");
+  keel_pheap_t *ph = keel_pheap_create(p, LAYOUT, 64u << 20, 0);
+  KT_REQUIRE(ph != NULL);
+  root_t *r = keel_pheap_root(ph, sizeof *r);
+  static const size_t sizes[] = {1, 64, 100, 5000, 700u << 10, 3u << 20};
+  size_t during[6];
+  KT_EQ(keel_tx_begin(ph), 0);
+  KT_EQ(keel_tx_add_range(r->slot, sizeof sizes / sizeof sizes[0] * sizeof r->slot[0]), 0);
+  for (int i = 0; i < 6; i++) {
+    r->slot[i] = keel_tx_alloc(sizes[i], 1);
+    KT_REQUIRE(r->slot[i] != 0);
+    during[i] = keel_pheap_usable_size(ph, r->slot[i]);
+    KT_CHECK(during[i] >= sizes[i]);
+  }
+  KT_EQ(keel_tx_commit(), 0);
+  KT_EQ(keel_tx_end(), 0);
+  for (int i = 0; i < 6; i++) KT_EQ(keel_pheap_usable_size(ph, r->slot[i]), during[i]);
+  keel_pheap_close(ph);
+  KT_EQ(keel_pheap_check(p), 0);
+  unlink(p);
+}
+
 static void test_tx_out_of_space_aborts(void) {
   char p[256];
   tp_path(p, sizeof p, "txfull");
@@ -2883,20 +2910,20 @@ KT_MAIN(KT_CASE(test_create_open_close), KT_CASE(test_bad_wrong_layout),
         KT_CASE(test_misaligned_and_wrapping), KT_CASE(test_add_range_on_new_huge_object),
         KT_CASE(test_persist_waits_for_logs_in_flight), KT_CASE(test_reserve_publish_cancel),
         KT_CASE(test_tx_commit_abort_nested), KT_CASE(test_tx_publish_and_zalloc),
-        KT_CASE(test_tx_publish_into_new_object), KT_CASE(test_tx_out_of_space_aborts),
-        KT_CASE(test_tx_undo_overflow), KT_CASE(test_tx_undo_overflow_out_of_space),
-        KT_CASE(test_lazy_rebuild_on_open), KT_CASE(test_deferred_checkpoints),
-        KT_CASE(test_deferrer_on_sched_cancelled), KT_CASE(test_full_pool_free_never_fails),
-        KT_CASE(test_arenas_separate), KT_CASE(test_arenas_adopt_after_reopen),
-        KT_CASE(test_arenas_fixed_pool_shares), KT_CASE(test_arenas_adopt_concurrent),
-        KT_CASE(test_arenas_full_pool_steals), KT_CASE(test_full_filesystem),
-        KT_CASE(test_open_reserves_holes), KT_CASE(test_open_finds_hidden_holes),
-        KT_CASE(test_grow), KT_CASE(test_barrier_counts), KT_CASE(test_tx_counts_per_thread),
-        KT_CASE(test_tx_counts_thread_exit), KT_CASE(test_check_detects_corruption),
-        KT_CASE(test_stress_threads), KT_CASE(test_tx_cache_not_evicted),
-        KT_CASE(test_close_while_other_thread_caches), KT_CASE(test_classes_fragmentation),
-        KT_CASE(test_huge_objects), KT_CASE(test_huge_limits), KT_CASE(test_grow_into_next_zone),
-        KT_CASE(test_atomic_op_in_tx_all_lanes_busy),
+        KT_CASE(test_tx_publish_into_new_object), KT_CASE(test_tx_new_usable_size),
+        KT_CASE(test_tx_out_of_space_aborts), KT_CASE(test_tx_undo_overflow),
+        KT_CASE(test_tx_undo_overflow_out_of_space), KT_CASE(test_lazy_rebuild_on_open),
+        KT_CASE(test_deferred_checkpoints), KT_CASE(test_deferrer_on_sched_cancelled),
+        KT_CASE(test_full_pool_free_never_fails), KT_CASE(test_arenas_separate),
+        KT_CASE(test_arenas_adopt_after_reopen), KT_CASE(test_arenas_fixed_pool_shares),
+        KT_CASE(test_arenas_adopt_concurrent), KT_CASE(test_arenas_full_pool_steals),
+        KT_CASE(test_full_filesystem), KT_CASE(test_open_reserves_holes),
+        KT_CASE(test_open_finds_hidden_holes), KT_CASE(test_grow), KT_CASE(test_barrier_counts),
+        KT_CASE(test_tx_counts_per_thread), KT_CASE(test_tx_counts_thread_exit),
+        KT_CASE(test_check_detects_corruption), KT_CASE(test_stress_threads),
+        KT_CASE(test_tx_cache_not_evicted), KT_CASE(test_close_while_other_thread_caches),
+        KT_CASE(test_classes_fragmentation), KT_CASE(test_huge_objects), KT_CASE(test_huge_limits),
+        KT_CASE(test_grow_into_next_zone), KT_CASE(test_atomic_op_in_tx_all_lanes_busy),
         KT_CASE(test_cross_pool_atomic_ops_all_lanes_busy),
         KT_CASE(test_root_while_transactions_hold_lanes),
         KT_CASE(test_tx_stress_wraps_and_full_logs), KT_CASE(test_deferrer_calls_back_into_pool),
