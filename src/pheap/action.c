@@ -275,7 +275,7 @@ void keel_pheap_persist(keel_pheap_t *ph, const void *p, size_t len) {
   _keel_ph_not_in_flight(ph, "keel_pheap_persist"); /* it would wait for its own log */
   ph_tcache_t *tc = _keel_ph_tcache(ph);
   if (tc == NULL) keel_die("keel_pheap_persist", "out of memory for the thread cache");
-  _keel_pm_flush(ph, tc, p, len, PH_S_NONE);
+  _keel_pm_flush(ph, tc, p, len, PH_S_PERSIST);
   _keel_pm_drain(ph, tc);
   /* A plain store may overwrite a word an atomic operation's log (still
    * above the watermark) sets, or any byte of a small object a transaction

@@ -465,7 +465,7 @@ static int __boot_one(keel_pheap_t *ph, ph_tcache_t *tc) {
       free(r->vfree);
       free(r);
       keel_store_release(ATOMIC64(ph_cword(ph, c)), 0);
-      _keel_pm_flush(ph, tc, ph_cword(ph, c), 8, PH_S_NONE);
+      _keel_pm_flush(ph, tc, ph_cword(ph, c), 8, PH_S_GIVEBACK);
       _keel_pm_drain(ph, tc);
       memset(ph->chunk_free + c, 1, len);
     } else {

@@ -66,7 +66,8 @@
  * (a torn commit log is retired: its seq zeroed); (2) processed in seq
  * order: logs replayed, undo logs rolled back newest entry first, overflow
  * chain included; (3) barrier; (4) undo logs
- * emptied, barrier; (5) the watermark raised past every log, barrier. A crash
+ * emptied, barrier; (5) the watermark raised past every log, made durable by
+ * open's next barrier, which writes the new epoch in the same line. A crash
  * in recovery leaves the same logs to replay next time.
  */
 #include <sched.h>
@@ -425,7 +426,7 @@ static void checkpoint_locked(keel_pheap_t *ph, ph_tcache_t *tc) {
   _keel_pm_drain(ph, tc);
   if (w > ph->hdr->ckpt_seq) {
     keel_store_relaxed(ATOMIC64(&ph->hdr->ckpt_seq), w);
-    _keel_pm_flush(ph, tc, &ph->hdr->ckpt_seq, 8, PH_S_NONE);
+    _keel_pm_flush(ph, tc, &ph->hdr->ckpt_seq, 8, PH_S_WMARK);
     _keel_pm_drain(ph, tc);
     keel_store_release(&ph->ckpt_seq, w);
   }
@@ -699,7 +700,7 @@ int _keel_ph_recover(keel_pheap_t *ph, ph_tcache_t *tc) {
            * sweep: a rolled-back tx_free cleared the bit of an object its
            * restored pointer still names). */
           keel_store_relaxed(ATOMIC64(&((ph_redo_t *)r)->seq), 0);
-          _keel_pm_flush(ph, tc, r, 8, PH_S_NONE);
+          _keel_pm_flush(ph, tc, r, 8, PH_S_REC_TORN);
           continue;
         }
         committed = true;
@@ -730,15 +731,13 @@ int _keel_ph_recover(keel_pheap_t *ph, ph_tcache_t *tc) {
     ph_lane_t *l = &ph->lanes[i];
     if (l->undo->seq) {
       l->undo->seq = 0;
-      _keel_pm_flush(ph, tc, l->undo, 8, PH_S_NONE);
+      _keel_pm_flush(ph, tc, l->undo, 8, PH_S_REC_UNDO);
     }
   }
   _keel_pm_drain(ph, tc);
-  if (top > w) {
-    ph->hdr->ckpt_seq = top;
-    _keel_pm_flush(ph, tc, &ph->hdr->ckpt_seq, 8, PH_S_NONE);
-    _keel_pm_drain(ph, tc);
-  }
+  /* Durable with open's new epoch, the next barrier (pool.c); a crash
+   * before it replays the same logs again. */
+  if (top > w) ph->hdr->ckpt_seq = top;
   free(items);
   return (int)n;
 }

@@ -398,6 +398,13 @@ enum ph_site {
   PH_S_RUN,      /* run header + bitmap before the chunk word */
   PH_S_CKPT,     /* deferred lines at a checkpoint */
   PH_S_SNAPSHOT, /* not a flush: the snapshot copy in keel_tx_add_range */
+  PH_S_PERSIST,  /* keel_pheap_persist's range */
+  PH_S_GIVEBACK, /* an empty run's chunk word, given back */
+  PH_S_WMARK,    /* the watermark a checkpoint raises */
+  PH_S_EPOCH,    /* the epoch open raises */
+  PH_S_GROW,     /* the size word growth raises */
+  PH_S_REC_TORN, /* recovery: a torn commit log retired */
+  PH_S_REC_UNDO, /* recovery: an undo log emptied */
   PH_S_COUNT
 };
 extern int _keel_ph_fault KEEL_HIDDEN; /* site to skip, PH_S_NONE normally */

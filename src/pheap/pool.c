@@ -188,7 +188,12 @@ static keel_pheap_t *ph_start(const char *path, int fd, uint64_t size, unsigned 
   /* A new epoch: every seq of this session is above every log on media
    * (and above the watermark), so no stale log can ever pass for a new one. */
   ph->hdr->epoch++;
-  _keel_pm_flush(ph, tc, &ph->hdr->epoch, 8, PH_S_NONE);
+  /* One barrier for the epoch and the watermark recovery raised (adjacent
+   * words of one line): no operation of this session runs before it, and a
+   * crash before it makes the next open replay the same logs again. */
+  _Static_assert(offsetof(ph_header_t, ckpt_seq) == offsetof(ph_header_t, epoch) + 8,
+                 "epoch and ckpt_seq are flushed as one range");
+  _keel_pm_flush(ph, tc, &ph->hdr->epoch, 16, PH_S_EPOCH);
   _keel_pm_drain(ph, tc);
   keel_store_relaxed(&ph->seq, ph->hdr->epoch << 40);
   keel_store_relaxed(&ph->ckpt_seq, ph->hdr->ckpt_seq);
@@ -433,7 +438,7 @@ int __keel_ph_grow(keel_pheap_t *ph, ph_tcache_t *tc, uint32_t need) {
   if (map_tail(ph, old, size, false) != 0) return KEEL_ENOSPC;
   keel_store_relaxed(&ph->size, size);
   ph->hdr->size_word = _keel_ph_size_word(size);
-  _keel_pm_flush(ph, tc, &ph->hdr->size_word, 8, PH_S_NONE);
+  _keel_pm_flush(ph, tc, &ph->hdr->size_word, 8, PH_S_GROW);
   _keel_pm_drain(ph, tc);
   uint32_t n = _keel_ph_chunks_for(ph->hdr->heap_off, size);
   for (uint32_t c = have; c < n; c++) ph->chunk_free[c] = 1;

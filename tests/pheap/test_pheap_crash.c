@@ -616,6 +616,232 @@ static void test_crash_points_sim_media(void) {
   unlink(g_trial);
 }
 
+/* ---- flush sites the sweep's workload does not reach: a scenario each ----
+ * Each runs its children with g_site_fault as the skipped flush (PH_S_NONE:
+ * none) on simulated media, where only drained lines reach the file and a
+ * child's _exit is a crash, and returns the first violation or NULL. The
+ * parent verifies with the offline check before it opens anything, since a
+ * pool the fault broke may make open's own checks abort. */
+static int g_site_fault;
+static keel_poff_t g_site_obj;
+
+static keel_pheap_t *site_open(void) {
+  _keel_ph_sim_next = true;
+  _keel_ph_fault = g_site_fault;
+  keel_pheap_t *ph = keel_pheap_open(g_trial, LAYOUT);
+  if (ph == NULL) _exit(3);
+  return ph;
+}
+
+static void site_fresh(void) {
+  unlink(g_trial);
+  keel_pheap_t *ph = keel_pheap_create(g_trial, LAYOUT, KEEL_PHEAP_MIN_SIZE, 0);
+  KT_REQUIRE(ph != NULL);
+  KT_REQUIRE(keel_pheap_root(ph, sizeof(root_t)) != NULL);
+  keel_pheap_close(ph);
+}
+
+/* After the children: the offline check, then open, the live objects and
+ * the slots. want[i] < 0: slot i holds an object; 0: it is empty. */
+static const char *site_verify(const int *want, int nwant) {
+  static char why[256];
+  if (keel_pheap_check(g_trial) != 0) {
+    snprintf(why, sizeof why, "check: %s", keel_pheap_errmsg());
+    return why;
+  }
+  keel_pheap_t *ph = keel_pheap_open(g_trial, LAYOUT);
+  if (ph == NULL) return "reopen failed";
+  root_t *r = keel_pheap_root(ph, sizeof *r);
+  offs_t s = {.n = 0};
+  keel_pheap_foreach(ph, KEEL_PHEAP_ANY_TYPE, collect, &s);
+  int live = 0;
+  const char *bad = NULL;
+  for (int i = 0; i < nwant && !bad; i++) {
+    if ((r->slot[i] != 0) != (want[i] != 0)) bad = "a slot is not as the operations left it";
+    live += want[i] != 0;
+  }
+  if (!bad && s.n != live) bad = "the heap walk does not count the reachable objects";
+  if (!bad && r->c[0] != r->c[1]) bad = "a counter is not as the operations left it";
+  keel_pheap_close(ph);
+  return bad;
+}
+
+static const char *site_run(void (*a)(void), void (*b)(void), const int *want, int nwant) {
+  site_fresh();
+  int rc = run_child(a);
+  if (rc != 0 && rc != 77) return "first child failed";
+  if (b != NULL) {
+    rc = run_child(b);
+    if (rc != 0 && rc != 77) return "second child failed";
+  }
+  return site_verify(want, nwant);
+}
+
+/* The size word: 16 objects of 1 MiB grow an 8 MiB pool; the crash that
+ * follows must find them all inside it. */
+static void site_grow_a(void) {
+  keel_pheap_t *ph = site_open();
+  root_t *r = keel_pheap_root(ph, sizeof *r);
+  for (int i = 0; i < NS; i++)
+    if (keel_pheap_alloc(ph, &r->slot[i], 1u << 20, TYPE) != 0) _exit(4);
+  _exit(0);
+}
+static const char *site_grow(void) {
+  int want[NS];
+  for (int i = 0; i < NS; i++) want[i] = -1;
+  return site_run(site_grow_a, NULL, want, NS);
+}
+
+/* The watermark a checkpoint raises. One lane, a ring of 8 lines: logs of 2
+ * lines (alloc, free) fill it; the free of X wraps it (checkpoint), and a
+ * 3-line publish wraps it early again, overwriting that free's log while
+ * the older log that allocated X, further along, survives. With the
+ * watermark left behind on the media, recovery replays that log and X is
+ * back in its slot. */
+static void site_wmark_a(void) {
+  _keel_ph_ring_limit = 8;
+  keel_pheap_t *ph = site_open();
+  root_t *r = keel_pheap_root(ph, sizeof *r);
+  for (int i = 0; i < 4; i++) /* lines 0-7 */
+    if (keel_pheap_alloc(ph, &r->slot[i], 64, TYPE) != 0) _exit(4);
+  keel_pheap_free(ph, &r->slot[3]); /* wraps: lines 0-1 */
+  for (int i = 4; i < 6; i++)       /* lines 2-5 */
+    if (keel_pheap_alloc(ph, &r->slot[i], 64, TYPE) != 0) _exit(4);
+  keel_pheap_act_t a[4];
+  for (int i = 0; i < 2; i++) {
+    if (keel_pheap_reserve(ph, &a[2 * i], 64, TYPE) != 0) _exit(4);
+    keel_pheap_set_value(ph, &a[2 * i + 1], &r->slot[6 + i], a[2 * i].off);
+  }
+  if (keel_pheap_publish(ph, a, 4) != 0) _exit(4); /* 3 lines: wraps to 0-2 */
+  _exit(0);
+}
+static const char *site_wmark(void) {
+  static const int want[] = {-1, -1, -1, 0, -1, -1, -1, -1};
+  return site_run(site_wmark_a, NULL, want, 8);
+}
+
+/* Recovery's undo emptying: a crash inside a transaction leaves its undo
+ * log; the next open rolls it back, and a later plain store made durable
+ * with keel_pheap_persist must not be rolled back by the open after. */
+static void site_undo_a(void) {
+  keel_pheap_t *ph = site_open();
+  root_t *r = keel_pheap_root(ph, sizeof *r);
+  keel_tx_begin(ph);
+  if (keel_tx_add_range(&r->c[0], 8) != 0) _exit(4);
+  r->c[0] = 111;
+  _exit(0);
+}
+static void site_undo_b(void) {
+  keel_pheap_t *ph = site_open();
+  root_t *r = keel_pheap_root(ph, sizeof *r);
+  if (r->c[0] != 0) _exit(5); /* rolled back */
+  r->c[0] = r->c[1] = 7;
+  keel_pheap_persist(ph, r->c, sizeof r->c);
+  _exit(0);
+}
+static const char *site_rec_undo(void) {
+  return site_run(site_undo_a, site_undo_b, NULL, 0);
+}
+
+/* Recovery's watermark: an atomic alloc's log left by a crash is replayed at
+ * the next open; the slot it set is then cleared by a plain store made
+ * durable with keel_pheap_persist (the object moved to another slot), which
+ * the open after must not see undone. */
+static void site_rwm_a(void) {
+  keel_pheap_t *ph = site_open();
+  root_t *r = keel_pheap_root(ph, sizeof *r);
+  if (keel_pheap_alloc(ph, &r->slot[0], 64, TYPE) != 0) _exit(4);
+  _exit(0);
+}
+static void site_rwm_b(void) {
+  keel_pheap_t *ph = site_open();
+  root_t *r = keel_pheap_root(ph, sizeof *r);
+  if (r->slot[0] == 0) _exit(5);
+  r->slot[1] = r->slot[0];
+  r->slot[0] = 0;
+  keel_pheap_persist(ph, r->slot, 2 * sizeof r->slot[0]);
+  _exit(0);
+}
+static const char *site_rec_wmark(void) {
+  static const int want[] = {0, -1};
+  return site_run(site_rwm_a, site_rwm_b, want, 2);
+}
+
+/* Recovery's retiring of a torn commit log. The first child crashes at a
+ * transaction's commit barrier with the commit log on the media but not the
+ * data it vouches for (torn: recovery rolls the transaction back). The
+ * second crashes in that recovery just before the watermark reaches the
+ * media, the undo log emptied. The third open must not take the torn log,
+ * now without its undo log beside it, for a finished commit. */
+static void torn_hook(keel_pheap_t *ph, ph_tcache_t *tc) {
+  root_t *r = keel_pheap_ptr(ph, ph->hdr->root_off);
+  uint64_t rlo = (uint64_t)((char *)r - ph->view.base), rhi = rlo + sizeof *r;
+  for (unsigned i = 0; i < tc->sim_n; i++) {
+    uint64_t line = tc->sim_lines[i];
+    bool data = (line + PH_LINE > rlo && line < rhi) ||
+                (line + PH_LINE > g_site_obj - PH_OBJ_HDR && line < g_site_obj + 64);
+    if (!data && pwrite(ph->fd, ph->view.base + line, PH_LINE, (off_t)line) != PH_LINE) _exit(5);
+  }
+  _exit(77);
+}
+static void site_torn_a(void) {
+  keel_pheap_t *ph = site_open();
+  root_t *r = keel_pheap_root(ph, sizeof *r);
+  keel_tx_begin(ph);
+  if (keel_tx_add_range(r->c, sizeof r->c) != 0) _exit(4);
+  r->c[0] = r->c[1] = 111;
+  if (keel_tx_add_range(&r->slot[0], 8) != 0) _exit(4);
+  g_site_obj = r->slot[0] = keel_tx_alloc(64, TYPE);
+  if (g_site_obj == 0) _exit(4);
+  _keel_ph_barrier_hook = torn_hook;
+  keel_tx_commit();
+  _exit(6);
+}
+static void wmark_hook(keel_pheap_t *ph, ph_tcache_t *tc) {
+  uint64_t line = offsetof(ph_header_t, ckpt_seq) & ~(uint64_t)(PH_LINE - 1), onfile;
+  if (pread(ph->fd, &onfile, 8, (off_t)offsetof(ph_header_t, ckpt_seq)) != 8) _exit(5);
+  if (onfile == ph->hdr->ckpt_seq) return;
+  for (unsigned i = 0; i < tc->sim_n; i++)
+    if (tc->sim_lines[i] == line) _exit(77); /* the watermark's drain: nothing of it written */
+}
+static void site_torn_b(void) {
+  _keel_ph_barrier_hook = wmark_hook;
+  site_open();
+  _exit(6); /* the hook exits first */
+}
+static const char *site_rec_torn(void) {
+  static const int want[] = {0};
+  return site_run(site_torn_a, site_torn_b, want, 1);
+}
+
+/* Each scenario holds with every flush, and fails without its own. */
+static void test_flush_sites_outside_the_sweep(void) {
+  static const struct {
+    int site;
+    const char *name;
+    const char *(*run)(void);
+  } sites[] = {
+      {PH_S_GROW, "size word at growth", site_grow},
+      {PH_S_WMARK, "checkpoint watermark", site_wmark},
+      {PH_S_REC_UNDO, "recovery undo emptying", site_rec_undo},
+      {PH_S_EPOCH, "epoch (+ recovery watermark)", site_rec_wmark},
+      {PH_S_REC_TORN, "recovery torn-log retire", site_rec_torn},
+  };
+  tp_path(g_trial, sizeof g_trial, "sites");
+  for (size_t i = 0; i < KEEL_ARRAY_SIZE(sites); i++) {
+    g_site_fault = PH_S_NONE;
+    const char *why = sites[i].run();
+    if (why) kt_fail(__FILE__, __LINE__, "%s, every flush in place: %s", sites[i].name, why);
+    g_site_fault = sites[i].site;
+    why = sites[i].run();
+    printf("  without the %-28s flush: %s\n", sites[i].name, why ? why : "NOT detected");
+    if (why == NULL)
+      kt_fail(__FILE__, __LINE__, "removing the %s flush went unnoticed", sites[i].name);
+  }
+  g_site_fault = PH_S_NONE;
+  unlink(g_trial);
+}
+
 /* Removing one flush (or the snapshot copy) must make the sweep fail. Sites
  * a single-threaded workload cannot expose are listed and reported. */
 static void test_mutation_removing_a_flush_fails(void) {
@@ -636,6 +862,12 @@ static void test_mutation_removing_a_flush_fails(void) {
       {PH_S_CKPT, "checkpoint", true},
       /* Found once recovery, crashed again, runs without it too. */
       {PH_S_ROLLBACK, "rollback restore", true},
+      {PH_S_PERSIST, "persist", true},
+      {PH_S_GIVEBACK, "empty run give-back", true},
+      {PH_S_EPOCH, "epoch", true},
+      /* The rest (the checkpoint's watermark, growth, recovery's undo
+       * emptying and torn-log retiring) need a set-up of their own:
+       * test_flush_sites_outside_the_sweep. */
   };
   make_base();
   for (size_t i = 0; i < KEEL_ARRAY_SIZE(sites); i++) {
@@ -1716,8 +1948,8 @@ static void test_huge_objects_crash_points(void) {
 
 KT_MAIN(KT_CASE(test_torn_commit_log_not_replayed_after_recovery_crash),
         KT_CASE(test_crash_points_mmap), KT_CASE(test_crash_points_sim_media),
-        KT_CASE(test_mutation_removing_a_flush_fails), KT_CASE(test_store_outside_tx_detected),
-        KT_CASE(test_stale_commit_log_after_ring_wrap),
+        KT_CASE(test_mutation_removing_a_flush_fails), KT_CASE(test_flush_sites_outside_the_sweep),
+        KT_CASE(test_store_outside_tx_detected), KT_CASE(test_stale_commit_log_after_ring_wrap),
         KT_CASE(test_checkpoint_between_commit_and_undo_emptying),
         KT_CASE(test_tx_alloc_header_survives_older_alloc_log),
         KT_CASE(test_tx_past_chk_budget_keeps_its_stores),
