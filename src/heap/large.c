@@ -378,11 +378,8 @@ void _keel_large_free(keel_segment_t *seg) {
     }
     pthread_mutex_unlock(&large_lock);
   }
-  if (!cached) {
-    release(seg);
-  } else {
-    _keel_purge_schedule();
-  }
+  if (!cached) release(seg);
+  _keel_purge_schedule();
 }
 
 void *_keel_large_realloc(keel_segment_t *seg, size_t size) {

@@ -28,6 +28,17 @@
  * which may be us. After fork the child has no purge thread; the next
  * schedule in the child starts one.
  *
+ * Not in a process with one thread (glibc's __libc_single_threaded, false
+ * for good from its first pthread_create): a thread of ours would make it
+ * multi-threaded behind its back, and then unshare(CLONE_NEWUSER) fails
+ * with EINVAL, a seccomp filter that forbids clone kills it with SIGSYS, a
+ * fork-heavy program pays for a second thread's atfork locking. Its
+ * collections run inline instead, at most once a tick, in the slow paths
+ * that call _keel_purge_schedule (no lock held). The price: what such a
+ * process frees and then leaves alone while it sleeps stays resident until
+ * its next call into those paths (mimalloc's purge behaves so always). The
+ * thread starts at the first schedule after the process gains a thread.
+ *
  * It ends when it finds itself the process's last live thread (main returned
  * through pthread_exit, or a child forked from another thread let that one
  * end): glibc then exits the process, atexit handlers and stdio flushes
@@ -45,9 +56,11 @@
 #include <pthread.h>
 #include <signal.h>
 #include <string.h>
+#include <sys/single_threaded.h>
 #include <time.h>
 #include <unistd.h>
 
+#include "base/clock.h"
 #include "base/options.h"
 #include "heap/internal.h"
 
@@ -83,6 +96,18 @@ static bool only_thread(void) {
   return (p[1] == '1' && p[2] == ' ') || (p[1] == '2' && p[2] == ' ' && state == 'Z');
 }
 
+/* The purge period: a quarter of heap_purge_ms, within [10 ms, 1 s]. */
+static int64_t tick_ms(void) {
+  int64_t tick = _keel_option(KEEL_OPT_heap_purge_ms) / 4;
+  return tick < 10 ? 10 : tick > 1000 ? 1000 : tick;
+}
+
+static void collect_all(void) {
+  _keel_heaps_collect(false);
+  _keel_segments_collect(false);
+  _keel_large_collect(false);
+}
+
 static void *purge_main(void *arg) {
   (void)arg;
   for (;;) {
@@ -91,22 +116,31 @@ static void *purge_main(void *arg) {
       keel_store_relaxed(&bg_state, BG_NONE);
       return NULL; /* glibc's exit(0) for the last thread */
     }
-    int64_t delay = _keel_option(KEEL_OPT_heap_purge_ms);
-    int64_t tick = delay / 4;
-    if (tick < 10) tick = 10;
-    if (tick > 1000) tick = 1000;
+    int64_t tick = tick_ms();
     struct timespec ts = {(time_t)(tick / 1000), (long)(tick % 1000) * 1000000L};
     nanosleep(&ts, NULL);
-    _keel_heaps_collect(false);
-    _keel_segments_collect(false);
-    _keel_large_collect(false);
+    collect_all();
   }
   return NULL;
+}
+
+/* The single-threaded process's tick (see the file comment). The deadline
+ * moves before the collection, which may come back here. */
+static uint64_t inline_next_ms;
+static void purge_inline(void) {
+  uint64_t now = keel_clock_coarse_ms();
+  if (now < inline_next_ms) return;
+  inline_next_ms = now + (uint64_t)tick_ms();
+  collect_all();
 }
 
 void _keel_purge_schedule(void) {
   if (keel_likely(keel_load_relaxed(&bg_state) != BG_NONE)) return;
   if (!keel_load_relaxed(&work_noted)) return;
+  if (__libc_single_threaded) {
+    purge_inline();
+    return;
+  }
   int expected = BG_NONE;
   if (!keel_cas_strong_acq_rel(&bg_state, &expected, BG_STARTING)) return;
   sigset_t all, old;

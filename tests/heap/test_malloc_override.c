@@ -21,6 +21,7 @@
 #include <link.h>
 #include <malloc.h>
 #include <pthread.h>
+#include <sched.h>
 #include <signal.h>
 #include <stdbool.h>
 #include <stdint.h>
@@ -736,6 +737,62 @@ static void last_thread_ends_process(void) {
   KT_CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0);
 }
 
+/* `--single-thread`: a process with one thread frees 64 MiB for a delayed
+ * purge and goes on calling the allocator now and then. keel starts no
+ * thread of its own there (one would make unshare(CLONE_NEWUSER) fail with
+ * EINVAL, and a seccomp filter without clone kill the process), yet the
+ * memory is purged, inline, by those later calls. Once the process has
+ * started a thread, the next free starts the purge thread. */
+static int threads_now(void) {
+  FILE *f = fopen("/proc/self/status", "r");
+  char line[256];
+  int n = -1;
+  while (f != NULL && fgets(line, sizeof line, f) != NULL)
+    if (sscanf(line, "Threads: %d", &n) == 1) break;
+  if (f != NULL) fclose(f);
+  return n;
+}
+static void *idle_worker(void *arg) {
+  return arg;
+}
+static int single_thread_main(void) {
+  enum { N = 4096 };
+  static void *p[N];
+  for (int i = 0; i < N; i++) memset(p[i] = malloc(16 << 10), 1, 16 << 10);
+  size_t rss0 = kt_rss_kb();
+  for (int i = 0; i < N; i++) free(p[i]);
+  double end = kt_now() + 3;
+  size_t rss1 = rss0;
+  while (kt_now() < end && (rss1 = kt_rss_kb()) + 32 * 1024 > rss0) {
+    /* A large free: one of the slow paths that purge inline (volatile: gcc
+     * drops a malloc whose block is only freed). */
+    void *volatile q = malloc(8 * MiB);
+    free(q);
+    usleep(20 * 1000);
+  }
+  int t1 = threads_now();
+  errno = 0;
+  int un = unshare(CLONE_NEWUSER); /* EPERM where user namespaces are off */
+  int un_errno = errno;
+  pthread_t t;
+  pthread_create(&t, NULL, idle_worker, NULL);
+  pthread_join(t, NULL);
+  void *volatile q = malloc(8 * MiB);
+  free(q);
+  int t2 = threads_now();
+  printf("threads %d, rss %zu -> %zu KiB, unshare %d (%s), then %d threads\n", t1, rss0, rss1, un,
+         strerror(un_errno), t2);
+  return t1 == 1 && rss1 + 32 * 1024 <= rss0 && !(un != 0 && un_errno == EINVAL) && t2 == 2 ? 0 : 1;
+}
+
+static void single_thread_gets_no_purge_thread(void) {
+  char buf[4096];
+  int status = 0;
+  KT_REQUIRE(run_self("--single-thread", 20000, &status, buf, sizeof buf));
+  printf("  %s", buf);
+  KT_CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+}
+
 /* ---- libkeel.so is dlopen-able --------------------------------------- */
 
 static void *(*g_k_malloc)(size_t);
@@ -811,12 +868,14 @@ static const kt_case_t cases[] = {
     KT_CASE(stats_option_under_ld_preload),
     KT_CASE(libkeel_dlopen_without_static_tls),
     KT_CASE(last_thread_ends_process),
+    KT_CASE(single_thread_gets_no_purge_thread),
 };
 
 int main(int argc, char **argv) {
   /* `--child`: the program run with KEEL_OPTIONS=stats=1 by a case above. */
   if (argc > 1 && strcmp(argv[1], "--child") == 0) return child_main();
   if (argc > 1 && strcmp(argv[1], "--pthread-exit") == 0) return pthread_exit_main();
+  if (argc > 1 && strcmp(argv[1], "--single-thread") == 0) return single_thread_main();
   if (argc > 1 && strcmp(argv[1], "--fork-pthread-exit") == 0) return fork_pthread_exit_main();
   return kt_main(argc, argv, cases, sizeof(cases) / sizeof(cases[0]));
 }
