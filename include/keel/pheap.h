@@ -157,7 +157,9 @@ KEEL_API int keel_pheap_zalloc(keel_pheap_t *ph, keel_poff_t *dest, size_t size,
 KEEL_API int keel_pheap_free(keel_pheap_t *ph, keel_poff_t *dest);
 
 /* Usable bytes of a live object (at least the size asked for), or of one
- * this thread's open transaction allocated. */
+ * this thread's open transaction allocated or will publish. In such an
+ * object, bytes past the size asked for are made durable by the commit only
+ * if keel_tx_add_range names them. */
 KEEL_API size_t keel_pheap_usable_size(keel_pheap_t *ph, keel_poff_t off);
 
 /* The type number an object was allocated with. */

@@ -409,6 +409,14 @@ int _keel_ph_live_class(keel_pheap_t *ph, keel_poff_t off, const char *call) {
   return (int)r->cls;
 }
 
+size_t _keel_ph_usable_new(keel_pheap_t *ph, int cls, keel_poff_t off) {
+  if (cls >= 0) return _keel_ph_classes[cls].block - PH_OBJ_HDR;
+  /* Huge: its chunk word is written by the publish; the length as
+   * _keel_ph_mark will write it. */
+  uint64_t size = ((const ph_objhdr_t *)(ph->view.base + off - PH_OBJ_HDR))->size;
+  return (size + PH_OBJ_HDR + PH_CHUNK - 1) / PH_CHUNK * PH_CHUNK - PH_OBJ_HDR;
+}
+
 size_t _keel_ph_usable(keel_pheap_t *ph, int cls, keel_poff_t off) {
   if (cls >= 0) return _keel_ph_classes[cls].block - PH_OBJ_HDR;
   uint64_t w = *ph_cword(ph, _keel_ph_chunk_at(ph, off - PH_OBJ_HDR));

@@ -483,6 +483,8 @@ ph_redo_entry_t _keel_ph_mark(keel_pheap_t *ph, int cls, keel_poff_t off, bool a
  * `call` in the message otherwise. */
 int _keel_ph_live_class(keel_pheap_t *ph, keel_poff_t off, const char *call) KEEL_HIDDEN;
 size_t _keel_ph_usable(keel_pheap_t *ph, int cls, keel_poff_t off) KEEL_HIDDEN;
+/* The same for a block of class cls taken but not yet published. */
+size_t _keel_ph_usable_new(keel_pheap_t *ph, int cls, keel_poff_t off) KEEL_HIDDEN;
 /* Writes the object header and flushes it (and zeroes the body if asked). */
 void _keel_ph_init_obj(keel_pheap_t *ph, ph_tcache_t *tc, keel_poff_t off, size_t size,
                        uint64_t type, bool zero, bool flush) KEEL_HIDDEN;

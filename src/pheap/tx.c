@@ -265,14 +265,14 @@ bool _keel_ph_tx_new_usable(keel_pheap_t *ph, keel_poff_t off, size_t *usable) {
   if (keel_likely(tx.depth == 0) || tx.ph != ph || tx.aborted || tx.committed) return false;
   for (size_t i = 0; i < tx.nn; i++) {
     if (tx.news[i].off != off) continue;
-    if (tx.news[i].cls >= 0) {
-      *usable = _keel_ph_classes[tx.news[i].cls].block - PH_OBJ_HDR;
-    } else { /* huge: the chunk word is written at commit; its length as _keel_ph_mark's */
-      uint64_t size = ((const ph_objhdr_t *)(ph->view.base + off - PH_OBJ_HDR))->size;
-      *usable = (size + PH_OBJ_HDR + PH_CHUNK - 1) / PH_CHUNK * PH_CHUNK - PH_OBJ_HDR;
-    }
+    *usable = _keel_ph_usable_new(ph, tx.news[i].cls, off);
     return true;
   }
+  for (size_t i = 0; i < tx.na; i++) /* a reservation published with the transaction */
+    if (tx.acts[i].kind == PH_ACT_RESERVE && tx.acts[i].off == off) {
+      *usable = _keel_ph_usable_new(ph, (int)tx.acts[i].cls, off);
+      return true;
+    }
   return false;
 }
 

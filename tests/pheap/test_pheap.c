@@ -697,9 +697,10 @@ static void test_tx_publish_into_new_object(void) {
   unlink(p);
 }
 
-/* keel_pheap_usable_size of an object the open transaction allocated (not
- * live until the commit) is what it is after the commit, small or huge; it
- * used to abort with "not a live object". */
+/* keel_pheap_usable_size of an object the open transaction allocated, or a
+ * reservation it will publish (neither live until the commit), is what it
+ * is after the commit, small or huge; it used to abort with "not a live
+ * object" (the reservation: review, helper-80). */
 static void test_tx_new_usable_size(void) {
   char p[256];
   tp_path(p, sizeof p, "txusable");
@@ -716,9 +717,19 @@ static void test_tx_new_usable_size(void) {
     during[i] = keel_pheap_usable_size(ph, r->slot[i]);
     KT_CHECK(during[i] >= sizes[i]);
   }
+  /* A reservation published with the transaction. */
+  keel_pheap_act_t a[2];
+  KT_EQ(keel_pheap_reserve(ph, &a[0], 300, 1), 0);
+  keel_poff_t res = a[0].off;
+  keel_pheap_set_value(ph, &a[1], &r->slot[6], res);
+  KT_EQ(keel_tx_publish(a, 2), 0);
+  size_t res_during = keel_pheap_usable_size(ph, res);
+  KT_CHECK(res_during >= 300);
   KT_EQ(keel_tx_commit(), 0);
   KT_EQ(keel_tx_end(), 0);
   for (int i = 0; i < 6; i++) KT_EQ(keel_pheap_usable_size(ph, r->slot[i]), during[i]);
+  KT_EQ(r->slot[6], res);
+  KT_EQ(keel_pheap_usable_size(ph, res), res_during);
   keel_pheap_close(ph);
   KT_EQ(keel_pheap_check(p), 0);
   unlink(p);
