@@ -34,6 +34,10 @@ size_t _keel_usable_size(const void *p, const char *call) {
   return page->bsize;
 }
 
+bool _keel_heap_mapped_alone(size_t size, size_t align) {
+  return _keel_class_aligned(size, align < 16 ? 16 : align) < 0;
+}
+
 bool _keel_heap_is_block(const void *p) {
   keel_segment_t *seg = _keel_segment_of(p);
   if (!_keel_segmap_has(seg)) return _keel_huge_usable(p) != 0;

@@ -32,4 +32,8 @@ void *_keel_malloc_shared(size_t size, size_t align) KEEL_HIDDEN;
  * address may be asked about. */
 bool _keel_heap_is_block(const void *p) KEEL_HIDDEN;
 
+/* Whether a block of `size` bytes aligned to `align` is a mapping of its
+ * own rather than carved from a page: once freed, it may be unmapped. */
+bool _keel_heap_mapped_alone(size_t size, size_t align) KEEL_HIDDEN;
+
 #endif /* KEEL_HEAP_SHARED_H */

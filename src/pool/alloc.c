@@ -141,16 +141,22 @@ POOL_ASAN_UNCHECKED static uintptr_t pool_hdr_link(const pool_hdr_t *h) {
  * page, so it can be read at once; at a page start (the fast paths send
  * every such object here) it is read only once the heap confirms that the
  * block it would be in exists: else a pointer to the start of a mapping
- * would die of SIGSEGV instead of this message. A tag that does not match
+ * would die of SIGSEGV instead of this message. The same for every object
+ * of a pool whose blocks are mappings of their own (POOL_F_MAPPED). A tag that does not match
  * costs a lookup in the heap's segment map (an interior pointer is no
  * block start). */
 static void pool_free_check(keel_pool_t *p, void *obj) {
   _keel_pool_check_live(p, "keel_pool_free");
   pool_hdr_t *h = pool_hdr(obj);
-  if (keel_likely(((uintptr_t)obj & 4095) != 0 && h->tag == p->f.tag)) return;
+  bool mapped = p->f.flags & POOL_F_MAPPED;
+  if (keel_likely(!mapped && ((uintptr_t)obj & 4095) != 0 && h->tag == p->f.tag)) return;
   void *block = (char *)obj - p->hdr_size;
-  if (((uintptr_t)obj & (p->hdr_size - 1)) != 0 || !_keel_heap_is_block(block))
+  if (((uintptr_t)obj & (p->hdr_size - 1)) != 0 || !_keel_heap_is_block(block)) {
+    if (mapped) /* its mapping may have gone back to the OS after a first free */
+      keel_die("keel_pool_free", "%p is not a live object of pool '%s' (freed twice?)", obj,
+               p->name);
     keel_die("keel_pool_free", "%p does not belong to pool '%s'", obj, p->name);
+  }
   if (h->tag == p->f.tag) return;
   if (h->tag == (p->f.tag | POOL_TAG_FREE) || pool_hdr_link(h) == (p->f.tag | POOL_TAG_RELEASED))
     keel_die("keel_pool_free", "double free of %p in pool '%s'", obj, p->name);
@@ -194,8 +200,8 @@ void(keel_pool_free)(keel_pool_t *p, void *obj) {
   pool_hdr_t *h = pool_hdr(obj);
   pool_sub_t *sp = keel_likely(p != NULL) ? pool_sub_get(p) : NULL; /* NULL: generic, dies */
   /* At a page start: the generic path checks the block before the header. */
-  if (keel_likely(sp != NULL && ((uintptr_t)obj & 4095) != 0 && h->tag == p->f.tag &&
-                  p->f.flags == 0)) {
+  if (keel_likely(sp != NULL && p->f.flags == 0 && ((uintptr_t)obj & 4095) != 0 &&
+                  h->tag == p->f.tag)) { /* flags first: POOL_F_MAPPED's header is not read */
     h->tag = p->f.tag | POOL_TAG_FREE;
     if (keel_likely(keel_pool_inline_push(&sp->f, h, false))) return;
     h->tag = p->f.tag; /* let the generic path see it as live again */

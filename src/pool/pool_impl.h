@@ -105,6 +105,10 @@ enum {
   POOL_F_POISON = 1u << 3, /* ASan: cached objects are poisoned */
   POOL_F_FENCE = 1u << 4,  /* no membarrier: owners enter with a seq_cst exchange */
   POOL_F_TRACK = 1u << 5,  /* created under Valgrind: objects reported to memcheck */
+  /* Blocks the heap maps one by one: one freed twice may be unmapped by
+   * then, so its header is read only once the heap vouches for the block
+   * (the fast paths, which read it first, are not taken). */
+  POOL_F_MAPPED = 1u << 6,
 };
 
 /* Debug patterns: freed (checked on reuse) and fresh from the heap. */

@@ -18,6 +18,7 @@
 #include <time.h>
 
 #include "base/die.h"
+#include "heap/shared.h"
 #include "pool_impl.h"
 
 #include "track.h"
@@ -147,6 +148,7 @@ static void pool_setup(keel_pool_t *p, const char *name, size_t obj_size, size_t
   if (_keel_pool_fence_heavy) p->f.flags |= POOL_F_FENCE;
   if (POOL_ON_VALGRIND()) p->f.flags |= POOL_F_TRACK;
   if (_keel_pool_debug) p->f.flags |= POOL_F_DEBUG;
+  if (_keel_heap_mapped_alone(p->block_size, p->align)) p->f.flags |= POOL_F_MAPPED;
 #if defined(KEEL_ASAN)
   p->f.flags |= POOL_F_POISON;
 #endif
