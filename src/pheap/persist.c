@@ -139,11 +139,24 @@ void _keel_pm_flush(keel_pheap_t *ph, ph_tcache_t *tc, const void *p, size_t len
   }
 }
 
+/* Simulated media's writes: a cache line goes back to memory with its
+ * value at that moment, and a later write-back of the same line carries a
+ * later value. sim_pwrite reads the mapping, then writes the file: two
+ * threads doing so for one line could land in the reverse order, the older
+ * value last (a run's bitmap word read before another thread's free cleared
+ * a bit, written after that free's drain: the free was lost on the media,
+ * found by the multi-threaded crash sweep). So each read-and-write is one
+ * step under this lock. Tests only: real media has no such window. */
+static pthread_mutex_t sim_lock = PTHREAD_MUTEX_INITIALIZER;
+
 /* Writes [off, off + len) of the mapping to the file, 8-aligned. The bytes
  * go through word-sized atomic loads, as a cache line's write-back reads
  * each word whole: other threads may be storing to the same lines (their
- * own words), which a byte copy by pwrite would race with. */
-static void sim_pwrite(keel_pheap_t *ph, uint64_t off, uint64_t len) {
+ * own words), which a byte copy by pwrite would race with. Caller holds
+ * sim_lock. Not seen by TSan: a write-back reads words that other threads
+ * store to with plain stores, by design (their fields beside ours). */
+__attribute__((no_sanitize("thread"))) static void sim_pwrite(keel_pheap_t *ph, uint64_t off,
+                                                              uint64_t len) {
   uint64_t buf[512];
   while (len) {
     uint64_t n = len < sizeof buf ? len : sizeof buf;
@@ -170,10 +183,12 @@ void _keel_pm_drain(keel_pheap_t *ph, ph_tcache_t *tc) {
   ph_tc_count(&tc->barriers);
   if (keel_unlikely(ph->sim)) {
     /* Runs of consecutive lines go out in one pwrite. */
+    pthread_mutex_lock(&sim_lock);
     for (unsigned i = 0, j; i < tc->sim_n; i = j) {
       for (j = i + 1; j < tc->sim_n && tc->sim_lines[j] == tc->sim_lines[j - 1] + PH_LINE; j++) {}
       sim_pwrite(ph, tc->sim_lines[i], (uint64_t)(j - i) * PH_LINE);
     }
+    pthread_mutex_unlock(&sim_lock);
     tc->sim_n = 0;
   } else {
     switch (ph->flush_mode) {
@@ -233,15 +248,19 @@ void _keel_pm_sim_crash(keel_pheap_t *ph, ph_tcache_t *tc, uint64_t seed, bool t
     tc->sim_lines[i - 1] = tc->sim_lines[j];
     tc->sim_lines[j] = t;
   }
+  pthread_mutex_lock(&sim_lock);
   for (unsigned i = 0; i < tc->sim_n; i++) {
     uint64_t r = sim_rand(&s);
     if (r & 1) continue;
     sim_write_line(ph, tc->sim_lines[i], torn ? (unsigned)(r >> 8) & 0xff : 0xff);
   }
+  pthread_mutex_unlock(&sim_lock);
   tc->sim_n = 0;
 }
 
 void _keel_pm_sim_writeall(keel_pheap_t *ph) {
   uint64_t size = keel_load_relaxed(&ph->size);
+  pthread_mutex_lock(&sim_lock);
   sim_pwrite(ph, 0, size);
+  pthread_mutex_unlock(&sim_lock);
 }

@@ -17,7 +17,9 @@
  * sanitizers crash points are sampled (every 5th, seeded). To study one
  * failure: KEEL_TEST_ONLY_K=k (one crash point), KEEL_TEST_REC=j (crash
  * recovery at its barrier j), KEEL_TEST_SEED, KEEL_TEST_DEBUG=1 (print the
- * recovered state beside the two models).
+ * recovered state beside the two models). The multi-threaded sweep:
+ * KEEL_TEST_MT_CRASHES (default 160 crash points), KEEL_TEST_MT_FAULT=site
+ * (a flush removed, to see it caught).
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -859,6 +861,228 @@ static void test_flush_sites_outside_the_sweep(void) {
       kt_fail(__FILE__, __LINE__, "removing the %s flush went unnoticed", sites[i].name);
   }
   g_site_fault = PH_S_NONE;
+  unlink(g_trial);
+}
+
+/* ---- a multi-threaded crash sweep ----
+ * MT_T threads share one pool on simulated media, each working on slots of
+ * its own (slot t + MT_T * i) with atomic allocs and frees, reserve and
+ * publish, and transactions with and without snapshots, so their logs,
+ * checkpoints, ring wraps (an 8-line ring) and allocation words interleave.
+ * Barriers are counted across threads; at barrier k the thread there writes
+ * a seeded subset of its own flushed, undrained lines and _exits, which
+ * loses the other threads' undrained lines with it. Which op each thread
+ * had in flight is known only to within one (done[t] is bumped after the op
+ * returns), so each thread's slots must read as after done[t] or done[t] + 1
+ * of its ops, and every live object must be reachable from a slot. */
+enum { MT_T = 4, MT_OPS = 24, MT_PER = NS / MT_T };
+static volatile long *g_mt_done; /* [t]: ops thread t completed */
+static _Atomic long g_mt_barrier;
+static keel_pheap_t *g_mt_ph;
+
+static void mt_hook(keel_pheap_t *ph, ph_tcache_t *tc) {
+  if (atomic_fetch_add(&g_mt_barrier, 1) + 1 == g_crash_at) {
+    _keel_pm_sim_crash(ph, tc, g_seed, g_torn);
+    _exit(77);
+  }
+}
+
+/* Thread t's op j on the pool, or on the model (gen[slot], 0: empty). */
+static void mt_op(int t, int j, keel_pheap_t *ph, root_t *r, uint64_t *gen) {
+  uint64_t rnd = mix((uint64_t)(t * 1000 + j) + 77);
+  int s = t + MT_T * (int)((rnd >> 8) % MT_PER);
+  unsigned kind = (unsigned)(rnd % 4);
+  uint64_t g = (uint64_t)(t * 1000 + j + 1);
+  size_t size = sizes[(rnd >> 16) % 4];
+  if (ph == NULL) {
+    gen[s] = gen[s] ? 0 : g;
+    return;
+  }
+  bool full = r->slot[s] != 0;
+  tag_t tag = {(uint64_t)s, g};
+  keel_pheap_act_t a[2];
+  switch (kind) {
+    case 0: /* atomic alloc (tag persisted after) or free */
+      if (full) {
+        keel_pheap_free(ph, &r->slot[s]);
+      } else {
+        if (keel_pheap_alloc(ph, &r->slot[s], size, TYPE) != 0) _exit(4);
+        memcpy(keel_pheap_ptr(ph, r->slot[s]), &tag, sizeof tag);
+        keel_pheap_persist(ph, keel_pheap_ptr(ph, r->slot[s]), sizeof tag);
+      }
+      break;
+    case 1: /* reserve + publish, or a deferred free published */
+      if (full) {
+        keel_pheap_defer_free(ph, &a[0], r->slot[s]);
+        keel_pheap_set_value(ph, &a[1], &r->slot[s], 0);
+      } else {
+        if (keel_pheap_reserve(ph, &a[0], size, TYPE) != 0) _exit(4);
+        memcpy(keel_pheap_ptr(ph, a[0].off), &tag, sizeof tag);
+        keel_pheap_persist(ph, keel_pheap_ptr(ph, a[0].off), sizeof tag);
+        keel_pheap_set_value(ph, &a[1], &r->slot[s], a[0].off);
+      }
+      if (keel_pheap_publish(ph, a, 2) != 0) _exit(4);
+      break;
+    case 2: /* a transaction that snapshots the slot */
+      keel_tx_begin(ph);
+      if (keel_tx_add_range(&r->slot[s], 8) != 0) _exit(4);
+      if (full) {
+        keel_tx_free(r->slot[s]);
+        r->slot[s] = 0;
+      } else {
+        keel_poff_t o = keel_tx_alloc(size, TYPE);
+        if (o == 0) _exit(4);
+        memcpy(keel_pheap_ptr(ph, o), &tag, sizeof tag);
+        r->slot[s] = o;
+      }
+      if (keel_tx_commit() != 0) _exit(4);
+      keel_tx_end();
+      break;
+    default: /* a transaction that snapshots nothing: the slot by keel_tx_publish */
+      keel_tx_begin(ph);
+      if (full) {
+        keel_tx_free(r->slot[s]);
+        keel_pheap_set_value(ph, &a[0], &r->slot[s], 0);
+      } else {
+        keel_poff_t o = keel_tx_alloc(size, TYPE);
+        if (o == 0) _exit(4);
+        memcpy(keel_pheap_ptr(ph, o), &tag, sizeof tag);
+        keel_pheap_set_value(ph, &a[0], &r->slot[s], o);
+      }
+      if (keel_tx_publish(a, 1) != 0 || keel_tx_commit() != 0) _exit(4);
+      keel_tx_end();
+      break;
+  }
+}
+
+static void *mt_thread(void *arg) {
+  int t = (int)(intptr_t)arg;
+  root_t *r = keel_pheap_root(g_mt_ph, sizeof *r);
+  for (int j = 0; j < MT_OPS; j++) {
+    mt_op(t, j, g_mt_ph, r, NULL);
+    g_mt_done[t] = j + 1;
+  }
+  return NULL;
+}
+
+static void mt_child(void) {
+  _keel_ph_ring_limit = 8;
+  _keel_ph_sim_next = true;
+  _keel_ph_fault = (int)kt_env_int("KEEL_TEST_MT_FAULT", PH_S_NONE); /* by hand: a mutant */
+  g_mt_ph = keel_pheap_open(g_trial, LAYOUT);
+  if (g_mt_ph == NULL) _exit(3);
+  atomic_store(&g_mt_barrier, 0);
+  _keel_ph_barrier_hook = mt_hook;
+  pthread_t th[MT_T];
+  for (int t = 0; t < MT_T; t++) pthread_create(&th[t], NULL, mt_thread, (void *)(intptr_t)t);
+  for (int t = 0; t < MT_T; t++) pthread_join(th[t], NULL);
+  _keel_ph_barrier_hook = NULL;
+  g_mt_done[MT_T] = atomic_load(&g_mt_barrier);
+  _exit(0); /* a crash after the last op: what was drained is in the file */
+}
+
+/* Whether thread t's slots read as its model after n ops (an atomic alloc
+ * in flight at n may have its tag unwritten). */
+static bool mt_slots_are(const root_t *r, keel_pheap_t *ph, int t, int n, bool tag_may_lag) {
+  uint64_t gen[NS] = {0};
+  for (int j = 0; j < n; j++) mt_op(t, j, NULL, NULL, gen);
+  for (int i = 0; i < MT_PER; i++) {
+    int s = t + MT_T * i;
+    if ((r->slot[s] != 0) != (gen[s] != 0)) return false;
+    if (!r->slot[s]) continue;
+    tag_t tag;
+    memcpy(&tag, keel_pheap_ptr(ph, r->slot[s]), sizeof tag);
+    if ((tag.slot != (uint64_t)s || tag.gen != gen[s]) && !tag_may_lag) return false;
+  }
+  return true;
+}
+
+static const char *mt_verify(void) {
+  static char why[256];
+  if (keel_pheap_check(g_trial) != 0) {
+    snprintf(why, sizeof why, "check: %s", keel_pheap_errmsg());
+    return why;
+  }
+  keel_pheap_t *ph = keel_pheap_open(g_trial, LAYOUT);
+  if (ph == NULL) return "reopen failed";
+  root_t *r = keel_pheap_root(ph, sizeof *r);
+  const char *bad = NULL;
+  for (int t = 0; t < MT_T && !bad; t++) {
+    int n = (int)g_mt_done[t];
+    if (!mt_slots_are(r, ph, t, n, false) && !(n < MT_OPS && mt_slots_are(r, ph, t, n + 1, true))) {
+      snprintf(why, sizeof why, "thread %d's slots are neither after %d nor after %d ops", t, n,
+               n + 1);
+      bad = why;
+    }
+  }
+  offs_t s = {.n = 0};
+  keel_pheap_foreach(ph, KEEL_PHEAP_ANY_TYPE, collect, &s);
+  int reach = 0;
+  for (int i = 0; i < NS; i++) reach += r->slot[i] != 0;
+  if (!bad && s.n != reach) {
+    snprintf(why, sizeof why, "heap walk counts %d objects, %d reachable", s.n, reach);
+    bad = why;
+  }
+  if (bad && getenv("KEEL_TEST_DEBUG")) {
+    for (int t = 0; t < MT_T; t++) {
+      int n = (int)g_mt_done[t];
+      uint64_t rnd = mix((uint64_t)(t * 1000 + n) + 77);
+      fprintf(stderr, "thread %d done %d, op in flight: kind %u slot %d\n", t, n,
+              (unsigned)(rnd % 4), t + MT_T * (int)((rnd >> 8) % MT_PER));
+    }
+    for (int i = 0; i < NS; i++) {
+      tag_t tag = {0, 0};
+      if (r->slot[i]) memcpy(&tag, keel_pheap_ptr(ph, r->slot[i]), sizeof tag);
+      fprintf(stderr, "  slot %2d off %8llx tag %llu/%llu\n", i, (unsigned long long)r->slot[i],
+              (unsigned long long)tag.slot, (unsigned long long)tag.gen);
+    }
+    fprintf(stderr, "  walk:");
+    for (int k = 0; k < s.n && k < 4 * NS; k++) {
+      tag_t tag;
+      memcpy(&tag, keel_pheap_ptr(ph, s.o[k]), sizeof tag);
+      fprintf(stderr, " %llx(%llu/%llu, %zu B)", (unsigned long long)s.o[k],
+              (unsigned long long)tag.slot, (unsigned long long)tag.gen,
+              keel_pheap_usable_size(ph, s.o[k]));
+    }
+    fprintf(stderr, "\n");
+  }
+  keel_pheap_close(ph);
+  return bad;
+}
+
+static void test_crash_points_multithreaded(void) {
+  tp_path(g_base, sizeof g_base, "mtbase");
+  tp_path(g_trial, sizeof g_trial, "mttrial");
+  unlink(g_base);
+  keel_pheap_t *ph = keel_pheap_create(g_base, LAYOUT, KEEL_PHEAP_MIN_SIZE, 0);
+  KT_REQUIRE(ph != NULL);
+  KT_REQUIRE(keel_pheap_root(ph, sizeof(root_t)) != NULL);
+  keel_pheap_close(ph);
+  g_mt_done = shared_page() + 8;
+  /* The barrier count of a whole run varies with the interleaving: one run
+   * without a crash sizes the range the crash points are drawn from. */
+  copy_file(g_base, g_trial);
+  g_crash_at = 0;
+  KT_REQUIRE(run_child(mt_child) == 0);
+  long n = g_mt_done[MT_T];
+  KT_REQUIRE(n > 0);
+  int trials = kt_sanitized() ? 24 : (int)kt_env_int("KEEL_TEST_MT_CRASHES", 160), bad = 0;
+  for (int i = 0; i < trials && bad < 3; i++) {
+    copy_file(g_base, g_trial);
+    for (int t = 0; t <= MT_T; t++) g_mt_done[t] = 0;
+    g_crash_at = 1 + (long)(mix((uint64_t)i + 991) % (uint64_t)(n + n / 8));
+    g_seed = (uint64_t)i * 31 + 5;
+    g_torn = i % 2 == 1;
+    int rc = run_child(mt_child);
+    const char *why = rc != 0 && rc != 77 ? "child failed" : mt_verify();
+    if (why) {
+      bad++;
+      kt_fail(__FILE__, __LINE__, "crash at barrier %ld/%ld (seed %llu%s): %s", g_crash_at, n,
+              (unsigned long long)g_seed, g_torn ? ", torn" : "", why);
+    }
+  }
+  printf("  %d threads: %d crash points tried over ~%ld barriers\n", MT_T, trials, n);
+  unlink(g_base);
   unlink(g_trial);
 }
 
@@ -1969,7 +2193,8 @@ static void test_huge_objects_crash_points(void) {
 KT_MAIN(KT_CASE(test_torn_commit_log_not_replayed_after_recovery_crash),
         KT_CASE(test_crash_points_mmap), KT_CASE(test_crash_points_sim_media),
         KT_CASE(test_mutation_removing_a_flush_fails), KT_CASE(test_flush_sites_outside_the_sweep),
-        KT_CASE(test_store_outside_tx_detected), KT_CASE(test_stale_commit_log_after_ring_wrap),
+        KT_CASE(test_crash_points_multithreaded), KT_CASE(test_store_outside_tx_detected),
+        KT_CASE(test_stale_commit_log_after_ring_wrap),
         KT_CASE(test_checkpoint_between_commit_and_undo_emptying),
         KT_CASE(test_tx_alloc_header_survives_older_alloc_log),
         KT_CASE(test_tx_past_chk_budget_keeps_its_stores),
