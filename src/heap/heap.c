@@ -427,6 +427,7 @@ keel_heap_t *_keel_heap_init_thread(void) {
   if (heap == NULL) return NULL;
   for (unsigned c = 0; c < KEEL_CLASS_COUNT_MAX; c++) heap->direct[c] = &_keel_empty_page;
   keel_fetch_add_relaxed(&heaps_active, 1);
+  _keel_purge_note_thread();
   heap->exit_hook.fn = heap_thread_exit;
   heap->exit_hook.arg = heap;
   heap->exit_hook.next = NULL;

@@ -390,6 +390,9 @@ void _keel_purge_schedule(void) KEEL_HIDDEN;
  * be held. */
 void _keel_purge_note_work(void) KEEL_HIDDEN;
 void _keel_purge_fork_child(void) KEEL_HIDDEN;
+/* A thread's first allocation: a forked child is no longer single-threaded
+ * once a thread other than the forking one allocates (purge.c). */
+void _keel_purge_note_thread(void) KEEL_HIDDEN;
 extern keel_atomic(size_t) _keel_purged_bytes KEEL_HIDDEN;
 
 /* --- the allocation API behind keel_* and the glibc names (alloc.c) --- */

@@ -38,6 +38,10 @@
  * process frees and then leaves alone while it sleeps stays resident until
  * its next call into those paths (mimalloc's purge behaves so always). The
  * thread starts at the first schedule after the process gains a thread.
+ * A child forked from a multi-threaded process has one thread too, though
+ * glibc's flag stays false there: keel counts it single-threaded from the
+ * fork until another thread of it first allocates (_keel_purge_note_thread;
+ * one that never does is not seen, and the child only keeps purging inline).
  *
  * It ends when it finds itself the process's last live thread (main returned
  * through pthread_exit, or a child forked from another thread let that one
@@ -134,10 +138,20 @@ static void purge_inline(void) {
   collect_all();
 }
 
+/* Set in a forked child; its only thread then is fork_thread. */
+static keel_atomic(int) forked_single;
+static pthread_t fork_thread;
+
+void _keel_purge_note_thread(void) {
+  if (keel_unlikely(keel_load_relaxed(&forked_single)) &&
+      !pthread_equal(pthread_self(), fork_thread))
+    keel_store_relaxed(&forked_single, 0);
+}
+
 void _keel_purge_schedule(void) {
   if (keel_likely(keel_load_relaxed(&bg_state) != BG_NONE)) return;
   if (!keel_load_relaxed(&work_noted)) return;
-  if (__libc_single_threaded) {
+  if (__libc_single_threaded || keel_load_relaxed(&forked_single)) {
     purge_inline();
     return;
   }
@@ -164,4 +178,6 @@ void _keel_purge_schedule(void) {
 
 void _keel_purge_fork_child(void) {
   keel_store_relaxed(&bg_state, BG_NONE);
+  fork_thread = pthread_self();
+  keel_store_relaxed(&forked_single, 1);
 }
