@@ -346,6 +346,16 @@ static int run_child(void (*fn)(void)) {
   return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
 }
 
+/* A crash at this barrier with the logs' lines (they lie below the heap) on
+ * the media and none of the data flushed with them. */
+static void crash_log_lines_only(keel_pheap_t *ph, ph_tcache_t *tc) {
+  for (unsigned i = 0; i < tc->sim_n; i++)
+    if (tc->sim_lines[i] < ph->hdr->heap_off && pwrite(ph->fd, ph->view.base + tc->sim_lines[i],
+                                                       PH_LINE, (off_t)tc->sim_lines[i]) != PH_LINE)
+      _exit(5);
+  _exit(77);
+}
+
 /* ---- the parent side ---- */
 static char g_base[256], g_trial[256];
 static bool g_sim;
@@ -625,9 +635,8 @@ static void test_crash_points_sim_media(void) {
  * parent verifies with the offline check before it opens anything, since a
  * pool the fault broke may make open's own checks abort. */
 static int g_site_fault;
-static keel_poff_t g_site_obj;
 
-static keel_pheap_t *site_open(void) {
+static keel_pheap_t *sim_child_open(void) { /* in a child: the trial pool, simulated media */
   _keel_ph_sim_next = true;
   _keel_ph_fault = g_site_fault;
   keel_pheap_t *ph = keel_pheap_open(g_trial, LAYOUT);
@@ -643,21 +652,31 @@ static void site_fresh(void) {
   keel_pheap_close(ph);
 }
 
-/* After the children: the offline check, then open, the live objects and
- * the slots. want[i] < 0: slot i holds an object; 0: it is empty. */
-static const char *site_verify(const int *want, int nwant) {
+/* The trial pool opened once the offline check passed it, or NULL and *bad
+ * naming why not (open is not tried on a pool the check refused: a fault
+ * may have broken it past what open's own checks expect). */
+static keel_pheap_t *checked_open(const char **bad) {
   static char why[256];
   if (keel_pheap_check(g_trial) != 0) {
     snprintf(why, sizeof why, "check: %s", keel_pheap_errmsg());
-    return why;
+    *bad = why;
+    return NULL;
   }
   keel_pheap_t *ph = keel_pheap_open(g_trial, LAYOUT);
-  if (ph == NULL) return "reopen failed";
+  if (ph == NULL) *bad = "reopen failed";
+  return ph;
+}
+
+/* After the children: the offline check, then open, the live objects and
+ * the slots. want[i] < 0: slot i holds an object; 0: it is empty. */
+static const char *site_verify(const int *want, int nwant) {
+  const char *bad = NULL;
+  keel_pheap_t *ph = checked_open(&bad);
+  if (ph == NULL) return bad;
   root_t *r = keel_pheap_root(ph, sizeof *r);
   offs_t s = {.n = 0};
   keel_pheap_foreach(ph, KEEL_PHEAP_ANY_TYPE, collect, &s);
   int live = 0;
-  const char *bad = NULL;
   for (int i = 0; i < nwant && !bad; i++) {
     if ((r->slot[i] != 0) != (want[i] != 0)) bad = "a slot is not as the operations left it";
     live += want[i] != 0;
@@ -684,7 +703,7 @@ static const char *site_run(void (*a)(void), void (*b)(void), const int *want, i
 /* The size word: 16 objects of 1 MiB grow an 8 MiB pool; the crash that
  * follows must find them all inside it. */
 static void site_grow_a(void) {
-  keel_pheap_t *ph = site_open();
+  keel_pheap_t *ph = sim_child_open();
   root_t *r = keel_pheap_root(ph, sizeof *r);
   for (int i = 0; i < NS; i++)
     if (keel_pheap_alloc(ph, &r->slot[i], 1u << 20, TYPE) != 0) _exit(4);
@@ -713,7 +732,7 @@ static void site_ring_at(keel_pheap_t *ph, unsigned pos) {
 }
 static void site_wmark_a(void) {
   _keel_ph_ring_limit = 8;
-  keel_pheap_t *ph = site_open();
+  keel_pheap_t *ph = sim_child_open();
   root_t *r = keel_pheap_root(ph, sizeof *r);
   g_site_lane = NULL;
   for (int i = 0; i < 4; i++) /* lines 0-7 */
@@ -742,7 +761,7 @@ static const char *site_wmark(void) {
  * log; the next open rolls it back, and a later plain store made durable
  * with keel_pheap_persist must not be rolled back by the open after. */
 static void site_undo_a(void) {
-  keel_pheap_t *ph = site_open();
+  keel_pheap_t *ph = sim_child_open();
   root_t *r = keel_pheap_root(ph, sizeof *r);
   keel_tx_begin(ph);
   if (keel_tx_add_range(&r->c[0], 8) != 0) _exit(4);
@@ -750,7 +769,7 @@ static void site_undo_a(void) {
   _exit(0);
 }
 static void site_undo_b(void) {
-  keel_pheap_t *ph = site_open();
+  keel_pheap_t *ph = sim_child_open();
   root_t *r = keel_pheap_root(ph, sizeof *r);
   if (r->c[0] != 0) _exit(5); /* rolled back */
   r->c[0] = r->c[1] = 7;
@@ -766,13 +785,13 @@ static const char *site_rec_undo(void) {
  * durable with keel_pheap_persist (the object moved to another slot), which
  * the open after must not see undone. */
 static void site_rwm_a(void) {
-  keel_pheap_t *ph = site_open();
+  keel_pheap_t *ph = sim_child_open();
   root_t *r = keel_pheap_root(ph, sizeof *r);
   if (keel_pheap_alloc(ph, &r->slot[0], 64, TYPE) != 0) _exit(4);
   _exit(0);
 }
 static void site_rwm_b(void) {
-  keel_pheap_t *ph = site_open();
+  keel_pheap_t *ph = sim_child_open();
   root_t *r = keel_pheap_root(ph, sizeof *r);
   if (r->slot[0] == 0) _exit(5);
   r->slot[1] = r->slot[0];
@@ -791,27 +810,15 @@ static const char *site_rec_wmark(void) {
  * second crashes in that recovery just before the watermark reaches the
  * media, the undo log emptied. The third open must not take the torn log,
  * now without its undo log beside it, for a finished commit. */
-static void torn_hook(keel_pheap_t *ph, ph_tcache_t *tc) {
-  root_t *r = keel_pheap_ptr(ph, ph->hdr->root_off);
-  uint64_t rlo = (uint64_t)((char *)r - ph->view.base), rhi = rlo + sizeof *r;
-  for (unsigned i = 0; i < tc->sim_n; i++) {
-    uint64_t line = tc->sim_lines[i];
-    bool data = (line + PH_LINE > rlo && line < rhi) ||
-                (line + PH_LINE > g_site_obj - PH_OBJ_HDR && line < g_site_obj + 64);
-    if (!data && pwrite(ph->fd, ph->view.base + line, PH_LINE, (off_t)line) != PH_LINE) _exit(5);
-  }
-  _exit(77);
-}
 static void site_torn_a(void) {
-  keel_pheap_t *ph = site_open();
+  keel_pheap_t *ph = sim_child_open();
   root_t *r = keel_pheap_root(ph, sizeof *r);
   keel_tx_begin(ph);
   if (keel_tx_add_range(r->c, sizeof r->c) != 0) _exit(4);
   r->c[0] = r->c[1] = 111;
   if (keel_tx_add_range(&r->slot[0], 8) != 0) _exit(4);
-  g_site_obj = r->slot[0] = keel_tx_alloc(64, TYPE);
-  if (g_site_obj == 0) _exit(4);
-  _keel_ph_barrier_hook = torn_hook;
+  if ((r->slot[0] = keel_tx_alloc(64, TYPE)) == 0) _exit(4);
+  _keel_ph_barrier_hook = crash_log_lines_only;
   keel_tx_commit();
   _exit(6);
 }
@@ -824,7 +831,7 @@ static void wmark_hook(keel_pheap_t *ph, ph_tcache_t *tc) {
 }
 static void site_torn_b(void) {
   _keel_ph_barrier_hook = wmark_hook;
-  site_open();
+  sim_child_open();
   _exit(6); /* the hook exits first */
 }
 static const char *site_rec_torn(void) {
@@ -999,14 +1006,10 @@ static bool mt_slots_are(const root_t *r, keel_pheap_t *ph, int t, int n, bool t
 
 static const char *mt_verify(void) {
   static char why[256];
-  if (keel_pheap_check(g_trial) != 0) {
-    snprintf(why, sizeof why, "check: %s", keel_pheap_errmsg());
-    return why;
-  }
-  keel_pheap_t *ph = keel_pheap_open(g_trial, LAYOUT);
-  if (ph == NULL) return "reopen failed";
-  root_t *r = keel_pheap_root(ph, sizeof *r);
   const char *bad = NULL;
+  keel_pheap_t *ph = checked_open(&bad);
+  if (ph == NULL) return bad;
+  root_t *r = keel_pheap_root(ph, sizeof *r);
   for (int t = 0; t < MT_T && !bad; t++) {
     int n = (int)g_mt_done[t];
     if (!mt_slots_are(r, ph, t, n, false) && !(n < MT_OPS && mt_slots_are(r, ph, t, n + 1, true))) {
@@ -1552,12 +1555,7 @@ static int count_live(keel_pheap_t *ph, keel_poff_t off, void *arg) {
 }
 static long g_torn_barrier;
 static void torn_commit_hook(keel_pheap_t *ph, ph_tcache_t *tc) {
-  if (++g_barrier != g_torn_barrier) return;
-  for (unsigned i = 0; i < tc->sim_n; i++) /* the log, not the data */
-    if (tc->sim_lines[i] < ph->hdr->heap_off && pwrite(ph->fd, ph->view.base + tc->sim_lines[i],
-                                                       PH_LINE, (off_t)tc->sim_lines[i]) != PH_LINE)
-      _exit(5);
-  _exit(77);
+  if (++g_barrier == g_torn_barrier) crash_log_lines_only(ph, tc); /* the log, not the data */
 }
 static void fn_torn_commit(void) {
   _keel_ph_sim_next = true;
@@ -1739,30 +1737,19 @@ static void test_set_into_partly_covered_word(void) {
  * keel_tx_publish (review, helper-79: nothing checked that one). (A commit
  * with a barrier of its own before the log fails here too: at barrier 1 no
  * log is written.) */
-static keel_poff_t g_body_obj;
-static void body_hook(keel_pheap_t *ph, ph_tcache_t *tc) {
-  for (unsigned i = 0; i < tc->sim_n; i++) {
-    uint64_t line = tc->sim_lines[i];
-    if (line + PH_LINE > g_body_obj - PH_OBJ_HDR && line < g_body_obj + 64) continue;
-    if (pwrite(ph->fd, ph->view.base + line, PH_LINE, (off_t)line) != PH_LINE) _exit(5);
-  }
-  _exit(77);
-}
 static void fn_plain_tx_alloc(void) {
-  _keel_ph_sim_next = true;
-  keel_pheap_t *ph = keel_pheap_open(g_trial, LAYOUT);
-  if (ph == NULL) _exit(3);
+  keel_pheap_t *ph = sim_child_open();
   root_t *r = keel_pheap_root(ph, sizeof *r);
   keel_pheap_act_t act[2];
   keel_tx_begin(ph);
-  g_body_obj = keel_tx_alloc(64, TYPE);
-  if (g_body_obj == 0) _exit(4);
-  uint64_t *w = keel_pheap_ptr(ph, g_body_obj);
+  keel_poff_t o = keel_tx_alloc(64, TYPE);
+  if (o == 0) _exit(4);
+  uint64_t *w = keel_pheap_ptr(ph, o);
   memset(w, 0x5c, 64);
-  keel_pheap_set_value(ph, &act[0], &r->slot[1], g_body_obj);
+  keel_pheap_set_value(ph, &act[0], &r->slot[1], o);
   keel_pheap_set_value(ph, &act[1], &w[1], 0x1234); /* into the body: in the log */
   keel_tx_publish(act, 2);
-  _keel_ph_barrier_hook = body_hook;
+  _keel_ph_barrier_hook = crash_log_lines_only;
   keel_tx_commit();
   _exit(6); /* the hook exits first */
 }
