@@ -129,12 +129,14 @@ static void *purge_main(void *arg) {
 }
 
 /* The single-threaded process's tick (see the file comment). The deadline
- * moves before the collection, which may come back here. */
-static uint64_t inline_next_ms;
+ * moves before the collection, which may come back here; by CAS, because a
+ * forked child's second thread may come here too before it first allocates
+ * (a free of another thread's block). */
+static keel_atomic(uint64_t) inline_next_ms;
 static void purge_inline(void) {
-  uint64_t now = keel_clock_coarse_ms();
-  if (now < inline_next_ms) return;
-  inline_next_ms = now + (uint64_t)tick_ms();
+  uint64_t now = keel_clock_coarse_ms(), next = keel_load_relaxed(&inline_next_ms);
+  if (now < next) return;
+  if (!keel_cas_strong_acq_rel(&inline_next_ms, &next, now + (uint64_t)tick_ms())) return;
   collect_all();
 }
 

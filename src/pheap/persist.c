@@ -84,8 +84,7 @@ int _keel_pm_cpu_best(void) {
  * clean pages inside the span cost nothing more (writeback looks pages up by
  * their dirty tag). Pages that other threads dirtied inside it are written a
  * barrier early, which they needed anyway. Before, each separate range had
- * its own call: a publish, whose header and log lie on different pages, paid
- * two. */
+ * its own call (the benchmarks' barriers mostly flush one range: level). */
 static void ms_add(ph_tcache_t *tc, uint64_t lo, uint64_t hi) {
   if (tc->ms_lo == tc->ms_hi) {
     tc->ms_lo = lo;
