@@ -418,7 +418,7 @@ size_t _keel_ph_usable_new(keel_pheap_t *ph, int cls, keel_poff_t off) {
 }
 
 size_t _keel_ph_usable(keel_pheap_t *ph, int cls, keel_poff_t off) {
-  if (cls >= 0) return _keel_ph_classes[cls].block - PH_OBJ_HDR;
+  if (cls >= 0) return _keel_ph_usable_new(ph, cls, off);
   uint64_t w = *ph_cword(ph, _keel_ph_chunk_at(ph, off - PH_OBJ_HDR));
   return PH_CW_LEN(w) * PH_CHUNK - PH_OBJ_HDR;
 }

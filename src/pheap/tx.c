@@ -551,28 +551,22 @@ static const ph_objhdr_t *new_object(keel_pheap_t *ph, size_t i) {
   return (const ph_objhdr_t *)(ph->view.base + off - PH_OBJ_HDR);
 }
 
-/* Whether the word at `off` is in the header of an object this transaction
- * created. */
-static bool in_new_header(keel_pheap_t *ph, uint64_t off) {
+/* Words of a new object's body: its requested size, whole words. */
+static uint64_t body_words_of(const ph_objhdr_t *h) {
+  return KEEL_ALIGN_UP(h->size, (uint64_t)8) / 8;
+}
+
+/* Where the word at `off` lies in the objects this transaction created. */
+enum { NEW_NONE, NEW_HEADER, NEW_BODY };
+static int new_object_part(keel_pheap_t *ph, uint64_t off) {
   for (size_t i = 0; i < tx.nn + tx.na; i++) {
     const ph_objhdr_t *h = new_object(ph, i);
     if (h == NULL) continue;
     uint64_t lo = (uint64_t)((const char *)h - ph->view.base);
-    if (off >= lo && off < lo + PH_OBJ_HDR) return true;
+    if (off >= lo && off < lo + PH_OBJ_HDR) return NEW_HEADER;
+    if (off >= lo + PH_OBJ_HDR && off < lo + PH_OBJ_HDR + 8 * body_words_of(h)) return NEW_BODY;
   }
-  return false;
-}
-
-/* Whether the word at `off` is in the body of an object this transaction
- * created (its requested size, whole words), not its header. */
-static bool in_new_body(keel_pheap_t *ph, uint64_t off) {
-  for (size_t i = 0; i < tx.nn + tx.na; i++) {
-    const ph_objhdr_t *h = new_object(ph, i);
-    if (h == NULL) continue;
-    uint64_t lo = (uint64_t)((const char *)(h + 1) - ph->view.base);
-    if (off >= lo && off < lo + KEEL_ALIGN_UP(h->size, (uint64_t)8)) return true;
-  }
-  return false;
+  return NEW_NONE;
 }
 
 /* Names every object this transaction created in the commit log, so
@@ -621,7 +615,7 @@ static size_t to_apply(keel_pheap_t *ph, ph_redo_entry_t *e, size_t n, size_t nb
     for (size_t j = PH_PUBLISH_HDR_ENTRIES; j < PH_PUBLISH_ENTRIES; j++) e[m++] = e[i + j];
   for (size_t i = lead + nbody; i < n; i++)
     if (nbody == 0 || (e[i].off_op & 7) != PH_OP_SET ||
-        !in_new_body(ph, e[i].off_op & ~(uint64_t)7)) /* stored early (carry_bodies) */
+        new_object_part(ph, e[i].off_op & ~(uint64_t)7) != NEW_BODY) /* stored early */
       e[m++] = e[i];
   return m;
 }
@@ -634,7 +628,7 @@ static size_t body_words(keel_pheap_t *ph, size_t k) {
   for (size_t i = 0; i < tx.nn + tx.na; i++) {
     const ph_objhdr_t *h = new_object(ph, i);
     if (h == NULL) continue;
-    words += KEEL_ALIGN_UP(h->size, (uint64_t)8) / 8;
+    words += body_words_of(h);
     if (words * 8 > PH_TX_BODY_BYTES) return 0;
   }
   return k + words <= PH_REDO_MAX ? words : 0;
@@ -655,7 +649,7 @@ static size_t carry_bodies(keel_pheap_t *ph, ph_redo_entry_t *e, size_t k, size_
    * the size that body_words counted. */
   for (size_t i = 0; i < tx.na; i++)
     if (tx.acts[i].kind == PH_ACT_SET &&
-        in_new_body(ph, (uint64_t)((char *)tx.acts[i].dest - ph->view.base)))
+        new_object_part(ph, (uint64_t)((char *)tx.acts[i].dest - ph->view.base)) == NEW_BODY)
       *tx.acts[i].dest = tx.acts[i].value;
   size_t lead = tx.nn * PH_PUBLISH_ENTRIES, at = lead;
   memmove(e + lead + nbody, e + lead, (k - lead) * sizeof *e);
@@ -664,7 +658,7 @@ static size_t carry_bodies(keel_pheap_t *ph, ph_redo_entry_t *e, size_t k, size_
     if (h == NULL) continue;
     const uint64_t *w = (const uint64_t *)(const void *)(h + 1);
     uint64_t off = (uint64_t)((const char *)w - ph->view.base);
-    uint64_t words = KEEL_ALIGN_UP(h->size, (uint64_t)8) / 8;
+    uint64_t words = body_words_of(h);
     if (words > lead + nbody - at) /* its size changed since body_words read it */
       keel_die("keel_tx_commit", "a new object's header in %s changed during the commit", ph->path);
     for (uint64_t j = 0; j < words; j++)
@@ -703,7 +697,7 @@ static int tx_commit_outer(void) {
     /* The header of an object this transaction created: the commit reads
      * its size (flush extents, carried bodies) and would go by a value the
      * caller chose. */
-    if (in_new_header(ph, off))
+    if (new_object_part(ph, off) == NEW_HEADER)
       return tx_fail(KEEL_REJECT(KEEL_EINVAL, "keel_tx_commit",
                                  "queued destination %p is the header of an object created in "
                                  "this transaction (pool %s)",
