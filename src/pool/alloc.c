@@ -138,13 +138,16 @@ POOL_ASAN_UNCHECKED static uintptr_t pool_hdr_link(const pool_hdr_t *h) {
 
 /* The misuse checks, in the order that gives the most precise message.
  * The header of an object that is not at a page start lies on obj's own
- * page, so it can be read at once; at a page start (the fast paths send
- * every such object here) it is read only once the heap confirms that the
- * block it would be in exists: else a pointer to the start of a mapping
- * would die of SIGSEGV instead of this message. The same for every object
- * of a pool whose blocks are mappings of their own (POOL_F_MAPPED). A tag that does not match
- * costs a lookup in the heap's segment map (an interior pointer is no
- * block start). */
+ * page, so it can be read at once: a block carved from a heap page stays
+ * readable for the life of the process (heap/shared.h), so even an object
+ * freed twice after its memory went back to the OS reads as zeros there
+ * (a tag no pool has: this message). At a page start (the fast paths send
+ * every such object here) the header is read only once the heap confirms
+ * that the block it would be in exists: else a pointer to the start of a
+ * mapping would die of SIGSEGV instead of this message. The same for every
+ * object of a pool whose blocks are mappings of their own (POOL_F_MAPPED).
+ * A tag that does not match costs a lookup in the heap's segment map (an
+ * interior pointer is no block start). */
 static void pool_free_check(keel_pool_t *p, void *obj) {
   _keel_pool_check_live(p, "keel_pool_free");
   pool_hdr_t *h = pool_hdr(obj);
@@ -152,10 +155,15 @@ static void pool_free_check(keel_pool_t *p, void *obj) {
   if (keel_likely(!mapped && ((uintptr_t)obj & 4095) != 0 && h->tag == p->f.tag)) return;
   void *block = (char *)obj - p->hdr_size;
   if (((uintptr_t)obj & (p->hdr_size - 1)) != 0 || !_keel_heap_is_block(block)) {
-    if (mapped) /* its mapping may have gone back to the OS after a first free */
+    /* Not a block of the heap now: a foreign pointer, or an object freed
+     * twice whose memory went back to the OS after its first free. */
+    if (mapped)
       keel_die("keel_pool_free", "%p is not a live object of pool '%s' (freed twice?)", obj,
                p->name);
-    keel_die("keel_pool_free", "%p does not belong to pool '%s'", obj, p->name);
+    keel_die("keel_pool_free",
+             "%p does not belong to pool '%s' (no block of keel's heap: a foreign pointer, or "
+             "one freed twice after its memory went back to the OS)",
+             obj, p->name);
   }
   if (h->tag == p->f.tag) return;
   if (h->tag == (p->f.tag | POOL_TAG_FREE) || pool_hdr_link(h) == (p->f.tag | POOL_TAG_RELEASED))

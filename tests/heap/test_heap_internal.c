@@ -371,6 +371,53 @@ static void test_purge_forced(void) {
   free(v);
 }
 
+/* A segment with no pages left is purged and kept mapped, not unmapped
+ * (segment.c): it leaves the segment map, its memory is not resident, its
+ * address space stays in mapped_bytes, and the next segment the heap needs
+ * is that one again, with no new mapping. A module that reads a header
+ * before the block it frees (the pool) relies on the mapping staying. */
+static void test_segment_retained(void) {
+  int n = 24 << 10; /* 24 MiB of 1 KiB blocks: whole segments */
+  void **v = calloc((size_t)n, sizeof(void *));
+  KT_REQUIRE(v != NULL);
+  for (int i = 0; i < n; i++) {
+    v[i] = keel_malloc(1000);
+    KT_REQUIRE(v[i] != NULL);
+    memset(v[i], 1, 1000);
+  }
+  for (int i = 0; i < n; i++) keel_free(v[i]);
+  keel_heap_collect(true);
+  static keel_heap_stats_t st;
+  keel_heap_stats(&st);
+  size_t mapped = st.mapped_bytes;
+  /* The segments that left the map: mapped still, nothing resident. */
+  keel_segment_t *gone[8];
+  int n_gone = 0;
+  for (int i = 0; i < n && n_gone < 8; i++) {
+    keel_segment_t *seg = _keel_segment_of(v[i]);
+    if (_keel_segmap_has(seg) || (n_gone > 0 && gone[n_gone - 1] == seg)) continue;
+    static unsigned char in[KEEL_SEGMENT_SIZE / 4096];
+    KT_CHECK(mincore(seg, KEEL_SEGMENT_SIZE, in) == 0); /* ENOMEM once unmapped */
+    int resident = 0;
+    for (size_t k = 0; k < sizeof(in); k++) resident += in[k] & 1;
+    KT_EQ(resident, 0);
+    gone[n_gone++] = seg;
+  }
+  KT_CHECK(n_gone >= 2);
+  /* The same 24 MiB again: new segments come from the retained ones. */
+  for (int i = 0; i < n; i++) v[i] = keel_malloc(1000);
+  int reused = 0;
+  for (int i = 0; i < n; i++) {
+    KT_REQUIRE(v[i] != NULL);
+    for (int k = 0; k < n_gone; k++) reused += _keel_segment_of(v[i]) == gone[k];
+  }
+  KT_CHECK(reused > 0);
+  keel_heap_stats(&st);
+  KT_CHECK(st.mapped_bytes <= mapped); /* no new mapping was needed */
+  for (int i = 0; i < n; i++) keel_free(v[i]);
+  free(v);
+}
+
 /* malloc_trim's case: pages that keep some live blocks still give back the
  * OS pages inside their free blocks; live blocks keep their contents. */
 static void test_purge_partial(void) {
@@ -1268,12 +1315,13 @@ KT_MAIN(KT_CASE(test_class_steps), KT_CASE(test_class_info), KT_CASE(test_page_v
         KT_CASE(test_encoded_lists), KT_CASE(test_collect_no_loss),
         KT_CASE(test_abandon_and_collect), KT_CASE(test_idle_owner_full_pages),
         KT_CASE(test_collector_unfulled_page), KT_CASE(test_purge_forced),
-        KT_CASE(test_purge_partial), KT_CASE(test_purge_background), KT_CASE(test_large),
-        KT_CASE(test_large_remap_segmap), KT_CASE(test_large_spares), KT_CASE(test_aligned),
-        KT_CASE(test_enomem), KT_CASE(test_enomem_injected), KT_CASE(test_enomem_new_thread),
-        KT_CASE(test_cross_thread_stress), KT_CASE(test_bad_input), KT_CASE(test_fork),
-        KT_CASE(test_fork_during_purge), KT_CASE(test_fork_during_large_collect),
-        KT_CASE(test_fork_during_stats), KT_CASE(test_fork_during_large_move),
+        KT_CASE(test_segment_retained), KT_CASE(test_purge_partial), KT_CASE(test_purge_background),
+        KT_CASE(test_large), KT_CASE(test_large_remap_segmap), KT_CASE(test_large_spares),
+        KT_CASE(test_aligned), KT_CASE(test_enomem), KT_CASE(test_enomem_injected),
+        KT_CASE(test_enomem_new_thread), KT_CASE(test_cross_thread_stress), KT_CASE(test_bad_input),
+        KT_CASE(test_fork), KT_CASE(test_fork_during_purge),
+        KT_CASE(test_fork_during_large_collect), KT_CASE(test_fork_during_stats),
+        KT_CASE(test_fork_during_large_move),
         /* Last: they leave the purge thread ticking every 10 ms for a moment,
          * which races with cases that expect a delayed list to stay put
          * (test_collector_unfulled_page failed 3 times in 36 loaded runs

@@ -25,6 +25,7 @@
 #include "base/options.h"
 #include "harness.h"
 #include "heap/internal.h"
+#include "heap/shared.h"
 #include "oom.h"
 #include "pool/pool_impl.h"
 
@@ -312,6 +313,40 @@ static void double_free_released_large_child(void *arg) {
   keel_pool_free(big, o);
 }
 
+/* The same for a class carved from pages (helper-81's finding): after the
+ * two sweeps the pages empty, and a forced collection gives a segment with
+ * nothing else in it back to the OS. The second free read the header in the
+ * unmapped segment and died of SIGSEGV; the heap now keeps such segments
+ * mapped, purged (segment.c). The child fills whole segments (24 MiB of
+ * objects) and frees twice one whose segment really went back: it left the
+ * segment map and its page is not resident (mincore). `arg` is the
+ * object size: 1000 B (64 KiB pages) and 200 KB (a page of its own span). */
+static void double_free_released_segment_child(void *arg) {
+  size_t size = (size_t)(uintptr_t)arg, n = (24u << 20) / size;
+  keel_pool_t *p = keel_pool_create("seg", size, 0, NULL);
+  void **o = malloc(n * sizeof(*o));
+  if (o == NULL) abort();
+  for (size_t i = 0; i < n; i++) o[i] = keel_pool_alloc(p);
+  for (size_t i = 0; i < n; i++) keel_pool_free(p, o[i]);
+  keel_pool_sweep(p);
+  keel_pool_sweep(p);
+  if (stats(p).cached != 0) abort();
+  keel_heap_collect(true);
+  long pg = sysconf(_SC_PAGESIZE);
+  for (size_t i = 0; i < n; i++) {
+    if (_keel_segmap_has(_keel_segment_of(o[i]))) continue; /* its segment is still in use */
+    void *page = (void *)((uintptr_t)o[i] & ~(uintptr_t)(pg - 1));
+    unsigned char in = 0;
+    if (mincore(page, (size_t)pg, &in) == 0 && (in & 1)) {
+      fprintf(stderr, "test: a released segment is still resident\n");
+      abort();
+    }
+    keel_pool_free(p, o[i]);
+  }
+  fprintf(stderr, "test: no segment went back to the OS\n");
+  abort();
+}
+
 /* An object whose first word is its pool's address (a back pointer), freed
  * through a pointer 16 bytes into it: that word sits where a header's tag
  * would. With the tag equal to the pool's address this passed for a live
@@ -460,6 +495,12 @@ static void bad_input_aborts(void) {
   KT_EXPECT_ABORT(double_free_released_child, NULL, "keel: keel_pool_free: double free of 0x");
   KT_EXPECT_ABORT(double_free_released_large_child, NULL,
                   "is not a live object of pool 'big' (freed twice?)");
+  for (uintptr_t size = 1000; size <= 200000; size += 199000) {
+    KT_CHECK(kt_expect_abort(__FILE__, __LINE__, double_free_released_segment_child, (void *)size,
+                             "freed twice after its memory went back to the OS", out, sizeof(out)));
+    KT_CONTAINS(out, "keel: keel_pool_free: 0x");
+    KT_CONTAINS(out, "does not belong to pool 'seg'");
+  }
   KT_CHECK(kt_expect_abort(__FILE__, __LINE__, interior_pointer_child, NULL,
                            "does not belong to pool 'dict'", out, sizeof(out)));
   KT_CHECK(kt_expect_abort(__FILE__, __LINE__, page_start_child, NULL,
