@@ -3,7 +3,9 @@
  * The OS fault injection (src/base/os.h) makes every new mapping fail, but
  * the heap still serves requests from memory it already holds: free blocks
  * in this thread's pages, abandoned pages it can adopt, free slices of its
- * segments, cached large mappings. kt_oom_begin turns the injection on and
+ * segments, cached large mappings (not retained segments: making one
+ * read-write again is a commit, which the injection fails too).
+ * kt_oom_begin turns the injection on and
  * then takes all of that into a hoard (one block at a time, linked through
  * the blocks), so the next request of any size up to the largest class that
  * this thread serves must ask the OS, and fails. kt_oom_end turns the

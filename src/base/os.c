@@ -132,6 +132,12 @@ int _keel_os_decommit(void *p, size_t size) {
   return q == p ? 0 : -errno;
 }
 
+int _keel_os_retire(void *p, size_t size) {
+  void *q =
+      mmap(p, size, PROT_READ, MAP_FIXED | MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  return q == p ? 0 : -errno;
+}
+
 int _keel_os_purge(void *p, size_t size, bool lazy) {
 #ifdef MADV_FREE
   if (lazy && madvise(p, size, MADV_FREE) == 0) return 0;

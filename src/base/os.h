@@ -6,7 +6,8 @@
  * committed (read-write; pages appear on first touch) -> purged (still
  * read-write, contents dropped, RSS falls; MADV_DONTNEED, or MADV_FREE when
  * `lazy`, which the kernel reclaims only under pressure) -> decommitted
- * (back to PROT_NONE) -> released (unmapped).
+ * (back to PROT_NONE) or retired (read-only zeros: no memory, no commit
+ * charge, but every address still reads) -> released (unmapped).
  */
 #ifndef KEEL_BASE_OS_H
 #define KEEL_BASE_OS_H
@@ -32,6 +33,12 @@ int _keel_os_commit(void *p, size_t size) KEEL_HIDDEN;
 
 /* Returns a range's memory and its commit charge; the range stays reserved. */
 int _keel_os_decommit(void *p, size_t size) KEEL_HIDDEN;
+
+/* Maps fresh read-only zero pages over a range: its memory and commit
+ * charge go back, and any read of it still succeeds (zeros, the kernel's
+ * shared zero page); _keel_os_commit makes it read-write again. 0 or -errno
+ * (e.g. ENOMEM at the process's limit of mappings). */
+int _keel_os_retire(void *p, size_t size) KEEL_HIDDEN;
 
 /* Drops a committed range's contents (RSS falls now, or under pressure when
  * lazy); it stays read-write and reads back as zero after a non-lazy purge. */

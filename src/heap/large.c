@@ -252,6 +252,15 @@ typedef struct huge_hdr {
 
 static huge_hdr_t *huge_list;
 
+/* _keel_os_alloc for a large or huge block: when the OS refuses while
+ * segments are retained (address space at RLIMIT_AS), they go first and
+ * the mapping is tried once more. */
+static void *large_map(size_t size, size_t align) {
+  void *p = _keel_os_alloc(size, align);
+  if (p == NULL && _keel_segments_unretain()) p = _keel_os_alloc(size, align);
+  return p;
+}
+
 static void *huge_alloc(size_t size, size_t align) {
   if (size > PTRDIFF_MAX - align - KEEL_SEGMENT_SIZE) {
     _keel_reject("malloc", "%zu bytes (aligned to %zu) is above PTRDIFF_MAX", size, align);
@@ -259,7 +268,7 @@ static void *huge_alloc(size_t size, size_t align) {
     return NULL;
   }
   size_t mapped = page_up(align + size);
-  huge_hdr_t *h = _keel_os_alloc(mapped, align);
+  huge_hdr_t *h = large_map(mapped, align);
   if (h == NULL) return NULL;
   h->user = (uint8_t *)h + align;
   h->mapped = mapped;
@@ -337,7 +346,7 @@ void *_keel_large_alloc(size_t size, size_t align, bool zero) {
     seg = s;
   }
   if (seg == NULL) {
-    seg = _keel_os_alloc(need, KEEL_SEGMENT_SIZE);
+    seg = large_map(need, KEEL_SEGMENT_SIZE);
     if (seg == NULL || !_keel_segmap_covers(seg)) {
       if (seg != NULL) _keel_os_release(seg, need);
       errno = ENOMEM;

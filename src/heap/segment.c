@@ -12,25 +12,30 @@
  * header), so a span search is a few mask tests on a 64-bit word.
  *
  * Purge: a freed span stays resident ("dirty") for heap_purge_ms, then is
- * returned with madvise(MADV_DONTNEED); a segment with no pages left is
- * purged whole after the same delay and kept mapped ("retained", as
- * jemalloc's opt.retain does), to be reused before any new mapping. So
- * every address keel ever handed out from a small segment stays readable
- * for the life of the process: a module that reads a header word before
- * the block it frees (the pool's double-free check, a load on its 2 ns
- * path) never faults on a block freed twice after its memory went back to
- * the OS, where checking the segment map first cost every free a cycle
- * (4% of keel-bench pool's gluster CPU). Retaining also spares the munmap's
- * TLB shootdown across every CPU the process runs on. The cost is address
- * space (and, under vm.overcommit_memory=2, commit charge) at the peak of
- * small-block memory; the memory itself is returned. Retained segments
- * leave the segment map, so a stale pointer into one is an invalid pointer
- * to keel_free. The delay keeps a free/alloc cycle that
- * crosses a page boundary from paying a fault and a zeroing per page (the
- * purge-and-refault churn jemalloc and mimalloc show on some loads). The
- * madvise calls run with the lock dropped: the span is marked in use while
- * it is purged, so no one allocates it meanwhile.
+ * returned with madvise(MADV_DONTNEED). The delay keeps a free/alloc cycle
+ * that crosses a page boundary from paying a fault and a zeroing per page
+ * (the purge-and-refault churn jemalloc and mimalloc show on some loads).
+ * The madvise calls run with the lock dropped: the span is marked in use
+ * while it is purged, so no one allocates it meanwhile.
  *
+ * Retained segments: a segment with no pages left is, after the same delay,
+ * not unmapped but retired (fresh read-only zero pages mapped over it, under
+ * the lock: no memory, no commit charge) and kept, to be made read-write
+ * and reused before any new mapping (jemalloc's opt.retain keeps address
+ * space the same way). So every address keel handed out from a small
+ * segment stays readable: a module that reads a header word before the
+ * block it frees (the pool's double-free check, a load on a 2 ns path)
+ * gets zeros, not a fault, for a block freed twice after its memory went
+ * back to the OS. Checking the segment map first did the same at a cycle
+ * per free (4% of keel-bench pool's gluster CPU). A stale write into a
+ * retained segment faults, and the segment is out of the segment map, so
+ * keel_free calls a stale pointer into it invalid. The cost is address
+ * space at the peak of small-block memory, so the promise has two
+ * exceptions: a large mapping the OS refuses while segments are retained
+ * (RLIMIT_AS) gets them unmapped first and is tried again
+ * (_keel_segments_unretain), and past RETAIN_SLOTS retained segments
+ * (256 GiB) a segment is unmapped.
+
  * Segment map: one bit per 4 MiB of the 47-bit user address space (4 MiB of
  * zero-fill BSS, of which only the words covering keel's segments are ever
  * touched). Bits change only under the lock; readers use relaxed loads.
@@ -132,31 +137,61 @@ static int span_find(const keel_segment_t *seg, unsigned n) {
   return any;
 }
 
-/* Retained segments (see the file comment): a stack of purged, mapped,
- * zero-filled segments, under the lock. Its array is mapped apart (8 bytes
- * per 4 MiB retained), doubling; a segment that cannot be pushed for want
- * of memory is unmapped after all. */
-static keel_segment_t **retained;
-static size_t n_retained, retained_cap;
+/* Retained segments (see the file comment), under the lock: a stack of
+ * addresses, bit 0 set where the segment could not be retired nor purged
+ * (its memory is not zero: it stays read-write and resident). A static
+ * array: pushing can never fail for want of memory; its pages are touched
+ * only as it fills (8 bytes per 4 MiB retained). */
+#define RETAIN_SLOTS ((size_t)1 << 16)
+#define RETAIN_DIRTY ((uintptr_t)1)
+static uintptr_t retained[RETAIN_SLOTS];
+static size_t n_retained;
 
-static bool retain_push(keel_segment_t *seg) {
-  if (n_retained == retained_cap) {
-    size_t cap = retained_cap != 0 ? 2 * retained_cap : 4096 / sizeof(*retained);
-    keel_segment_t **v = _keel_os_alloc(cap * sizeof(*v), 4096);
-    if (v == NULL) return false;
-    if (n_retained != 0) memcpy(v, retained, n_retained * sizeof(*v));
-    if (retained != NULL) _keel_os_release(retained, retained_cap * sizeof(*v));
-    retained = v;
-    retained_cap = cap;
+/* seg is off the segment list and out of the map; caller holds the lock. */
+static void segment_retire(keel_segment_t *seg) {
+  KEEL_TRACK_RESET(seg, KEEL_SEGMENT_SIZE);
+  if (n_retained == RETAIN_SLOTS) {
+    _keel_os_release(seg, KEEL_SEGMENT_SIZE);
+    return;
   }
-  retained[n_retained++] = seg;
-  return true;
+  uintptr_t e = (uintptr_t)seg;
+  /* Retiring fails at the process's mapping limit (it splits a mapping);
+   * purging fails on mlock'ed memory. Either way seg stays mapped. */
+  if (_keel_os_retire(seg, KEEL_SEGMENT_SIZE) != 0 &&
+      _keel_os_purge(seg, KEEL_SEGMENT_SIZE, false) != 0)
+    e |= RETAIN_DIRTY;
+  KEEL_TRACK_RETIRE(seg, KEEL_SEGMENT_SIZE);
+  retained[n_retained++] = e;
+}
+
+/* The most recently retained segment, read-write and with a zero header,
+ * or NULL (none, or the OS refused its commit charge: it stays retained). */
+static keel_segment_t *segment_reuse(void) {
+  if (n_retained == 0) return NULL;
+  uintptr_t e = retained[n_retained - 1];
+  keel_segment_t *seg = (keel_segment_t *)(e & ~RETAIN_DIRTY);
+  if (_keel_os_commit(seg, KEEL_SEGMENT_SIZE) != 0) return NULL;
+  n_retained--;
+  KEEL_TRACK_RESET(seg, KEEL_SEGMENT_SIZE);
+  if (e & RETAIN_DIRTY) memset(seg, 0, sizeof(*seg)); /* blocks need no zeroing: calloc clears */
+  return seg;
+}
+
+bool _keel_segments_unretain(void) {
+  pthread_mutex_lock(&seg_lock);
+  bool any = n_retained != 0;
+  while (n_retained != 0) {
+    keel_segment_t *seg = (keel_segment_t *)(retained[--n_retained] & ~RETAIN_DIRTY);
+    KEEL_TRACK_RESET(seg, KEEL_SEGMENT_SIZE);
+    _keel_os_release(seg, KEEL_SEGMENT_SIZE);
+  }
+  pthread_mutex_unlock(&seg_lock);
+  return any;
 }
 
 static keel_segment_t *segment_new(void) {
-  /* A retained segment reads as zeros (MADV_DONTNEED), as a fresh mapping. */
-  keel_segment_t *seg = n_retained != 0 ? retained[--n_retained]
-                                        : _keel_os_alloc(KEEL_SEGMENT_SIZE, KEEL_SEGMENT_SIZE);
+  keel_segment_t *seg = segment_reuse();
+  if (seg == NULL) seg = _keel_os_alloc(KEEL_SEGMENT_SIZE, KEEL_SEGMENT_SIZE);
   if (seg == NULL) return NULL;
   if (!_keel_segmap_covers(seg)) {
     _keel_os_release(seg, KEEL_SEGMENT_SIZE);
@@ -182,9 +217,7 @@ static void segment_release(keel_segment_t *seg) {
   if (seg->next != NULL) seg->next->prev = seg->prev;
   n_segments--;
   _keel_segmap_set(seg, false);
-  KEEL_TRACK_RESET(seg, KEEL_SEGMENT_SIZE);
-  if (_keel_os_purge(seg, KEEL_SEGMENT_SIZE, false) == 0 && retain_push(seg)) return;
-  _keel_os_release(seg, KEEL_SEGMENT_SIZE);
+  segment_retire(seg);
 }
 
 keel_page_t *_keel_page_alloc(unsigned cls, keel_heap_t *heap) {

@@ -136,10 +136,16 @@ POOL_ASAN_UNCHECKED static uintptr_t pool_hdr_link(const pool_hdr_t *h) {
   return (uintptr_t)h->next;
 }
 
+/* A header's tag, read the same way: in a segment the heap has retained
+ * after the block's last free, ASan has the whole segment poisoned. */
+POOL_ASAN_UNCHECKED static uintptr_t pool_hdr_tag(const pool_hdr_t *h) {
+  return h->tag;
+}
+
 /* The misuse checks, in the order that gives the most precise message.
  * The header of an object that is not at a page start lies on obj's own
  * page, so it can be read at once: a block carved from a heap page stays
- * readable for the life of the process (heap/shared.h), so even an object
+ * readable (heap/shared.h: the exceptions are there), so even an object
  * freed twice after its memory went back to the OS reads as zeros there
  * (a tag no pool has: this message). At a page start (the fast paths send
  * every such object here) the header is read only once the heap confirms
@@ -152,7 +158,7 @@ static void pool_free_check(keel_pool_t *p, void *obj) {
   _keel_pool_check_live(p, "keel_pool_free");
   pool_hdr_t *h = pool_hdr(obj);
   bool mapped = p->f.flags & POOL_F_MAPPED;
-  if (keel_likely(!mapped && ((uintptr_t)obj & 4095) != 0 && h->tag == p->f.tag)) return;
+  if (keel_likely(!mapped && ((uintptr_t)obj & 4095) != 0 && pool_hdr_tag(h) == p->f.tag)) return;
   void *block = (char *)obj - p->hdr_size;
   if (((uintptr_t)obj & (p->hdr_size - 1)) != 0 || !_keel_heap_is_block(block)) {
     /* Not a block of the heap now: a foreign pointer, or an object freed
@@ -165,8 +171,9 @@ static void pool_free_check(keel_pool_t *p, void *obj) {
              "one freed twice after its memory went back to the OS)",
              obj, p->name);
   }
-  if (h->tag == p->f.tag) return;
-  if (h->tag == (p->f.tag | POOL_TAG_FREE) || pool_hdr_link(h) == (p->f.tag | POOL_TAG_RELEASED))
+  uintptr_t tag = pool_hdr_tag(h);
+  if (tag == p->f.tag) return;
+  if (tag == (p->f.tag | POOL_TAG_FREE) || pool_hdr_link(h) == (p->f.tag | POOL_TAG_RELEASED))
     keel_die("keel_pool_free", "double free of %p in pool '%s'", obj, p->name);
   keel_die("keel_pool_free", "%p does not belong to pool '%s'", obj, p->name);
 }

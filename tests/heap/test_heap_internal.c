@@ -13,6 +13,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -371,11 +372,17 @@ static void test_purge_forced(void) {
   free(v);
 }
 
-/* A segment with no pages left is purged and kept mapped, not unmapped
- * (segment.c): it leaves the segment map, its memory is not resident, its
- * address space stays in mapped_bytes, and the next segment the heap needs
- * is that one again, with no new mapping. A module that reads a header
- * before the block it frees (the pool) relies on the mapping staying. */
+/* A read of memory ASan may have poisoned (a retained segment). */
+__attribute__((no_sanitize("address"))) static uint64_t read_unchecked(const void *p) {
+  return *(const volatile uint64_t *)p;
+}
+
+/* A segment with no pages left is retired and kept mapped, not unmapped
+ * (segment.c): it leaves the segment map, its memory is not resident, it
+ * reads as zeros and a write to it faults, its address space stays in
+ * mapped_bytes, and the next segment the heap needs is that one again, with
+ * no new mapping. A module that reads a header before the block it frees
+ * (the pool) relies on the mapping staying. */
 static void test_segment_retained(void) {
   int n = 24 << 10; /* 24 MiB of 1 KiB blocks: whole segments */
   void **v = calloc((size_t)n, sizeof(void *));
@@ -395,20 +402,35 @@ static void test_segment_retained(void) {
   int n_gone = 0;
   for (int i = 0; i < n && n_gone < 8; i++) {
     keel_segment_t *seg = _keel_segment_of(v[i]);
-    if (_keel_segmap_has(seg) || (n_gone > 0 && gone[n_gone - 1] == seg)) continue;
+    bool seen = false;
+    for (int k = 0; k < n_gone; k++) seen |= gone[k] == seg;
+    if (seen || _keel_segmap_has(seg)) continue;
     static unsigned char in[KEEL_SEGMENT_SIZE / 4096];
     KT_CHECK(mincore(seg, KEEL_SEGMENT_SIZE, in) == 0); /* ENOMEM once unmapped */
     int resident = 0;
     for (size_t k = 0; k < sizeof(in); k++) resident += in[k] & 1;
     KT_EQ(resident, 0);
+    KT_EQ(read_unchecked(v[i]), 0);
     gone[n_gone++] = seg;
   }
-  KT_CHECK(n_gone >= 2);
+  KT_REQUIRE(n_gone >= 2);
+  /* A stale write faults (or ASan reports it) in a child. */
+  pid_t pid = fork();
+  if (pid == 0) {
+    *(volatile char *)gone[0] = 1;
+    _exit(0);
+  }
+  int status = 0;
+  KT_REQUIRE(waitpid(pid, &status, 0) == pid);
+  KT_CHECK(!(WIFEXITED(status) && WEXITSTATUS(status) == 0));
   /* The same 24 MiB again: new segments come from the retained ones. */
-  for (int i = 0; i < n; i++) v[i] = keel_malloc(1000);
+  for (int i = 0; i < n; i++) {
+    v[i] = keel_malloc(1000);
+    KT_REQUIRE(v[i] != NULL);
+    memset(v[i], 2, 1000);
+  }
   int reused = 0;
   for (int i = 0; i < n; i++) {
-    KT_REQUIRE(v[i] != NULL);
     for (int k = 0; k < n_gone; k++) reused += _keel_segment_of(v[i]) == gone[k];
   }
   KT_CHECK(reused > 0);
@@ -416,6 +438,46 @@ static void test_segment_retained(void) {
   KT_CHECK(st.mapped_bytes <= mapped); /* no new mapping was needed */
   for (int i = 0; i < n; i++) keel_free(v[i]);
   free(v);
+}
+
+/* Retained address space must not make a large allocation fail: at
+ * RLIMIT_AS, the heap unmaps its retained segments and maps again. In a
+ * child (the limit stays there); not under sanitizers, whose shadow
+ * memory needs address space far past any such limit. */
+static void test_segment_unretain_at_limit(void) {
+#if defined(KEEL_ASAN) || defined(KEEL_TSAN)
+  printf("  skipped: sanitizers reserve terabytes of address space\n");
+#else
+  pid_t pid = fork();
+  if (pid == 0) {
+    alarm(20);
+    const size_t mib = (size_t)1 << 20;
+    int n = 96 << 10; /* 96 MiB of 1 KiB blocks */
+    void **v = malloc((size_t)n * sizeof(void *));
+    if (v == NULL) _exit(2);
+    FILE *f = fopen("/proc/self/statm", "r");
+    unsigned long pages = 0;
+    if (f == NULL || fscanf(f, "%lu", &pages) != 1) _exit(3);
+    fclose(f);
+    /* Room for the blocks, and for the large one only if they go. */
+    struct rlimit rl = {pages * 4096 + 160 * mib, pages * 4096 + 160 * mib};
+    if (setrlimit(RLIMIT_AS, &rl) != 0) _exit(4);
+    for (int i = 0; i < n; i++) {
+      if ((v[i] = keel_malloc(1000)) == NULL) _exit(5);
+    }
+    for (int i = 0; i < n; i++) keel_free(v[i]);
+    keel_heap_collect(true);
+    void *big = keel_malloc(100 * mib);
+    if (big == NULL) _exit(6);
+    memset(big, 1, 100 * mib);
+    keel_free(big);
+    _exit(0);
+  }
+  int status = 0;
+  KT_REQUIRE(waitpid(pid, &status, 0) == pid);
+  KT_CHECK(WIFEXITED(status));
+  KT_EQ(WEXITSTATUS(status), 0);
+#endif
 }
 
 /* malloc_trim's case: pages that keep some live blocks still give back the
@@ -1315,13 +1377,13 @@ KT_MAIN(KT_CASE(test_class_steps), KT_CASE(test_class_info), KT_CASE(test_page_v
         KT_CASE(test_encoded_lists), KT_CASE(test_collect_no_loss),
         KT_CASE(test_abandon_and_collect), KT_CASE(test_idle_owner_full_pages),
         KT_CASE(test_collector_unfulled_page), KT_CASE(test_purge_forced),
-        KT_CASE(test_segment_retained), KT_CASE(test_purge_partial), KT_CASE(test_purge_background),
-        KT_CASE(test_large), KT_CASE(test_large_remap_segmap), KT_CASE(test_large_spares),
-        KT_CASE(test_aligned), KT_CASE(test_enomem), KT_CASE(test_enomem_injected),
-        KT_CASE(test_enomem_new_thread), KT_CASE(test_cross_thread_stress), KT_CASE(test_bad_input),
-        KT_CASE(test_fork), KT_CASE(test_fork_during_purge),
-        KT_CASE(test_fork_during_large_collect), KT_CASE(test_fork_during_stats),
-        KT_CASE(test_fork_during_large_move),
+        KT_CASE(test_segment_retained), KT_CASE(test_segment_unretain_at_limit),
+        KT_CASE(test_purge_partial), KT_CASE(test_purge_background), KT_CASE(test_large),
+        KT_CASE(test_large_remap_segmap), KT_CASE(test_large_spares), KT_CASE(test_aligned),
+        KT_CASE(test_enomem), KT_CASE(test_enomem_injected), KT_CASE(test_enomem_new_thread),
+        KT_CASE(test_cross_thread_stress), KT_CASE(test_bad_input), KT_CASE(test_fork),
+        KT_CASE(test_fork_during_purge), KT_CASE(test_fork_during_large_collect),
+        KT_CASE(test_fork_during_stats), KT_CASE(test_fork_during_large_move),
         /* Last: they leave the purge thread ticking every 10 ms for a moment,
          * which races with cases that expect a delayed list to stay put
          * (test_collector_unfulled_page failed 3 times in 36 loaded runs
