@@ -29,8 +29,9 @@
  *   submit, run, after, cancel,   any thread, any time, concurrently with
  *   stats, client_create/destroy  each other and from inside jobs
  *   init, shutdown                serialised with each other; KEEL_EDEADLK from
- *                                 inside a job or from an on_cancel that a
- *                                 shutdown runs
+ *                                 inside a job, from an on_cancel that a
+ *                                 shutdown runs, or from one that keel's
+ *                                 monitor thread runs
  * A job belongs to keel from a successful submit (or keel_sched_after) until
  * keel calls its fn or on_cancel; from that call on it is the caller's again
  * (fn may free or resubmit it). Ordering: what the submitter wrote before a
@@ -109,9 +110,12 @@ static inline void keel_job_init(keel_job_t *job, keel_job_fn fn, unsigned flags
   job->flags = flags;
 }
 
+/* The largest max_threads keel_sched_init accepts. */
+#define KEEL_SCHED_THREADS_MAX 65536u
+
 typedef struct keel_sched_config {
   unsigned min_threads; /* workers kept alive, >= 1 */
-  unsigned max_threads; /* most workers ever running, >= min_threads */
+  unsigned max_threads; /* most workers ever running, >= min_threads, <= KEEL_SCHED_THREADS_MAX */
   unsigned idle_ms;     /* a worker above min idle this long retires */
   unsigned block_ms;    /* a job running this long counts as blocking */
 } keel_sched_config_t;
@@ -121,9 +125,10 @@ typedef struct keel_sched_config {
  * cgroup's CPU quota). Does not allocate or block. */
 KEEL_API void keel_sched_config_default(keel_sched_config_t *cfg);
 
-/* Starts the pool (cfg NULL: defaults): 0, KEEL_EINVAL (max 0, min 0 or
- * min > max), KEEL_EBUSY (already running), KEEL_ENOMEM/EAGAIN (no thread),
- * KEEL_EDEADLK (from inside a job or a shutdown's on_cancel). Until it has
+/* Starts the pool (cfg NULL: defaults): 0, KEEL_EINVAL (max 0, min 0,
+ * min > max or max > KEEL_SCHED_THREADS_MAX), KEEL_EBUSY (already running),
+ * KEEL_ENOMEM/EAGAIN (no thread), KEEL_EDEADLK (from inside a job, or from
+ * an on_cancel that a shutdown or the monitor thread runs). Until it has
  * created every thread it accepts no job or timer: other threads' submits
  * wait for it. A failed init leaves the pool as it was (a lazy one is tried
  * again by the next call: a submit that waited tries it itself), having
@@ -171,8 +176,8 @@ KEEL_API int keel_sched_cancel(keel_job_t *job);
  * (CANCEL; jobs a worker has already taken still run); every on_cancel it
  * causes runs in the calling thread; returns after every worker has exited
  * and been joined. Blocks.
- * KEEL_EDEADLK from inside a job or from an on_cancel that shutdown itself
- * runs; KEEL_EINVAL for a bad mode; 0 if already shut down. Serialised with
+ * KEEL_EDEADLK from inside a job, from an on_cancel that shutdown itself
+ * runs, or from one on keel's monitor thread; KEEL_EINVAL for a bad mode; 0 if already shut down. Serialised with
  * keel_sched_init. */
 KEEL_API int keel_sched_shutdown(int how);
 

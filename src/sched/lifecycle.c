@@ -59,7 +59,10 @@ static void client_init(struct keel_sched_client *c) {
 
 /* Resets the queues, levels, worker lists and the counts that go with
  * them; no worker exists and no job is queued (or, in a fork child, those
- * that were are the parent's). No system call: fork.c's child handler uses
+ * that were are the parent's). Caller holds sched.lock: keel_sched_stats,
+ * keel_sched_cancel and keel_sched_client_destroy read this state under it
+ * at any time, also while an init after a shutdown runs (review, helper-84:
+ * TSan reported those races). No system call: fork.c's child handler uses
  * it too. */
 void _keel_sched_reset_queues(void) {
   sched_t *s = &_keel_sched;
@@ -93,9 +96,12 @@ void _keel_sched_reset_queues(void) {
 
 static void reset(const keel_sched_config_t *cfg) {
   sched_t *s = &_keel_sched;
+  int ncpu = _keel_os_ncpu(); /* reads /proc and sysfs: not under the lock */
+  pthread_mutex_lock(&s->lock);
   _keel_sched_reset_queues();
   s->cfg = *cfg;
-  s->ncpu = _keel_os_ncpu();
+  s->ncpu = ncpu;
+  pthread_mutex_unlock(&s->lock);
 }
 
 /* Set while this thread holds life_lock (init, lazy or not, and shutdown):
@@ -128,12 +134,14 @@ static int init_locked(const keel_sched_config_t *user) {
     keel_sched_config_default(&cfg);
   else
     cfg = *user;
+  /* The bound keeps thread counts within the int the pool counts them in. */
   if (cfg.max_threads == 0 || cfg.min_threads == 0 || cfg.min_threads > cfg.max_threads ||
-      cfg.idle_ms == 0 || cfg.block_ms == 0)
+      cfg.max_threads > KEEL_SCHED_THREADS_MAX || cfg.idle_ms == 0 || cfg.block_ms == 0)
     return KEEL_REJECT(KEEL_EINVAL, "keel_sched_init",
                        "min_threads %u, max_threads %u, idle_ms %u, block_ms %u: need 1 <= min <= "
-                       "max and nonzero times",
-                       cfg.min_threads, cfg.max_threads, cfg.idle_ms, cfg.block_ms);
+                       "max <= %u and nonzero times",
+                       cfg.min_threads, cfg.max_threads, cfg.idle_ms, cfg.block_ms,
+                       KEEL_SCHED_THREADS_MAX);
   reset(&cfg);
   _keel_sched_gate_init();
   atomic_store(&s->state, SCHED_STARTING);
@@ -152,7 +160,7 @@ static int init_locked(const keel_sched_config_t *user) {
 
 int keel_sched_init(const keel_sched_config_t *cfg) {
   _keel_sched_atfork_once(); /* before life_lock: see fork.c */
-  if (in_life || _keel_sched_self != NULL) return KEEL_EDEADLK;
+  if (in_life || _keel_sched_self != NULL || _keel_sched_on_monitor) return KEEL_EDEADLK;
   pthread_mutex_lock(&_keel_sched.life_lock);
   in_life = true;
   int rc = init_locked(cfg);
@@ -284,7 +292,11 @@ static void stop(int how) {
 int keel_sched_shutdown(int how) {
   if (how != KEEL_SCHED_DRAIN && how != KEEL_SCHED_CANCEL)
     return KEEL_REJECT(KEEL_EINVAL, "keel_sched_shutdown", "unknown how %d", how);
-  if (_keel_sched_self != NULL || in_life) return KEEL_EDEADLK; /* it would wait for itself */
+  /* It would wait for itself: a worker, an init or shutdown in progress on
+   * this thread, or the monitor (which stop() joins), e.g. from the
+   * on_cancel of a timer it could not hand over (review, helper-84: that
+   * shutdown hung for ever, the monitor's remaining orphans never notified). */
+  if (_keel_sched_self != NULL || in_life || _keel_sched_on_monitor) return KEEL_EDEADLK;
   _keel_sched_atfork_once();
   sched_t *s = &_keel_sched;
   pthread_mutex_lock(&s->life_lock);

@@ -293,9 +293,12 @@ static bool __nap_again(void) {
   return again;
 }
 
+__thread bool _keel_sched_on_monitor;
+
 static void *monitor_main(void *arg) {
   (void)arg;
   sched_t *s = &_keel_sched;
+  _keel_sched_on_monitor = true;
   unsigned gen = s->fork_gen; /* written only in a fork child, before it has threads */
   for (;;) {
     if (atomic_load(&s->mon_mode) == MON_EXIT) break;

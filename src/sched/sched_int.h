@@ -218,6 +218,9 @@ typedef struct sched {
 
 extern sched_t _keel_sched KEEL_HIDDEN;
 extern __thread sched_worker_t *_keel_sched_self KEEL_HIDDEN;
+/* Set on the monitor thread: the on_cancels it runs (timers of a worker it
+ * could not create) must not start or stop the pool it is part of. */
+extern __thread bool _keel_sched_on_monitor KEEL_HIDDEN;
 extern struct keel_sched_client _keel_sched_default_client KEEL_HIDDEN;
 
 /* Monitor modes: sleeping with no deadline, poked awake, ticking (next

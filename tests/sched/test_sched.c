@@ -7,6 +7,7 @@
  */
 #define _GNU_SOURCE
 #include <errno.h>
+#include <limits.h>
 #include <pthread.h>
 #include <signal.h>
 #include <stdatomic.h>
@@ -114,6 +115,11 @@ static void bad_input(void) {
   cfg = (keel_sched_config_t){1, 0, 1000, 20};
   KT_EQ(keel_sched_init(&cfg), KEEL_EINVAL);
   cfg = (keel_sched_config_t){0, 4, 1000, 20}; /* zero min */
+  KT_EQ(keel_sched_init(&cfg), KEEL_EINVAL);
+  /* Above the cap (it was cast to int: KEEL_EAGAIN, "no thread"). */
+  cfg = (keel_sched_config_t){1, UINT_MAX, 1000, 20};
+  KT_EQ(keel_sched_init(&cfg), KEEL_EINVAL);
+  cfg = (keel_sched_config_t){1, KEEL_SCHED_THREADS_MAX + 1, 1000, 20};
   KT_EQ(keel_sched_init(&cfg), KEEL_EINVAL);
   cfg = (keel_sched_config_t){1, 4, 1000, 20};
   KT_EQ(keel_sched_init(&cfg), 0);
@@ -1152,6 +1158,44 @@ static void queued_prio_counts(void) {
  * timer heap, on none of the client's lists, and place() writes into the
  * client when the timer fires (destroy freed it: a use after free). Busy
  * until the job has run, been cancelled, or been cancelled by a shutdown. */
+/* Review (helper-84, finding 4): init after a shutdown reset the queues,
+ * staging and worker lists without sched.lock, while stats, cancel and
+ * client_destroy, allowed at any time, read them under it: TSan reported
+ * the races. Readers loop while the pool is shut down and started again. */
+static atomic_int readers_stop;
+static void *lifecycle_reader(void *arg) {
+  int kind = (int)(intptr_t)arg;
+  tjob_t idle;
+  tjob_init(&idle, 0, 0);
+  while (!atomic_load(&readers_stop)) {
+    if (kind == 0) {
+      keel_sched_stats_t st;
+      keel_sched_stats(&st);
+    } else if (kind == 1) {
+      KT_CHECK(keel_sched_cancel(&idle.job) != 0); /* never submitted */
+    } else {
+      keel_sched_client_t *c = keel_sched_client_create();
+      if (c != NULL) KT_EQ(keel_sched_client_destroy(c), 0);
+    }
+  }
+  return NULL;
+}
+
+static void lifecycle_vs_readers(void) {
+  start(1, 2, 600000, 600000);
+  atomic_store(&readers_stop, 0);
+  pthread_t t[3];
+  for (int i = 0; i < 3; i++) pthread_create(&t[i], NULL, lifecycle_reader, (void *)(intptr_t)i);
+  keel_sched_config_t cfg = {1, 2, 600000, 600000};
+  for (int i = 0; i < 50; i++) {
+    KT_EQ(keel_sched_shutdown(KEEL_SCHED_DRAIN), 0);
+    KT_EQ(keel_sched_init(&cfg), 0);
+  }
+  atomic_store(&readers_stop, 1);
+  for (int i = 0; i < 3; i++) pthread_join(t[i], NULL);
+  KT_EQ(keel_sched_shutdown(KEEL_SCHED_DRAIN), 0);
+}
+
 static bool runs_1(void *a) {
   return atomic_load(&((tjob_t *)a)->runs) == 1;
 }
@@ -1331,4 +1375,4 @@ KT_MAIN(KT_CASE(lazy_init), KT_CASE(bad_input), KT_CASE(submit_after_shutdown),
         KT_CASE(timer_from_outside_on_busy_worker), KT_CASE(one_wakeup_per_burst),
         KT_CASE(stats_counts), KT_CASE(drain_grows_pool), KT_CASE(timers_move_on_retire),
         KT_CASE(queued_prio_counts), KT_CASE(client_destroy_timed),
-        KT_CASE(fork_child_gets_own_pool))
+        KT_CASE(fork_child_gets_own_pool), KT_CASE(lifecycle_vs_readers))

@@ -245,6 +245,41 @@ static void no_retire_below_min(void) {
   KT_EQ(keel_sched_shutdown(KEEL_SCHED_DRAIN), 0);
 }
 
+/* Review (helper-84, finding 1): the monitor runs the on_cancels of the
+ * timers of a worker it could not create; one that called
+ * keel_sched_shutdown there waited for the workers, which wait for those
+ * timers to be notified, by the monitor: a hang for ever. From the monitor
+ * thread (here its creation hook, where such on_cancels run) init and
+ * shutdown now give KEEL_EDEADLK. */
+static atomic_int mon_calls, mon_shutdown_rc, mon_init_rc;
+static int call_from_monitor(void) {
+  if (atomic_fetch_add(&mon_calls, 1) == 0) {
+    atomic_store(&mon_shutdown_rc, keel_sched_shutdown(KEEL_SCHED_DRAIN));
+    atomic_store(&mon_init_rc, keel_sched_init(NULL));
+  }
+  return EAGAIN;
+}
+
+static void lifecycle_from_monitor(void) {
+  start(1, 2, 600000, 600000);
+  KT_REQUIRE(kt_wait_for(one_parked, NULL, 10));
+  atomic_store(&mon_calls, 0);
+  atomic_store(&mon_shutdown_rc, 1);
+  atomic_store(&mon_init_rc, 1);
+  __atomic_store_n(&_keel_sched_create_hook, call_from_monitor, __ATOMIC_RELEASE);
+  gate_close(); /* W1 */
+  tjob_t j0;
+  tjob_init(&j0, 0);
+  KT_EQ(keel_sched_submit(&j0.job), 0); /* no worker idle: the monitor creates W2 */
+  KT_REQUIRE(kt_wait_for(flag_set, &mon_calls, 10));
+  KT_EQ(atomic_load(&mon_shutdown_rc), KEEL_EDEADLK);
+  KT_EQ(atomic_load(&mon_init_rc), KEEL_EDEADLK);
+  creations_ok();
+  atomic_store(&gate_open, 1);
+  KT_CHECK(kt_wait_for(ran_once, &j0, 10));
+  KT_EQ(keel_sched_shutdown(KEEL_SCHED_DRAIN), 0);
+}
+
 /* Back to a pool never initialised, for the lazy-init cases: after a full
  * shutdown nothing is left that UNINIT would not also describe. */
 static void uninit(void) {
@@ -773,7 +808,8 @@ static void unnap_between_look_and_nap(void) {
   KT_EQ(keel_sched_shutdown(KEEL_SCHED_CANCEL), 0); /* cancels the timer */
 }
 
-KT_MAIN(KT_CASE(past_deadline_retires), KT_CASE(no_retire_below_min), KT_CASE(lazy_init_retried),
+KT_MAIN(KT_CASE(past_deadline_retires), KT_CASE(no_retire_below_min),
+        KT_CASE(lifecycle_from_monitor), KT_CASE(lazy_init_retried),
         KT_CASE(on_cancel_of_failed_init), KT_CASE(failed_init_is_no_shutdown),
         KT_CASE(destroy_from_fired_job), KT_CASE(batch_of_one_wakes_when_monitor_naps),
         KT_CASE(after_from_outside_pokes), KT_CASE(timer_armed_as_monitor_sleeps),
