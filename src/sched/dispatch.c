@@ -12,7 +12,10 @@
  * xchg and its link store (common with 64 producers on 2 cores) would make
  * the blocking ones poll(2) for 10 ms with the mutex held; here the unlinked
  * node holds back its shard only, *stuck is set, and a worker that finds
- * nothing else yields instead of parking.
+ * nothing else yields instead of parking. When every staged shard of the
+ * fast lane starts half-linked, the default client loses its turn (to the
+ * tail of the normal ring) and, alone there, the normal level is passed
+ * over for the rest of that dispatch: other clients and levels go on.
  *
  * Taking a job: pick the level (below), then the client at the head of that
  * level's ring, which keeps its turn for KEEL_SCHED_QUANTUM jobs or until it
@@ -160,9 +163,12 @@ static bool level_waits(int p) {
   return !cds_list_empty(&_keel_sched.levels[p].ring);
 }
 
-static int pick_level(void) {
+/* The level to take from next, or -1; levels in `skip` count as empty. */
+static int pick_level(unsigned skip) {
   sched_t *s = &_keel_sched;
-  bool hw = level_waits(PRIO_HIGH), nw = level_waits(PRIO_NORMAL), lw = level_waits(PRIO_LOW);
+  bool hw = !(skip & (1u << PRIO_HIGH)) && level_waits(PRIO_HIGH);
+  bool nw = !(skip & (1u << PRIO_NORMAL)) && level_waits(PRIO_NORMAL);
+  bool lw = !(skip & (1u << PRIO_LOW)) && level_waits(PRIO_LOW);
   if (lw && (s->since_low >= KEEL_SCHED_LOW_EVERY - 1 || (!hw && !nw))) return PRIO_LOW;
   if (nw && (s->since_normal >= KEEL_SCHED_NORMAL_EVERY - 1 || !hw)) return PRIO_NORMAL;
   return hw ? PRIO_HIGH : -1;
@@ -250,14 +256,30 @@ unsigned __keel_sched_dispatch(keel_job_t **out, unsigned max, bool *stuck) {
   unsigned n = 0;
   uint64_t listed = 0;
   int p;
-  while (n < max && (p = pick_level()) >= 0) {
+  unsigned skip = 0; /* levels whose only client's next job is half-linked */
+  while (n < max && (p = pick_level(skip)) >= 0) {
     bool nw = level_waits(PRIO_NORMAL), lw = level_waits(PRIO_LOW);
     bool half = false;
     keel_job_t *job = take_one(p, &half, &listed);
     *stuck |= half;
     if (job == NULL) {
-      if (half) break;
-      continue; /* the default client left the ring: pick again */
+      /* The default client's fast lane is half-linked (a producer was
+       * preempted inside its enqueue): it loses its turn, and if no other
+       * client waits at this level the level is passed over. Breaking out
+       * here held back every client and level until that producer ran
+       * (review, helper-84: a high job waited 500 ms). Every other ring
+       * member has listed jobs, so each pass takes a job or skips. */
+      if (half) {
+        sched_level_t *L = &s->levels[p];
+        if (L->ring.next != L->ring.prev) {
+          struct keel_sched_client *c = DEFAULT_CLIENT;
+          c->used[p] = 0;
+          _keel_list_move_tail(&c->ring[p], &L->ring);
+        } else {
+          skip |= 1u << p;
+        }
+      }
+      continue; /* or the default client left the ring: pick again */
     }
     account(p, nw, lw);
     out[n++] = job;

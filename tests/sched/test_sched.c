@@ -662,8 +662,14 @@ typedef struct stalled {
   unsigned shard;
   keel_job_t job;
   atomic_int swapped;
+  atomic_int release; /* links at once when set, not only at shutdown */
+  atomic_int ran;
   pthread_t cancelled_on;
 } stalled_t;
+
+static void stalled_fn(keel_job_t *j) {
+  atomic_fetch_add(&container_of(j, stalled_t, job)->ran, 1);
+}
 
 static void stalled_cancel(keel_job_t *j) {
   container_of(j, stalled_t, job)->cancelled_on = pthread_self();
@@ -679,7 +685,8 @@ static void *stalled_producer(void *arg) {
   cds_wfcq_node_init(node);
   struct cds_wfcq_node *prev = uatomic_xchg(&_keel_sched.in[p->shard].tail.p, node);
   atomic_store(&p->swapped, 1);
-  while (atomic_load(&_keel_sched.state) == SCHED_RUNNING) kt_sleep_ms(0.1);
+  while (atomic_load(&_keel_sched.state) == SCHED_RUNNING && !atomic_load(&p->release))
+    kt_sleep_ms(0.1);
   pthread_mutex_lock(&_keel_sched.lock);
   pthread_mutex_unlock(&_keel_sched.lock);
   CMM_STORE_SHARED(prev->next, node);
@@ -726,6 +733,77 @@ static void run_if_cancelled_thread(void) {
   KT_EQ(atomic_load(&ric_runs), 1);
   KT_CHECK(pthread_equal(ric_ran_on, pthread_self()));
   KT_CHECK(pthread_equal(st.cancelled_on, pthread_self()));
+}
+
+/* Review (helper-84, finding 3): while the fast lane (normal jobs of the
+ * default client) starts with a half-linked node, the other clients and
+ * levels still run. Dispatch broke out when the default client's turn found
+ * its next job half-linked, so nothing ran until that producer did: one
+ * high job of eight, no low job, no job of another client, in 500 ms. */
+static bool stalled_ran(void *a) {
+  return atomic_load(&((stalled_t *)a)->ran) == 1;
+}
+
+static bool all_ran(void *a) {
+  tjob_t *t = a;
+  for (int i = 0; i < 10; i++) {
+    if (atomic_load(&t[i].runs) != 1) return false;
+  }
+  return true;
+}
+
+static atomic_int lane_gate_in, lane_gate_open;
+static bool lane_flag_set(void *a) {
+  return atomic_load((atomic_int *)a) != 0;
+}
+static void lane_gate_fn(keel_job_t *j) {
+  (void)j;
+  atomic_store(&lane_gate_in, 1);
+  while (!atomic_load(&lane_gate_open)) kt_sleep_ms(0.1);
+}
+
+static void stalled_lane_holds_back_only_itself(void) {
+  start(1, 1, 600000, 600000);
+  tjob_t first;
+  tjob_init(&first, 0, 0);
+  KT_EQ(keel_sched_submit(&first.job), 0); /* registers this thread: its shard is known */
+  KT_CHECK(kt_wait_for(all_done, NULL, 10));
+  /* The only worker held; then job a on the fast lane, and the stalled
+   * node after it: a dispatch splices both, and a's dequeue then waits for
+   * the node's link (the default client's turn finds its lane stuck). */
+  atomic_store(&lane_gate_in, 0);
+  atomic_store(&lane_gate_open, 0);
+  keel_job_t gate;
+  keel_job_init(&gate, lane_gate_fn, 0);
+  KT_EQ(keel_sched_submit(&gate), 0);
+  KT_REQUIRE(kt_wait_for(lane_flag_set, &lane_gate_in, 10));
+  tjob_t a;
+  tjob_init(&a, 0, 0);
+  KT_EQ(keel_sched_submit(&a.job), 0);
+  static stalled_t st;
+  memset(&st, 0, sizeof(st));
+  keel_job_init(&st.job, stalled_fn, 0);
+  st.shard = _keel_sched_me.shard;
+  pthread_t th;
+  KT_EQ(pthread_create(&th, NULL, stalled_producer, &st), 0);
+  KT_REQUIRE(kt_wait_for(stalled_swapped, &st, 10));
+  keel_sched_client_t *b = keel_sched_client_create();
+  KT_REQUIRE(b != NULL);
+  static tjob_t t[10]; /* 8 high, 1 low, 1 normal of client b */
+  for (int i = 0; i < 10; i++) {
+    tjob_init(&t[i], i, i < 8 ? KEEL_JOB_HIGH : i == 8 ? KEEL_JOB_LOW : KEEL_JOB_NORMAL);
+    if (i == 9) t[i].job.client = b;
+    KT_EQ(keel_sched_submit(&t[i].job), 0);
+  }
+  atomic_store(&lane_gate_open, 1);
+  KT_CHECK(kt_wait_for(all_ran, t, 10));
+  KT_EQ(atomic_load(&a.runs), 0); /* its dequeue needs the node's link */
+  atomic_store(&st.release, 1);
+  KT_EQ(pthread_join(th, NULL), 0);
+  KT_CHECK(kt_wait_for(stalled_ran, &st, 10)); /* the stalled job too, once linked */
+  KT_EQ(atomic_load(&a.runs), 1);
+  KT_EQ(keel_sched_shutdown(KEEL_SCHED_DRAIN), 0);
+  KT_EQ(keel_sched_client_destroy(b), 0);
 }
 
 /* A job that resubmits itself from its own fn (the lock module's pattern). */
@@ -1375,4 +1453,5 @@ KT_MAIN(KT_CASE(lazy_init), KT_CASE(bad_input), KT_CASE(submit_after_shutdown),
         KT_CASE(timer_from_outside_on_busy_worker), KT_CASE(one_wakeup_per_burst),
         KT_CASE(stats_counts), KT_CASE(drain_grows_pool), KT_CASE(timers_move_on_retire),
         KT_CASE(queued_prio_counts), KT_CASE(client_destroy_timed),
-        KT_CASE(fork_child_gets_own_pool), KT_CASE(lifecycle_vs_readers))
+        KT_CASE(fork_child_gets_own_pool), KT_CASE(lifecycle_vs_readers),
+        KT_CASE(stalled_lane_holds_back_only_itself))
