@@ -73,11 +73,18 @@ typedef struct keel_job keel_job_t;
 typedef struct keel_sched_client keel_sched_client_t;
 typedef void (*keel_job_fn)(keel_job_t *job);
 
-/* Job flags: one priority (default normal) or'ed with KEEL_JOB_BLOCKING. */
+/* Job flags: one priority (default normal) or'ed with KEEL_JOB_BLOCKING.
+ * A job that may sleep should say so: a worker ends its batch at a
+ * BLOCKING job, so no job waits behind it. An undeclared job that runs past
+ * block_ms counts as blocking too (the pool grows, other workers take the
+ * queue), but the jobs its worker had already taken with it (at most
+ * KEEL_SCHED_BATCH - 1, fewer when the queue runs short) start only after
+ * it: they are not handed to another worker, which could start them after
+ * later jobs of the same submitter (the start order promised below). */
 #define KEEL_JOB_NORMAL           0u
 #define KEEL_JOB_HIGH             1u
 #define KEEL_JOB_LOW              2u
-#define KEEL_JOB_BLOCKING         4u /* may sleep: the pool may grow past the CPU count */
+#define KEEL_JOB_BLOCKING         4u /* may sleep: ends a batch; the pool may grow past the CPUs */
 /* keel_sched_run only: a job that shutdown cancels runs fn(arg) at once in
  * the cancelling thread instead of being dropped (work that must happen,
  * e.g. a keel_pheap deferrer's, whose pool close waits for it). */

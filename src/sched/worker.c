@@ -2,8 +2,11 @@
  *
  * A worker takes at most KEEL_SCHED_BATCH jobs per dispatch; its batch size
  * adapts (doubling while work is left behind, halving when it emptied the
- * queue), and a KEEL_JOB_BLOCKING job always ends a batch, so few jobs ever
- * wait in one worker's batch behind a sleeping one. If work is left after its take
+ * queue), and a KEEL_JOB_BLOCKING job always ends a batch, so no job waits in
+ * one worker's batch behind a declared sleeper. One that sleeps undeclared
+ * holds the rest of its batch (at most KEEL_SCHED_BATCH - 1 jobs) until it
+ * returns: handing them to another worker would let them start after later
+ * jobs of their submitter (sched.h's start order). If work is left after its take
  * it wakes one parked sibling (the chain that spreads a burst one wake-up at
  * a time) or, with none parked, pokes the monitor, which may add a worker.
  *
@@ -96,8 +99,10 @@ static unsigned take(sched_worker_t *w, bool *stuck) {
   pthread_mutex_unlock(&s->lock);
   /* Batch size: doubles while work is left behind, halves when the worker
    * emptied the queue. A flood reaches KEEL_SCHED_BATCH in 5 dispatches; a
-   * trickle of long jobs is taken one at a time, so no job waits in one
-   * worker's batch behind a sleeping one while a sibling could run it. */
+   * trickle of long jobs is taken one at a time, so a job rarely waits in
+   * one worker's batch behind a long one while a sibling could run it (a
+   * long job in a flood of short ones still holds the rest of its batch:
+   * see the file comment). */
   if (more)
     w->fast_max = w->fast_max * 2 > KEEL_SCHED_BATCH ? KEEL_SCHED_BATCH : w->fast_max * 2;
   else if (w->fast_max > 1)
