@@ -695,6 +695,16 @@ static void *stalled_producer(void *arg) {
   return NULL;
 }
 
+/* A pool of one worker, after a first submit from this thread: the
+ * thread's producer record, and so its shard, exists. */
+static void start_one_registered(unsigned idle_ms, unsigned block_ms) {
+  start(1, 1, idle_ms, block_ms);
+  tjob_t first;
+  tjob_init(&first, 0, 0);
+  KT_EQ(keel_sched_submit(&first.job), 0);
+  KT_CHECK(kt_wait_for(all_done, NULL, 10));
+}
+
 static pthread_t ric_ran_on;
 static atomic_int ric_runs;
 static void ric_fn(void *arg) {
@@ -713,11 +723,7 @@ static bool stalled_swapped(void *a) {
  * jobs themselves, so its fn ran on a worker. The stalled job's own notice
  * comes from that thread too. */
 static void run_if_cancelled_thread(void) {
-  start(1, 1, 1000, 20);
-  tjob_t first;
-  tjob_init(&first, 0, 0);
-  KT_EQ(keel_sched_submit(&first.job), 0); /* registers this thread: its shard is known */
-  KT_CHECK(kt_wait_for(all_done, NULL, 10));
+  start_one_registered(1000, 20);
   static stalled_t st;
   memset(&st, 0, sizeof(st));
   keel_job_init(&st.job, tjob_fn, 0);
@@ -763,11 +769,7 @@ static void lane_gate_fn(keel_job_t *j) {
 }
 
 static void stalled_lane_holds_back_only_itself(void) {
-  start(1, 1, 600000, 600000);
-  tjob_t first;
-  tjob_init(&first, 0, 0);
-  KT_EQ(keel_sched_submit(&first.job), 0); /* registers this thread: its shard is known */
-  KT_CHECK(kt_wait_for(all_done, NULL, 10));
+  start_one_registered(600000, 600000);
   /* The only worker held; then job a on the fast lane, and the stalled
    * node after it: a dispatch splices both, and a's dequeue then waits for
    * the node's link (the default client's turn finds its lane stuck). */

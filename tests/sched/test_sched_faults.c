@@ -179,6 +179,17 @@ static bool ran_once(void *a) {
   return atomic_load(&((tjob_t *)a)->runs) == 1;
 }
 
+/* With W1 held in the gate job, submits j0: no worker is idle, so the
+ * monitor creates W2, through `hook` (set first: a BLOCKING gate job may
+ * itself make the monitor add W2). Returns once the hook has set *entered. */
+static void monitor_creates_w2(int (*hook)(void), tjob_t *j0, atomic_int *entered) {
+  __atomic_store_n(&_keel_sched_create_hook, hook, __ATOMIC_RELEASE);
+  gate_close(); /* W1 */
+  tjob_init(j0, 0);
+  KT_EQ(keel_sched_submit(&j0->job), 0);
+  KT_REQUIRE(kt_wait_for(flag_set, entered, 10));
+}
+
 /* Second review, bug 4: try_retire compared nthreads, which counts a
  * worker whose pthread_create is still in progress, with min; W1 retired on
  * that count, W2's creation then failed, and the RUNNING pool had no worker
@@ -216,16 +227,11 @@ static void no_retire_below_min(void) {
    * monitor add a W2 before the hook was set (which then ran j0). */
   KT_REQUIRE(kt_wait_for(one_parked, NULL, 10));
   retired_before = retired_now();
-  /* The hook before the gate: a BLOCKING gate job may itself make the
-   * monitor add W2, which then ran j0 before the hook was set (1 run in 20). */
+  /* The hook before the gate (1 run in 20 had W2 run j0 otherwise). */
   atomic_store(&create_in, 0);
   atomic_store(&create_release, 0);
-  __atomic_store_n(&_keel_sched_create_hook, hold_then_fail, __ATOMIC_RELEASE);
-  gate_close(); /* W1 */
   tjob_t j0;
-  tjob_init(&j0, 0);
-  KT_EQ(keel_sched_submit(&j0.job), 0); /* no worker idle: the monitor creates W2 */
-  KT_REQUIRE(kt_wait_for(flag_set, &create_in, 10));
+  monitor_creates_w2(hold_then_fail, &j0, &create_in);
   atomic_store(&timeout_held, 0);
   atomic_store(&timeout_release, 0);
   atomic_store(&hold_timeout, 1);
@@ -266,12 +272,8 @@ static void lifecycle_from_monitor(void) {
   atomic_store(&mon_calls, 0);
   atomic_store(&mon_shutdown_rc, 1);
   atomic_store(&mon_init_rc, 1);
-  __atomic_store_n(&_keel_sched_create_hook, call_from_monitor, __ATOMIC_RELEASE);
-  gate_close(); /* W1 */
   tjob_t j0;
-  tjob_init(&j0, 0);
-  KT_EQ(keel_sched_submit(&j0.job), 0); /* no worker idle: the monitor creates W2 */
-  KT_REQUIRE(kt_wait_for(flag_set, &mon_calls, 10));
+  monitor_creates_w2(call_from_monitor, &j0, &mon_calls);
   KT_EQ(atomic_load(&mon_shutdown_rc), KEEL_EDEADLK);
   KT_EQ(atomic_load(&mon_init_rc), KEEL_EDEADLK);
   creations_ok();
