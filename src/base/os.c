@@ -11,6 +11,7 @@
 #include <fcntl.h>
 #include <stdint.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include "atomic.h"
@@ -130,6 +131,17 @@ int _keel_os_decommit(void *p, size_t size) {
   void *q =
       mmap(p, size, PROT_NONE, MAP_FIXED | MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
   return q == p ? 0 : -errno;
+}
+
+bool _keel_os_as_limited(void) {
+  struct rlimit rl;
+  return getrlimit(RLIMIT_AS, &rl) == 0 && rl.rlim_cur != RLIM_INFINITY;
+}
+
+bool _keel_os_mapped(void *p) {
+  unsigned char v;
+  void *page = (void *)((uintptr_t)p & ~(uintptr_t)(_keel_os_page_size() - 1));
+  return mincore(page, 1, &v) == 0 || errno != ENOMEM;
 }
 
 int _keel_os_retire(void *p, size_t size) {

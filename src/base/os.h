@@ -36,9 +36,19 @@ int _keel_os_decommit(void *p, size_t size) KEEL_HIDDEN;
 
 /* Maps fresh read-only zero pages over a range: its memory and commit
  * charge go back, and any read of it still succeeds (zeros, the kernel's
- * shared zero page); _keel_os_commit makes it read-write again. 0 or -errno
- * (e.g. ENOMEM at the process's limit of mappings). */
+ * shared zero page); _keel_os_commit makes it read-write again (like a
+ * reserved range, then without commit accounting under overcommit modes 0
+ * and 1; mode 2 charges it there). 0 or -errno (e.g. ENOMEM at the
+ * process's limit of mappings; before Linux 6.12 such a failure could leave
+ * the range unmapped). Under mlockall(MCL_FUTURE) the zero pages count as
+ * locked. */
 int _keel_os_retire(void *p, size_t size) KEEL_HIDDEN;
+
+/* Whether the process's address space is limited (RLIMIT_AS finite). */
+bool _keel_os_as_limited(void) KEEL_HIDDEN;
+
+/* Whether the page at p is mapped at all (mincore). */
+bool _keel_os_mapped(void *p) KEEL_HIDDEN;
 
 /* Drops a committed range's contents (RSS falls now, or under pressure when
  * lazy); it stays read-write and reads back as zero after a non-lazy purge. */

@@ -28,14 +28,16 @@
  * gets zeros, not a fault, for a block freed twice after its memory went
  * back to the OS. Checking the segment map first did the same at a cycle
  * per free (4% of keel-bench pool's gluster CPU). A stale write into a
- * retained segment faults, and the segment is out of the segment map, so
- * keel_free calls a stale pointer into it invalid. The cost is address
- * space at the peak of small-block memory, so the promise has two
- * exceptions: a large mapping the OS refuses while segments are retained
- * (RLIMIT_AS) gets them unmapped first and is tried again
- * (_keel_segments_unretain), and past RETAIN_SLOTS retained segments
- * (256 GiB) a segment is unmapped.
-
+ * retired segment faults, and the segment is out of the segment map, so
+ * keel_free calls a stale pointer into it invalid. Where retiring fails
+ * (the mapping-count limit) the segment is purged instead and stays
+ * read-write; where that fails too (mlock) it keeps its contents. The cost
+ * is address space at the peak of small-block memory, so the promise has
+ * exceptions, where segments are unmapped: while the process limits its
+ * address space (RLIMIT_AS finite: nothing is retained, and a large mapping
+ * the OS refuses unmaps what was retained before the limit, then is tried
+ * again), and past RETAIN_SLOTS retained segments (256 GiB).
+ *
  * Segment map: one bit per 4 MiB of the 47-bit user address space (4 MiB of
  * zero-fill BSS, of which only the words covering keel's segments are ever
  * touched). Bits change only under the lock; readers use relaxed loads.
@@ -147,43 +149,62 @@ static int span_find(const keel_segment_t *seg, unsigned n) {
 static uintptr_t retained[RETAIN_SLOTS];
 static size_t n_retained;
 
-/* seg is off the segment list and out of the map; caller holds the lock. */
+/* seg is off the segment list and out of the map; caller holds the lock.
+ * Retained unless the stack is full or the process limits its address
+ * space (RLIMIT_AS: retained space would make its own mappings fail). */
 static void segment_retire(keel_segment_t *seg) {
   KEEL_TRACK_RESET(seg, KEEL_SEGMENT_SIZE);
-  if (n_retained == RETAIN_SLOTS) {
-    _keel_os_release(seg, KEEL_SEGMENT_SIZE);
-    return;
-  }
   uintptr_t e = (uintptr_t)seg;
-  /* Retiring fails at the process's mapping limit (it splits a mapping);
-   * purging fails on mlock'ed memory. Either way seg stays mapped. */
-  if (_keel_os_retire(seg, KEEL_SEGMENT_SIZE) != 0 &&
-      _keel_os_purge(seg, KEEL_SEGMENT_SIZE, false) != 0)
-    e |= RETAIN_DIRTY;
+  if (n_retained == RETAIN_SLOTS || _keel_os_as_limited()) {
+    if (_keel_os_release(seg, KEEL_SEGMENT_SIZE) == 0 || n_retained == RETAIN_SLOTS) return;
+    e |= RETAIN_DIRTY; /* unmapping split a mapping past the limit: still ours, read-write */
+  } else if (_keel_os_retire(seg, KEEL_SEGMENT_SIZE) != 0) {
+    /* Retiring fails at the process's mapping limit (it splits a mapping).
+     * Then purge: that fails on mlock'ed memory (EINVAL: still mapped,
+     * read-write, resident) or, where a failed retire left a hole (before
+     * Linux 6.12), with ENOMEM: nothing is ours there any more. */
+    int rc = _keel_os_purge(seg, KEEL_SEGMENT_SIZE, false);
+    if (rc == -ENOMEM) return;
+    if (rc != 0) e |= RETAIN_DIRTY;
+  }
   KEEL_TRACK_RETIRE(seg, KEEL_SEGMENT_SIZE);
   retained[n_retained++] = e;
 }
 
 /* The most recently retained segment, read-write and with a zero header,
- * or NULL (none, or the OS refused its commit charge: it stays retained). */
+ * or NULL (none, or the OS refused its commit charge: it stays retained).
+ * An entry whose range is no longer mapped (see segment_retire) is dropped. */
 static keel_segment_t *segment_reuse(void) {
-  if (n_retained == 0) return NULL;
-  uintptr_t e = retained[n_retained - 1];
-  keel_segment_t *seg = (keel_segment_t *)(e & ~RETAIN_DIRTY);
-  if (_keel_os_commit(seg, KEEL_SEGMENT_SIZE) != 0) return NULL;
-  n_retained--;
-  KEEL_TRACK_RESET(seg, KEEL_SEGMENT_SIZE);
-  if (e & RETAIN_DIRTY) memset(seg, 0, sizeof(*seg)); /* blocks need no zeroing: calloc clears */
-  return seg;
+  while (n_retained != 0) {
+    uintptr_t e = retained[n_retained - 1];
+    keel_segment_t *seg = (keel_segment_t *)(e & ~RETAIN_DIRTY);
+    if (_keel_os_commit(seg, KEEL_SEGMENT_SIZE) != 0) {
+      if (_keel_os_mapped(seg)) return NULL;
+      n_retained--;
+      continue;
+    }
+    n_retained--;
+    KEEL_TRACK_RESET(seg, KEEL_SEGMENT_SIZE);
+    if (e & RETAIN_DIRTY) memset(seg, 0, sizeof(*seg)); /* blocks need no zeroing: calloc clears */
+    return seg;
+  }
+  return NULL;
 }
 
 bool _keel_segments_unretain(void) {
+  bool any = false;
   pthread_mutex_lock(&seg_lock);
-  bool any = n_retained != 0;
   while (n_retained != 0) {
-    keel_segment_t *seg = (keel_segment_t *)(retained[--n_retained] & ~RETAIN_DIRTY);
+    keel_segment_t *seg = (keel_segment_t *)(retained[n_retained - 1] & ~RETAIN_DIRTY);
     KEEL_TRACK_RESET(seg, KEEL_SEGMENT_SIZE);
-    _keel_os_release(seg, KEEL_SEGMENT_SIZE);
+    /* Unmapping one of several adjacent retired segments splits their
+     * mapping, which fails at the mapping-count limit: it stays retained. */
+    if (_keel_os_release(seg, KEEL_SEGMENT_SIZE) != 0) {
+      KEEL_TRACK_RETIRE(seg, KEEL_SEGMENT_SIZE);
+      break;
+    }
+    n_retained--;
+    any = true;
   }
   pthread_mutex_unlock(&seg_lock);
   return any;

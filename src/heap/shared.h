@@ -35,11 +35,11 @@ bool _keel_heap_is_block(const void *p) KEEL_HIDDEN;
 /* Whether a block of `size` bytes aligned to `align` is a mapping of its
  * own rather than carved from a page: once freed, it may be unmapped. A
  * block carved from a page is not: the heap keeps an emptied segment mapped
- * read-only (retained, segment.c), so any address inside such a block
- * stays readable, as zeros once its memory went back, except after the
- * heap has had to unmap retained segments (a large mapping refused at the
- * address-space limit, or past 256 GiB retained). The pool's fast paths
- * read an object's header on that promise. */
+ * (retained, segment.c), so any address inside such a block stays
+ * readable (zeros once its memory went back; its old contents where
+ * mlock kept it), except while the process limits its address space
+ * (RLIMIT_AS) and past 256 GiB retained. The pool's fast paths read an
+ * object's header on that promise. */
 bool _keel_heap_mapped_alone(size_t size, size_t align) KEEL_HIDDEN;
 
 #endif /* KEEL_HEAP_SHARED_H */
