@@ -48,8 +48,8 @@
  * Inline callbacks caused by calls on different threads are not ordered with
  * each other.
  *
- * Memory: a resource is 176 bytes plus its name (and the table's share); a
- * lock 80 bytes. A by-name keel_lock allocates the lock, and the resource on
+ * Memory: a resource is 168 bytes plus its name (and the table's share); a
+ * lock 96 bytes (x86-64). A by-name keel_lock allocates the lock, and the resource on
  * first use; by-handle conversions and unlocks allocate nothing.
  *
  * Concurrency: every call may run concurrently with every other call, except
@@ -203,7 +203,10 @@ KEEL_API keel_lockspace_t *keel_lockspace_create(const keel_lockspace_config_t *
 KEEL_API int keel_lockspace_release(keel_lockspace_t *ls, unsigned flags);
 
 /* Drops up to n cached unused resources (a memory-pressure callback calls
- * this); returns how many were dropped. May run concurrently with anything. */
+ * this); returns how many were dropped. May run concurrently with anything,
+ * keel_lockspace_release of the same lockspace included (it then returns 0
+ * or makes the release wait for it), as long as the handle is one of the
+ * last 1,024 released if it is released. */
 KEEL_API size_t keel_lockspace_shrink(keel_lockspace_t *ls, size_t n);
 
 /* Requests a new lock on the resource `name` in `mode` (or, with

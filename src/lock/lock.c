@@ -63,8 +63,13 @@ static unsigned own_bast_frames(const keel_lkb_t *lkb) {
 void _keel_lkb_bast(keel_lkb_t *lkb, int mode) {
   keel_res_t *res = lkb->res; /* attached while basts > 0 */
   __keel_mutex_lock(&res->mu);
-  /* The current callbacks: a conversion may have replaced them since. */
+  /* The current callbacks: a conversion may have replaced them since. A
+   * BAST whose mode the lock's granted mode no longer blocks (it converted
+   * down since it was queued) is stale and skipped, as the DLM's
+   * dlm_may_skip_callback does: lock.h promises that a BAST reports a
+   * blocked request (review, helper-86: PR reported to a lock at NL). */
   keel_lock_bast_t fn = lkb->released ? NULL : lkb->bast;
+  if (fn != NULL && lkb->gr >= 0 && (_keel_lock_compat_mask[mode] & (1u << lkb->gr))) fn = NULL;
   void *arg = lkb->arg;
   if (fn != NULL) lkb->bast_running++;
   __keel_mutex_unlock(&res->mu);

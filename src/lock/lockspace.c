@@ -176,9 +176,20 @@ int _keel_ls_veto(keel_lockspace_t *ls) {
   return _keel_ls_open(m) ? 0 : KEEL_ESHUTDOWN;
 }
 
+/* A memory-pressure callback cannot know that a release is under way:
+ * shrink counts itself in, then reads the state (seq_cst on both sides,
+ * as release stores CLOSING and then reads the count), so either it sees
+ * CLOSING and does nothing, or the release waits for it before it
+ * destroys the table (review, helper-86: the eviction ran on a table
+ * being destroyed; "freed twice", SIGSEGV). */
 size_t keel_lockspace_shrink(keel_lockspace_t *ls, size_t n) {
   if (_keel_ls_check(ls) != 0) return 0;
-  return keel_table_shrink(ls->table, n);
+  __atomic_fetch_add(&ls->shrinkers, 1, __ATOMIC_SEQ_CST);
+  size_t dropped = 0;
+  if (_keel_ls_open(__atomic_load_n(&ls->magic, __ATOMIC_SEQ_CST)))
+    dropped = keel_table_shrink(ls->table, n);
+  __atomic_fetch_sub(&ls->shrinkers, 1, __ATOMIC_SEQ_CST);
+  return dropped;
 }
 
 /* ---- the timer ------------------------------------------------------------ */
@@ -625,6 +636,12 @@ static int uncount_fn(keel_table_node_t *node, void *arg) {
   return 0;
 }
 
+/* Once CLOSING: returns when no keel_lockspace_shrink is under way (none
+ * starts: they read CLOSING). */
+static void shrinkers_leave(keel_lockspace_t *ls) {
+  while (__atomic_load_n(&ls->shrinkers, __ATOMIC_SEQ_CST) != 0) sched_yield();
+}
+
 int keel_lockspace_release(keel_lockspace_t *ls, unsigned flags) {
   int rc = _keel_ls_check(ls);
   if (rc != 0) return rc;
@@ -664,7 +681,9 @@ int keel_lockspace_release(keel_lockspace_t *ls, unsigned flags) {
                                           __ATOMIC_SEQ_CST)) {}
       return KEEL_EBUSY;
     }
+    shrinkers_leave(ls);
   } else {
+    shrinkers_leave(ls);
     /* The timer's passes end (one under way finishes); its thread is joined
      * only after the cancel, which wakes a call it may be blocked in. */
     timer_halt(ls);

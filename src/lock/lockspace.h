@@ -68,6 +68,7 @@ typedef struct keel_ls_timer {
 struct keel_lockspace {
   uint32_t magic;         /* KEEL_LS_MAGIC while live */
   uint32_t sleepers;      /* atomic: threads in a blocking wait (release waits for them) */
+  uint32_t shrinkers;     /* atomic: keel_lockspace_shrink calls under way (release waits) */
   keel_table_t *table;    /* NULL once released */
   keel_ls_timer_t *timer; /* allocated on first timed asynchronous request */
   keel_cbq_t *cbq;        /* KEEL_LOCKSPACE_SCHED: callbacks go here; NULL: inline */
