@@ -137,9 +137,10 @@ void _keel_large_move_child_reset(void) {
 
 /* Whether a mapping the OS just refused is worth trying again after the
  * retained segments go (segment.c): only where the address space is
- * limited (RLIMIT_AS, set after they were retained). Anything else (an
- * absurd size, the commit limit: retained segments hold no commit charge)
- * would lose them for nothing. */
+ * limited (RLIMIT_AS, set after they were retained; the next collection
+ * would unmap them anyway). Anything else (an absurd size, the commit
+ * limit: retired segments hold no commit charge, and the few that could
+ * only be purged hold little) would lose them for nothing. */
 static bool unretain_for_space(void) {
   return _keel_os_as_limited() && _keel_segments_unretain();
 }

@@ -33,10 +33,13 @@
  * (the mapping-count limit) the segment is purged instead and stays
  * read-write; where that fails too (mlock) it keeps its contents. The cost
  * is address space at the peak of small-block memory, so the promise has
- * exceptions, where segments are unmapped: while the process limits its
- * address space (RLIMIT_AS finite: nothing is retained, and a large mapping
- * the OS refuses unmaps what was retained before the limit, then is tried
- * again), and past RETAIN_SLOTS retained segments (256 GiB).
+ * exceptions, where segments are unmapped for good: those released while
+ * the process limits its address space (RLIMIT_AS finite: nothing is
+ * retained then), those retained before a limit was set (the next
+ * collection unmaps them, and so does a large mapping the OS refuses
+ * before it tries again), those past RETAIN_SLOTS retained (256 GiB), and,
+ * before Linux 6.12, one whose retire failed at the mapping-count limit
+ * and left a hole.
  *
  * Segment map: one bit per 4 MiB of the 47-bit user address space (4 MiB of
  * zero-fill BSS, of which only the words covering keel's segments are ever
@@ -140,10 +143,11 @@ static int span_find(const keel_segment_t *seg, unsigned n) {
 }
 
 /* Retained segments (see the file comment), under the lock: a stack of
- * addresses, bit 0 set where the segment could not be retired nor purged
- * (its memory is not zero: it stays read-write and resident). A static
- * array: pushing can never fail for want of memory; its pages are touched
- * only as it fills (8 bytes per 4 MiB retained). */
+ * addresses, bit 0 set where the segment's memory is not zero (it could be
+ * neither retired nor purged, or neither unmapped nor purged: it stays
+ * read-write and resident). A static array: pushing can never fail for
+ * want of memory; its pages are touched only as it fills (8 bytes per
+ * 4 MiB retained). */
 #define RETAIN_SLOTS ((size_t)1 << 16)
 #define RETAIN_DIRTY ((uintptr_t)1)
 static uintptr_t retained[RETAIN_SLOTS];
@@ -155,16 +159,18 @@ static size_t n_retained;
 static void segment_retire(keel_segment_t *seg) {
   KEEL_TRACK_RESET(seg, KEEL_SEGMENT_SIZE);
   uintptr_t e = (uintptr_t)seg;
-  if (n_retained == RETAIN_SLOTS || _keel_os_as_limited()) {
-    if (_keel_os_release(seg, KEEL_SEGMENT_SIZE) == 0 || n_retained == RETAIN_SLOTS) return;
-    e |= RETAIN_DIRTY; /* unmapping split a mapping past the limit: still ours, read-write */
-  } else if (_keel_os_retire(seg, KEEL_SEGMENT_SIZE) != 0) {
-    /* Retiring fails at the process's mapping limit (it splits a mapping).
-     * Then purge: that fails on mlock'ed memory (EINVAL: still mapped,
-     * read-write, resident) or, where a failed retire left a hole (before
-     * Linux 6.12), with ENOMEM: nothing is ours there any more. */
+  bool unmap = n_retained == RETAIN_SLOTS || _keel_os_as_limited();
+  if (unmap && _keel_os_release(seg, KEEL_SEGMENT_SIZE) == 0) return;
+  /* Unmapping (a limit) or retiring fails at the process's mapping limit:
+   * either splits a mapping. Then purge, which needs no split: that fails
+   * on mlock'ed memory (EINVAL: still mapped, read-write, resident) or,
+   * where a failed retire left a hole (before Linux 6.12), with ENOMEM:
+   * nothing is ours there any more (another thread could map into the hole
+   * before the purge and have it zeroed: a window of a syscall, on old
+   * kernels at their mapping limit). A full stack leaks the segment. */
+  if (unmap || _keel_os_retire(seg, KEEL_SEGMENT_SIZE) != 0) {
     int rc = _keel_os_purge(seg, KEEL_SEGMENT_SIZE, false);
-    if (rc == -ENOMEM) return;
+    if (rc == -ENOMEM || n_retained == RETAIN_SLOTS) return;
     if (rc != 0) e |= RETAIN_DIRTY;
   }
   KEEL_TRACK_RETIRE(seg, KEEL_SEGMENT_SIZE);
@@ -172,14 +178,16 @@ static void segment_retire(keel_segment_t *seg) {
 }
 
 /* The most recently retained segment, read-write and with a zero header,
- * or NULL (none, or the OS refused its commit charge: it stays retained).
- * An entry whose range is no longer mapped (see segment_retire) is dropped. */
+ * or NULL (none, or the OS refused it: its commit charge, or the mapping
+ * limit for the mprotect's split; it stays retained). An entry whose range
+ * is no longer mapped (see segment_retire) is dropped. */
 static keel_segment_t *segment_reuse(void) {
   while (n_retained != 0) {
     uintptr_t e = retained[n_retained - 1];
     keel_segment_t *seg = (keel_segment_t *)(e & ~RETAIN_DIRTY);
     if (_keel_os_commit(seg, KEEL_SEGMENT_SIZE) != 0) {
       if (_keel_os_mapped(seg)) return NULL;
+      KEEL_TRACK_RESET(seg, KEEL_SEGMENT_SIZE);
       n_retained--;
       continue;
     }
@@ -198,7 +206,8 @@ bool _keel_segments_unretain(void) {
     keel_segment_t *seg = (keel_segment_t *)(retained[n_retained - 1] & ~RETAIN_DIRTY);
     KEEL_TRACK_RESET(seg, KEEL_SEGMENT_SIZE);
     /* Unmapping one of several adjacent retired segments splits their
-     * mapping, which fails at the mapping-count limit: it stays retained. */
+     * mapping, which fails at the mapping-count limit: it stays retained,
+     * and so do those below it (the next collection tries again). */
     if (_keel_os_release(seg, KEEL_SEGMENT_SIZE) != 0) {
       KEEL_TRACK_RETIRE(seg, KEEL_SEGMENT_SIZE);
       break;
@@ -471,7 +480,11 @@ size_t _keel_segments_collect(bool force) {
     seg->used_mask &= ~purging;
     next = seg->next; /* the list may have changed while the lock was dropped */
   }
+  bool retaining = n_retained != 0;
   pthread_mutex_unlock(&seg_lock);
+  /* A limit set since they were retained: the program's own mappings need
+   * the space (the purge thread comes here every tick). */
+  if (retaining && _keel_os_as_limited()) _keel_segments_unretain();
   keel_fetch_add_relaxed(&_keel_purged_bytes, bytes);
   return bytes;
 }

@@ -37,9 +37,11 @@ bool _keel_heap_is_block(const void *p) KEEL_HIDDEN;
  * block carved from a page is not: the heap keeps an emptied segment mapped
  * (retained, segment.c), so any address inside such a block stays
  * readable (zeros once its memory went back; its old contents where
- * mlock kept it), except while the process limits its address space
- * (RLIMIT_AS) and past 256 GiB retained. The pool's fast paths read an
- * object's header on that promise. */
+ * mlock kept it), except where the heap unmapped the segment after all:
+ * under a finite RLIMIT_AS (also one set after the segment was retained),
+ * past 256 GiB retained, and in a corner of kernels before 6.12 (segment.c
+ * lists them). The pool's fast paths read an object's header on that
+ * promise. */
 bool _keel_heap_mapped_alone(size_t size, size_t align) KEEL_HIDDEN;
 
 #endif /* KEEL_HEAP_SHARED_H */

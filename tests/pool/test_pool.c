@@ -23,6 +23,7 @@
 #endif
 
 #include "base/options.h"
+#include "base/os.h"
 #include "harness.h"
 #include "heap/internal.h"
 #include "heap/shared.h"
@@ -495,7 +496,9 @@ static void bad_input_aborts(void) {
   KT_EXPECT_ABORT(double_free_released_child, NULL, "keel: keel_pool_free: double free of 0x");
   KT_EXPECT_ABORT(double_free_released_large_child, NULL,
                   "is not a live object of pool 'big' (freed twice?)");
-  for (uintptr_t size = 1000; size <= 200000; size += 199000) {
+  /* Under a finite RLIMIT_AS the heap unmaps such segments (the exception
+   * heap/shared.h states), and that double free faults as before. */
+  for (uintptr_t size = 1000; size <= 200000 && !_keel_os_as_limited(); size += 199000) {
     KT_CHECK(kt_expect_abort(__FILE__, __LINE__, double_free_released_segment_child, (void *)size,
                              "freed twice after its memory went back to the OS", out, sizeof(out)));
     KT_CONTAINS(out, "keel: keel_pool_free: 0x");
