@@ -54,7 +54,9 @@
  *
  * Concurrency: every call may run concurrently with every other call, except
  * that calls on one lksb are serialised by the caller (one lksb is one lock),
- * and keel_lockspace_release runs alone on its lockspace.
+ * and keel_lockspace_release runs alone on its lockspace (but for keel's
+ * callbacks, calls on a lockspace that holds a lock throughout, and
+ * keel_lockspace_shrink: see each).
  *
  * Errors: 0 or a negative KEEL_E* (keel.h). A NULL lksb, a bad mode or flag,
  * and a lockspace used after release return errors; a handle that was never a
@@ -194,9 +196,10 @@ KEEL_API keel_lockspace_t *keel_lockspace_create(const keel_lockspace_config_t *
  * KEEL_ECANCELED notice, seeing status KEEL_ECANCELED: free callback
  * arguments once the release has returned, not in the notice. The only
  * calls that may run concurrently with it are keel's own callbacks (timer
- * and sched) and, on other threads, calls on a lockspace that holds a lock
- * for the whole time (the release then cannot go ahead); anything else may
- * find the lockspace freed.
+ * and sched), keel_lockspace_shrink (the release waits for it) and, on
+ * other threads, calls on a lockspace that holds a lock for the whole time
+ * (the release then cannot go ahead); anything else may find the
+ * lockspace freed.
  * Calls on the released handle return KEEL_ESHUTDOWN (checked for the last
  * 1,024 released lockspaces; their headers, about 80 bytes, are kept until
  * exit for this). */

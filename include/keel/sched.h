@@ -184,8 +184,8 @@ KEEL_API int keel_sched_cancel(keel_job_t *job);
  * causes runs in the calling thread; returns after every worker has exited
  * and been joined. Blocks.
  * KEEL_EDEADLK from inside a job, from an on_cancel that shutdown itself
- * runs, or from one on keel's monitor thread; KEEL_EINVAL for a bad mode; 0 if already shut down. Serialised with
- * keel_sched_init. */
+ * runs, or from one on keel's monitor thread; KEEL_EINVAL for a bad mode;
+ * 0 if already shut down. Serialised with keel_sched_init. */
 KEEL_API int keel_sched_shutdown(int how);
 
 /* A fairness domain (e.g. one per connection). create: NULL + errno ENOMEM

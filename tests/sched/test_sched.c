@@ -1234,10 +1234,6 @@ static void queued_prio_counts(void) {
   KT_EQ(keel_sched_shutdown(KEEL_SCHED_DRAIN), 0);
 }
 
-/* A client's timed jobs keep it alive: keel_sched_after's job sits in a
- * timer heap, on none of the client's lists, and place() writes into the
- * client when the timer fires (destroy freed it: a use after free). Busy
- * until the job has run, been cancelled, or been cancelled by a shutdown. */
 /* Review (helper-84, finding 4): init after a shutdown reset the queues,
  * staging and worker lists without sched.lock, while stats, cancel and
  * client_destroy, allowed at any time, read them under it: TSan reported
@@ -1279,6 +1275,10 @@ static void lifecycle_vs_readers(void) {
 static bool runs_1(void *a) {
   return atomic_load(&((tjob_t *)a)->runs) == 1;
 }
+/* A client's timed jobs keep it alive: keel_sched_after's job sits in a
+ * timer heap, on none of the client's lists, and place() writes into the
+ * client when the timer fires (destroy freed it: a use after free). Busy
+ * until the job has run, been cancelled, or been cancelled by a shutdown. */
 static void client_destroy_timed(void) {
   start(1, 1, 1000, 20); /* one worker fires the timer and runs the job itself */
   keel_sched_client_t *c = keel_sched_client_create();

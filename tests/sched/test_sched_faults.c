@@ -257,11 +257,12 @@ static void no_retire_below_min(void) {
  * timers to be notified, by the monitor: a hang for ever. From the monitor
  * thread (here its creation hook, where such on_cancels run) init and
  * shutdown now give KEEL_EDEADLK. */
-static atomic_int mon_calls, mon_shutdown_rc, mon_init_rc;
+static atomic_int mon_calls, mon_done, mon_shutdown_rc, mon_init_rc;
 static int call_from_monitor(void) {
   if (atomic_fetch_add(&mon_calls, 1) == 0) {
     atomic_store(&mon_shutdown_rc, keel_sched_shutdown(KEEL_SCHED_DRAIN));
     atomic_store(&mon_init_rc, keel_sched_init(NULL));
+    atomic_store(&mon_done, 1);
   }
   return EAGAIN;
 }
@@ -270,10 +271,12 @@ static void lifecycle_from_monitor(void) {
   start(1, 2, 600000, 600000);
   KT_REQUIRE(kt_wait_for(one_parked, NULL, 10));
   atomic_store(&mon_calls, 0);
+  atomic_store(&mon_done, 0);
   atomic_store(&mon_shutdown_rc, 1);
   atomic_store(&mon_init_rc, 1);
   tjob_t j0;
   monitor_creates_w2(call_from_monitor, &j0, &mon_calls);
+  KT_REQUIRE(kt_wait_for(flag_set, &mon_done, 10)); /* before the fix: a hang */
   KT_EQ(atomic_load(&mon_shutdown_rc), KEEL_EDEADLK);
   KT_EQ(atomic_load(&mon_init_rc), KEEL_EDEADLK);
   creations_ok();
