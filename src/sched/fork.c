@@ -127,7 +127,7 @@ static void fork_child(void) {
     atomic_store(&s->state, SCHED_SHUTDOWN);
   }
   s->fork_gen++;
-  _keel_sched_self = NULL; /* a job that forked may use the child's pool */
+  _keel_sched_self = NULL;        /* a job that forked may use the child's pool */
   _keel_sched_on_monitor = false; /* so may an on_cancel the monitor ran */
   pthread_mutex_unlock(&s->lock);
   if (!_keel_sched_in_life()) pthread_mutex_init(&s->life_lock, NULL);
