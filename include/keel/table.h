@@ -111,9 +111,13 @@ typedef struct keel_table_config {
   size_t entry_size;  /* bytes charged per entry for max_bytes (the caller's struct) */
   /* Called once per removed entry, after a grace period and after its last
    * reference was put, on liburcu's call_rcu thread (for entries still in
-   * the table at destroy: in the destroying thread); it usually frees the
-   * caller's struct. It must not call keel_table_destroy() nor wait for a
-   * grace period. NULL: keel forgets the entry (the caller owns its memory). */
+   * the table at destroy: in the destroying thread, once the others have
+   * run); it usually frees the caller's struct. One table's calls do not
+   * overlap unless the program gave liburcu per-CPU call_rcu threads. It
+   * must not call keel_table_destroy() nor wait for a grace period. NULL:
+   * keel forgets the entry once it is unlinked; a reader may still see it
+   * until a grace period has passed (urcu_memb_synchronize_rcu), so the
+   * caller reuses its memory only after one. */
   void (*free_fn)(keel_table_node_t *node, void *arg);
   void *free_arg;
   const char *name; /* shown in diagnostics; may be NULL */

@@ -184,8 +184,11 @@ int keel_table_destroy(keel_table_t *t) {
   int busy = sum_shards(t, true) != sum_shards(t, false);
   if (!busy) busy = _keel_tidx_walk_alone(t, referenced, NULL);
   if (busy) return KEEL_EBUSY;
-  destroy_entries(t);
+  /* Earlier removals' deferred frees first: they run on liburcu's call_rcu
+   * thread, and the free callback must not run on two threads at once
+   * (review, helper-89: it did, with destroy_entries' own). */
   _keel_table_gc_drain(t);
+  destroy_entries(t);
   /* Arrays replaced by resizes are freed by call_rcu callbacks: let them
    * run, so that none outlives the table's destruction. */
   if (keel_load_relaxed(&t->ix.resizes) != 0) urcu_memb_barrier();

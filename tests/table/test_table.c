@@ -2,6 +2,8 @@
  * and every bad-input behaviour listed in issue 7. */
 #define _GNU_SOURCE
 #include <pthread.h>
+#include <stdatomic.h>
+#include <unistd.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -159,6 +161,45 @@ static void destroy_busy(void) {
   keel_table_put(t, &v[9].node);
   KT_EQ(keel_table_destroy(t), 0);
   for (int i = 0; i < 10; i++) KT_EQ(keel_load_relaxed(&v[i].freed), 1);
+  free(v);
+}
+
+/* Review (helper-89): destroy freed the table's remaining entries in its
+ * own thread while deferred frees of earlier removals could still run on
+ * liburcu's call_rcu thread: the free callback ran on two threads at once.
+ * It now drains those first. The callback on the destroying thread holds
+ * the window open (up to 200 ms) until a callback has run elsewhere: before
+ * the fix one ran meanwhile; now all of them ran before. */
+static keel_atomic(int) cb_inside, cb_overlap, cb_elsewhere;
+static _Atomic(pthread_t) cb_destroyer;
+static void overlap_free(keel_table_node_t *n, void *arg) {
+  (void)n;
+  (void)arg;
+  if (atomic_fetch_add(&cb_inside, 1) != 0) atomic_store(&cb_overlap, 1);
+  if (!pthread_equal(pthread_self(), atomic_load(&cb_destroyer))) {
+    atomic_fetch_add(&cb_elsewhere, 1);
+  } else {
+    for (int k = 0; k < 2000 && atomic_load(&cb_elsewhere) == 0; k++) usleep(100);
+  }
+  atomic_fetch_sub(&cb_inside, 1);
+}
+
+static void destroy_frees_on_one_thread(void) {
+  keel_table_config_t c = {.key_type = KEEL_TABLE_KEY_U64, .free_fn = overlap_free};
+  keel_table_t *t = keel_table_create(&c);
+  KT_REQUIRE(t != NULL);
+  atomic_store(&cb_overlap, 0);
+  atomic_store(&cb_elsewhere, 0);
+  atomic_store(&cb_destroyer, pthread_self());
+  item_t *v = items_new(1000, 0);
+  for (int i = 0; i < 1000; i++) {
+    KT_EQ(keel_table_insert(t, &v[i].node), 0);
+    keel_table_put(t, &v[i].node);
+  }
+  for (int i = 0; i < 500; i++) KT_EQ(keel_table_remove(t, &v[i].node), 0); /* deferred */
+  KT_EQ(keel_table_destroy(t), 0);                                          /* the other 500 here */
+  KT_CHECK(atomic_load(&cb_elsewhere) > 0);
+  KT_EQ(atomic_load(&cb_overlap), 0);
   free(v);
 }
 
@@ -891,7 +932,8 @@ static void get_or_insert_helps_dying_entry(void) {
   free(v);
 }
 
-KT_MAIN(KT_CASE(create_bad_config), KT_CASE(insert_lookup_get_put), KT_CASE(duplicate_key_eexist),
+KT_MAIN(KT_CASE(create_bad_config), KT_CASE(destroy_frees_on_one_thread),
+        KT_CASE(insert_lookup_get_put), KT_CASE(duplicate_key_eexist),
         KT_CASE(remove_twice_and_foreign), KT_CASE(destroy_busy), KT_CASE(bytes_keys_and_key_limit),
         KT_CASE(put_misuse_aborts), KT_CASE(lru_shrink_order), KT_CASE(new_entries_second_chance),
         KT_CASE(entry_limit), KT_CASE(unused_limit), KT_CASE(byte_limit),
