@@ -268,10 +268,10 @@ keel_page_t *_keel_page_adopt(unsigned cls, keel_heap_t *heap) KEEL_HIDDEN;
 /* Purges what has been free longer than the delay (all of it with force);
  * frees abandoned pages whose blocks all came back. Returns bytes purged. */
 size_t _keel_segments_collect(bool force) KEEL_HIDDEN;
-/* Unmaps the retained segments (segment.c), from the most recent, until one
- * fails to unmap (the mapping-count limit); true if any went. For address
- * space the program needs under RLIMIT_AS. */
-bool _keel_segments_unretain(void) KEEL_HIDDEN;
+/* Where the process limits its address space (RLIMIT_AS), unmaps the
+ * retained segments (segment.c), from the most recent, until one fails to
+ * unmap (the mapping-count limit); true if any went. */
+bool _keel_segments_unretain_for_space(void) KEEL_HIDDEN;
 void _keel_segments_lock(void) KEEL_HIDDEN;
 void _keel_segments_unlock(void) KEEL_HIDDEN;
 /* Fork: the statistics locks, taken first in the prepare handler (stats.c). */

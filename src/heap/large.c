@@ -135,21 +135,12 @@ void _keel_large_move_child_reset(void) {
   pthread_rwlockattr_destroy(&a);
 }
 
-/* Whether a mapping the OS just refused is worth trying again after the
- * retained segments go (segment.c): only where the address space is
- * limited (RLIMIT_AS, set after they were retained; the next collection
- * would unmap them anyway). Anything else (an absurd size, the commit
- * limit: retired segments hold no commit charge, and the few that could
- * only be purged hold little) would lose them for nothing. */
-static bool unretain_for_space(void) {
-  return _keel_os_as_limited() && _keel_segments_unretain();
-}
-
 /* _keel_os_alloc for a large or huge block, tried once more where retained
- * segments took the address space it needed. */
+ * segments took the address space it needed (a RLIMIT_AS set after they
+ * were retained: the next collection would unmap them anyway). */
 static void *large_map(size_t size, size_t align) {
   void *p = _keel_os_alloc(size, align);
-  if (p == NULL && unretain_for_space()) p = _keel_os_alloc(size, align);
+  if (p == NULL && _keel_segments_unretain_for_space()) p = _keel_os_alloc(size, align);
   return p;
 }
 
@@ -158,7 +149,8 @@ static keel_segment_t *remap(keel_segment_t *seg, size_t old, size_t size) {
   if (_keel_os_remap(seg, old, size, NULL) == seg) return seg; /* the base stays: its bit too */
   pthread_rwlock_rdlock(&move_lock);
   void *to = _keel_os_reserve(size, KEEL_SEGMENT_SIZE);
-  if (to == NULL && unretain_for_space()) to = _keel_os_reserve(size, KEEL_SEGMENT_SIZE);
+  if (to == NULL && _keel_segments_unretain_for_space())
+    to = _keel_os_reserve(size, KEEL_SEGMENT_SIZE);
   if (to != NULL && !_keel_segmap_covers(to)) {
     _keel_os_release(to, size);
     to = NULL;

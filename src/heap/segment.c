@@ -199,10 +199,14 @@ static keel_segment_t *segment_reuse(void) {
   return NULL;
 }
 
-bool _keel_segments_unretain(void) {
+/* Only under a limit: anywhere else (an absurd request, the commit limit:
+ * retired segments hold no commit charge, and the few that could only be
+ * purged hold little) they would go for nothing. getrlimit is asked only
+ * while something is retained. */
+bool _keel_segments_unretain_for_space(void) {
   bool any = false;
   pthread_mutex_lock(&seg_lock);
-  while (n_retained != 0) {
+  while (n_retained != 0 && (any || _keel_os_as_limited())) {
     keel_segment_t *seg = (keel_segment_t *)(retained[n_retained - 1] & ~RETAIN_DIRTY);
     KEEL_TRACK_RESET(seg, KEEL_SEGMENT_SIZE);
     /* Unmapping one of several adjacent retired segments splits their
@@ -480,11 +484,10 @@ size_t _keel_segments_collect(bool force) {
     seg->used_mask &= ~purging;
     next = seg->next; /* the list may have changed while the lock was dropped */
   }
-  bool retaining = n_retained != 0;
   pthread_mutex_unlock(&seg_lock);
   /* A limit set since they were retained: the program's own mappings need
    * the space (the purge thread comes here every tick). */
-  if (retaining && _keel_os_as_limited()) _keel_segments_unretain();
+  (void)_keel_segments_unretain_for_space();
   keel_fetch_add_relaxed(&_keel_purged_bytes, bytes);
   return bytes;
 }

@@ -372,6 +372,14 @@ static void test_purge_forced(void) {
   free(v);
 }
 
+/* Under a finite RLIMIT_AS the heap retains nothing (segment.c): the
+ * retained-segment cases say so and skip. */
+static bool nothing_retained(void) {
+  if (!_keel_os_as_limited()) return false;
+  printf("  skipped: RLIMIT_AS is finite, so nothing is retained\n");
+  return true;
+}
+
 /* A read of memory ASan may have poisoned (a retained segment). */
 __attribute__((no_sanitize("address"))) static uint64_t read_unchecked(const void *p) {
   return *(const volatile uint64_t *)p;
@@ -384,10 +392,7 @@ __attribute__((no_sanitize("address"))) static uint64_t read_unchecked(const voi
  * no new mapping. A module that reads a header before the block it frees
  * (the pool) relies on the mapping staying. */
 static void test_segment_retained(void) {
-  if (_keel_os_as_limited()) {
-    printf("  skipped: RLIMIT_AS is finite, so nothing is retained\n");
-    return;
-  }
+  if (nothing_retained()) return;
   int n = 24 << 10; /* 24 MiB of 1 KiB blocks: whole segments */
   void **v = calloc((size_t)n, sizeof(void *));
   KT_REQUIRE(v != NULL);
@@ -545,10 +550,7 @@ static void test_segment_unretain_at_limit(void) {
 #if defined(KEEL_ASAN) || defined(KEEL_TSAN)
   printf("  skipped: sanitizers reserve terabytes of address space\n");
 #else
-  if (_keel_os_as_limited()) {
-    printf("  skipped: RLIMIT_AS is finite already\n");
-    return;
-  }
+  if (nothing_retained()) return;
   static const char *const what[] = {"large malloc after a limit", "realloc move after a limit",
                                      "limit first: no retaining", "no mapping can serve, no limit",
                                      "a collection after a limit"};
@@ -631,10 +633,7 @@ static void test_segment_retire_fallbacks(void) {
 #if defined(KEEL_ASAN) || defined(KEEL_TSAN)
   printf("  skipped: sanitizers' shadow memory and a filled mapping count do not mix\n");
 #else
-  if (_keel_os_as_limited()) {
-    printf("  skipped: RLIMIT_AS is finite, so nothing is retained\n");
-    return;
-  }
+  if (nothing_retained()) return;
   pid_t pid = fork();
   if (pid == 0) _exit(retire_fallback_child());
   int status = 0;
