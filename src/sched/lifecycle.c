@@ -110,6 +110,15 @@ static void reset(const keel_sched_config_t *cfg) {
  * wait on life_lock, which its own thread holds. */
 static __thread bool in_life;
 
+/* Whether init or shutdown on this thread would wait for itself: a worker,
+ * an init or shutdown in progress here, or the monitor (which stop()
+ * joins), e.g. from the on_cancel of a timer it could not hand over
+ * (review, helper-84: that shutdown hung for ever, the monitor's remaining
+ * orphans never notified). */
+static bool on_pool_thread(void) {
+  return _keel_sched_self != NULL || in_life || _keel_sched_on_monitor;
+}
+
 /* Undoes a start whose threads could not all be created; caller holds
  * life_lock. The state goes back to what init found (UNINIT: the next
  * submit, after or stats tries the lazy init again; SHUTDOWN: submits keep
@@ -160,7 +169,7 @@ static int init_locked(const keel_sched_config_t *user) {
 
 int keel_sched_init(const keel_sched_config_t *cfg) {
   _keel_sched_atfork_once(); /* before life_lock: see fork.c */
-  if (in_life || _keel_sched_self != NULL || _keel_sched_on_monitor) return KEEL_EDEADLK;
+  if (on_pool_thread()) return KEEL_EDEADLK;
   pthread_mutex_lock(&_keel_sched.life_lock);
   in_life = true;
   int rc = init_locked(cfg);
@@ -292,11 +301,7 @@ static void stop(int how) {
 int keel_sched_shutdown(int how) {
   if (how != KEEL_SCHED_DRAIN && how != KEEL_SCHED_CANCEL)
     return KEEL_REJECT(KEEL_EINVAL, "keel_sched_shutdown", "unknown how %d", how);
-  /* It would wait for itself: a worker, an init or shutdown in progress on
-   * this thread, or the monitor (which stop() joins), e.g. from the
-   * on_cancel of a timer it could not hand over (review, helper-84: that
-   * shutdown hung for ever, the monitor's remaining orphans never notified). */
-  if (_keel_sched_self != NULL || in_life || _keel_sched_on_monitor) return KEEL_EDEADLK;
+  if (on_pool_thread()) return KEEL_EDEADLK;
   _keel_sched_atfork_once();
   sched_t *s = &_keel_sched;
   pthread_mutex_lock(&s->life_lock);
