@@ -73,6 +73,12 @@ static void gc_launch(table_shard_t *s) {
 static void bury_set(keel_table_t *t, keel_table_node_t *n) {
   table_shard_t *s = node_shard(t, n);
   keel_fetch_sub_relaxed(&s->unburied, 1);
+  /* Without a free function a batch would wait a grace period to do
+   * nothing: the caller owns the memory and waits for readers itself
+   * (table.h). Skipping the grave saves a CAS on a shared line per removal
+   * and the grace periods (a membarrier IPI to every CPU each) that the
+   * batches cost: a quarter of a removal's CPU at 256 threads on 2 cores. */
+  if (t->cfg.free_fn == NULL) return;
   uintptr_t g = keel_load_relaxed(&s->grave);
   do n->_lru[0] = (keel_table_node_t *)(g & ~GRAVE_INFLIGHT);
   while (!keel_cas_weak_acq_rel(&s->grave, &g, (uintptr_t)n | GRAVE_INFLIGHT));
