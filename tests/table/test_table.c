@@ -518,13 +518,17 @@ static void grow_and_shrink(void) {
   }
   KT_EQ(keel_table_count(t), n);
   /* From 64 buckets to at most two entries per bucket (one, or a grow
-   * under way), each doubling a resize. */
+   * under way), in steps: a resize sizes the array to the count it finds
+   * (pow2_ceil), so one that starts when the count has got ahead of the
+   * last covers two doublings. Measured: 12 or 13 resizes for the 13
+   * doublings to 512K buckets, and at most 11 once with another test_table
+   * running beside it (this check was `+ 1 >= doublings` then). */
   keel_table_stats_t st;
   keel_table_stats(t, &st);
   KT_CHECK(st.buckets * 2 >= n);
   size_t doublings = 0;
   for (size_t b = 64; b * 2 <= n; b *= 2) doublings++;
-  KT_CHECK(st.resizes + 1 >= doublings);
+  KT_CHECK(st.resizes * 2 >= doublings);
   for (size_t i = 0; i < n; i += 97) KT_CHECK(keel_table_get_u64(t, i) == &v[i].node);
   for (size_t i = 0; i < n; i += 97) keel_table_put(t, &v[i].node);
   KT_EQ(keel_table_shrink(t, SIZE_MAX), n);
