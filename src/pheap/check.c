@@ -285,7 +285,8 @@ int keel_pheap_print_info(keel_pheap_t *ph, FILE *out) {
   fprintf(out, "tx commits    %llu\ntx aborts     %llu\nrecovered     %llu log(s) at open\n",
           (unsigned long long)st.tx_commits, (unsigned long long)st.tx_aborts,
           (unsigned long long)st.recovered_logs);
-  fprintf(out, "bg checkpts   %llu\n", (unsigned long long)st.deferred_checkpoints);
+  fprintf(out, "bg checkpts   %llu\nflush mode    %s\n",
+          (unsigned long long)st.deferred_checkpoints, _keel_pm_mode_name(ph));
   return rc;
 }
 

@@ -310,6 +310,7 @@ struct keel_pheap {
   int fd;
   int flush_mode; /* KEEL_FLUSH_* resolved */
   bool sim;       /* simulated media: private map, pwrite at drain */
+  bool ram_fs;    /* the file is on a memory file system (msync mode: see persist.c) */
   bool fixed;
   bool sparse; /* growth leaves holes (KEEL_PHEAP_SPARSE) */
   char *path;
@@ -424,7 +425,8 @@ void _keel_pm_drain(keel_pheap_t *ph, ph_tcache_t *tc) KEEL_HIDDEN;
  * memcpy + flush. The caller drains. */
 void _keel_pm_write_nt(keel_pheap_t *ph, ph_tcache_t *tc, void *dst, const void *src, size_t len,
                        enum ph_site site) KEEL_HIDDEN;
-int _keel_pm_mode(keel_pheap_t *ph) KEEL_HIDDEN; /* resolves pheap_flush */
+int _keel_pm_mode(keel_pheap_t *ph) KEEL_HIDDEN;                    /* resolves pheap_flush */
+const char *_keel_pm_mode_name(const keel_pheap_t *ph) KEEL_HIDDEN; /* for print_info */
 /* Simulated media: writes a seeded subset of the lines flushed but not yet
  * drained (torn at 8-byte granularity when `torn`), as a crash would. */
 void _keel_pm_sim_crash(keel_pheap_t *ph, ph_tcache_t *tc, uint64_t seed, bool torn) KEEL_HIDDEN;

@@ -29,10 +29,12 @@
 #include <string.h>
 #include <linux/fiemap.h>
 #include <linux/fs.h>
+#include <linux/magic.h>
 #include <sys/file.h>
 #include <sys/ioctl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/vfs.h>
 #include <unistd.h>
 
 #include "base/clock.h"
@@ -57,6 +59,14 @@
 int _keel_pm_cpu_best(void) KEEL_HIDDEN;
 int _keel_ph_registry_add(keel_pheap_t *ph) KEEL_HIDDEN;
 static keel_atomic(uint64_t) ph_ids;
+
+/* Whether fd's file system keeps its files in memory only (tmpfs, ramfs,
+ * hugetlbfs): there the page cache is the media and fsync does nothing. */
+static bool on_ram_fs(int fd) {
+  struct statfs s;
+  if (fstatfs(fd, &s) != 0) return false;
+  return s.f_type == TMPFS_MAGIC || s.f_type == RAMFS_MAGIC || s.f_type == HUGETLBFS_MAGIC;
+}
 
 static void *fail_null(int err) {
   errno = -err;
@@ -137,6 +147,7 @@ static keel_pheap_t *ph_start(const char *path, int fd, uint64_t size, unsigned 
   pthread_mutex_init(&ph->ckpt_lock, NULL);
   ph->path = strdup(path);
   ph->sim = _keel_ph_sim_next;
+  ph->ram_fs = on_ram_fs(fd);
   ph->fixed = (flags & KEEL_PHEAP_FIXED) != 0;
   ph->sparse = (flags & KEEL_PHEAP_SPARSE) != 0;
   ph->id = keel_fetch_add_relaxed(&ph_ids, 1) + 1;

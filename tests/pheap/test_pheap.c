@@ -9,8 +9,14 @@
 #include <sched.h>
 #include <linux/fiemap.h>
 #include <linux/fs.h>
+#include <linux/magic.h>
 #include <sys/ioctl.h>
 #include <sys/mount.h>
+#include <sys/prctl.h>
+#include <sys/syscall.h>
+#include <sys/vfs.h>
+#include <linux/filter.h>
+#include <linux/seccomp.h>
 #include <sys/wait.h>
 
 #include "common.h"
@@ -2913,6 +2919,123 @@ static void test_persist_waits_for_logs_in_flight(void) {
   unlink(p);
 }
 
+/* --- the msync mode's two system calls ----------------------------------------- */
+
+static bool ft_ram(const char *dir) {
+  struct statfs s;
+  return statfs(dir, &s) == 0 &&
+         (s.f_type == TMPFS_MAGIC || s.f_type == RAMFS_MAGIC || s.f_type == HUGETLBFS_MAGIC);
+}
+
+/* keel_pheap_print_info's "flush mode" line, into buf. */
+static void ft_mode(keel_pheap_t *ph, char *buf, size_t len) {
+  char *out = NULL;
+  size_t n = 0;
+  FILE *f = open_memstream(&out, &n);
+  KT_REQUIRE(f != NULL);
+  keel_pheap_print_info(ph, f);
+  fclose(f);
+  const char *m = strstr(out, "flush mode    ");
+  KT_REQUIRE(m != NULL);
+  m += strlen("flush mode    ");
+  snprintf(buf, len, "%.*s", (int)strcspn(m, "\n"), m);
+  free(out);
+}
+
+/* Makes system call nr fail with EPERM in this process from now on. */
+static int ft_deny(int nr) {
+  struct sock_filter f[] = {
+      BPF_STMT(BPF_LD | BPF_W | BPF_ABS, offsetof(struct seccomp_data, nr)),
+      BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, (unsigned)nr, 0, 1),
+      BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ERRNO | EPERM),
+      BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ALLOW),
+  };
+  struct sock_fprog prog = {.len = sizeof f / sizeof *f, .filter = f};
+  if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0) return -1;
+  return prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, &prog);
+}
+
+/* In a child that cannot make the other call (seccomp), publishes into a
+ * pool at p: it survives only if every barrier used the call it should. */
+static void ft_only_call(const char *p, bool ram) {
+  fflush(stdout);
+  fflush(stderr);
+  pid_t pid = fork();
+  if (pid == 0) {
+    if (ft_deny(ram ? SYS_msync : SYS_fdatasync) != 0) _exit(77);
+    keel_pheap_t *ph = keel_pheap_open(p, LAYOUT);
+    root_t *r = ph ? keel_pheap_root(ph, sizeof *r) : NULL;
+    if (r == NULL) _exit(2);
+    for (int i = 0; i < 64; i++) {
+      keel_pheap_act_t act;
+      if (keel_pheap_reserve(ph, &act, 64, 1) != 0 || keel_pheap_publish(ph, &act, 1) != 0)
+        _exit(3);
+      keel_pheap_cancel(ph, &act, 0);
+    }
+    _exit(keel_pheap_close(ph) == 0 ? 0 : 4);
+  }
+  int st = 0;
+  KT_REQUIRE(waitpid(pid, &st, 0) == pid);
+  if (WIFEXITED(st) && WEXITSTATUS(st) == 77) {
+    printf("  note: no seccomp here: which call each barrier makes not checked\n");
+    return;
+  }
+  KT_CHECK(WIFEXITED(st) && WEXITSTATUS(st) == 0); /* dies "msync failed" on the wrong call */
+}
+
+/* A pool on a memory file system syncs with fdatasync, one on a disk file
+ * system with msync over the span it flushed (whole-file fdatasync would
+ * write every dirty page of the pool there); both keep what they publish. */
+static void test_flush_mode_by_file_system(void) {
+  const char *dirs[] = {"/dev/shm", getenv("TMPDIR"), "/var/tmp", "/tmp", "."};
+  int tried = 0;
+  for (size_t d = 0; d < sizeof dirs / sizeof *dirs; d++) {
+    if (dirs[d] == NULL || access(dirs[d], W_OK) != 0) continue;
+    bool ram = ft_ram(dirs[d]);
+    if ((ram && (tried & 1)) || (!ram && (tried & 2))) continue; /* one of each kind */
+    tried |= ram ? 1 : 2;
+    char p[512], mode[128];
+    snprintf(p, sizeof p, "%s/keel-pheap-test-%d-flushmode", dirs[d], (int)getpid());
+    unlink(p);
+    keel_pheap_t *ph = keel_pheap_create(p, LAYOUT, KEEL_PHEAP_MIN_SIZE, 0);
+    KT_REQUIRE(ph != NULL);
+    root_t *r = keel_pheap_root(ph, sizeof *r);
+    KT_REQUIRE(r != NULL);
+    ft_mode(ph, mode, sizeof mode);
+    printf("  %s (%s): %s\n", dirs[d], ram ? "memory" : "disk", mode);
+    if (strncmp(mode, "msync", 5) == 0) /* auto, or pheap_flush=msync: not DAX */
+      KT_STREQ(mode, ram ? "msync (as fdatasync: memory file system)" : "msync");
+    keel_pheap_stats_t a, b;
+    keel_pheap_stats(ph, &a);
+    for (int i = 0; i < NSLOTS; i++) {
+      keel_pheap_act_t act[2];
+      KT_EQ(keel_pheap_reserve(ph, &act[0], 64, 1), 0);
+      *(uint64_t *)keel_pheap_ptr(ph, act[0].off) = (uint64_t)i;
+      keel_pheap_persist(ph, keel_pheap_ptr(ph, act[0].off), 8);
+      keel_pheap_set_value(ph, &act[1], &r->slot[i], act[0].off);
+      KT_EQ(keel_pheap_publish(ph, act, 2), 0);
+    }
+    keel_pheap_stats(ph, &b);
+    KT_CHECK(b.barriers - a.barriers >= NSLOTS); /* each publish made its system call */
+    KT_EQ(keel_pheap_close(ph), 0);
+    ph = keel_pheap_open(p, LAYOUT);
+    KT_REQUIRE(ph != NULL);
+    r = keel_pheap_root(ph, sizeof *r);
+    KT_REQUIRE(r != NULL);
+    for (int i = 0; i < NSLOTS; i++) {
+      KT_REQUIRE(r->slot[i] != 0);
+      KT_EQ(*(uint64_t *)keel_pheap_ptr(ph, r->slot[i]), (uint64_t)i);
+    }
+    KT_EQ(keel_pheap_close(ph), 0);
+    KT_EQ(keel_pheap_check(p), 0);
+    if (strncmp(mode, "msync", 5) == 0) ft_only_call(p, ram);
+    unlink(p);
+  }
+  if (tried != 3)
+    printf("  note: no writable %s file system here: that half not run\n",
+           tried & 1 ? "disk" : "memory");
+}
+
 KT_MAIN(KT_CASE(test_create_open_close), KT_CASE(test_bad_wrong_layout),
         KT_CASE(test_bad_truncated), KT_CASE(test_bad_corrupt_header),
         KT_CASE(test_bad_below_minimum), KT_CASE(test_bad_version), KT_CASE(test_bad_old_version),
@@ -2940,4 +3063,4 @@ KT_MAIN(KT_CASE(test_create_open_close), KT_CASE(test_bad_wrong_layout),
         KT_CASE(test_tx_stress_wraps_and_full_logs), KT_CASE(test_deferrer_calls_back_into_pool),
         KT_CASE(test_thread_exit_inside_tx), KT_CASE(test_close_with_open_transaction),
         KT_CASE(test_forked_child), KT_CASE(test_forked_child_reads),
-        KT_CASE(test_forked_child_own_pool))
+        KT_CASE(test_forked_child_own_pool), KT_CASE(test_flush_mode_by_file_system))
