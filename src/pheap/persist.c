@@ -17,10 +17,14 @@
  *                  instead: msync(MS_SYNC) is the file's fsync over the range
  *                  (mm/msync.c), and there fsync is a no-op whatever the range,
  *                  so the two calls make the same promise; fdatasync skips
- *                  msync's mmap_lock and VMA walk (121 against 185 ns here),
- *                  and a lock that page faults and mmap of a server's other
- *                  threads take. Everywhere else the range matters (a disk
- *                  file would write every dirty page of the pool), so msync.
+ *                  msync's VMA walk under mmap_lock (121 against 185 ns
+ *                  here), a lock that mmap, munmap and mprotect of a
+ *                  server's other threads take for writing. It syncs
+ *                  through the pool's own fd, held open until close (growth
+ *                  and simulated media use it too). Everywhere else the
+ *                  range matters (a disk file would write every dirty page
+ *                  of the pool), so msync. The bench's msync cases run on
+ *                  /dev/shm and so measure this call.
  *   none           nothing (benchmarks of the algorithm alone; not durable).
  * Simulated media (tests, _keel_ph_sim_next): the pool is mapped privately,
  * so a store reaches the file only when a drain pwrite()s the lines flushed

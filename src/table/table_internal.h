@@ -32,8 +32,9 @@
  *    final (nothing can raise COUNT or set ON_LRU on a DEAD entry), so
  *    exactly one thread observes the transition into it.
  *
- * Deferred free: buried entries go on a per-shard Treiber stack (the
- * "grave", linked through _lru[0], free once an entry is off the LRU). Its
+ * Deferred free: in a table with a free_fn, buried entries go on a
+ * per-shard Treiber stack (the "grave", linked through _lru[0], free once an
+ * entry is off the LRU); without one, burial only counts them out. Its
  * low bit says that a batch is in flight through call_rcu: the thread that
  * pushes onto a grave without that bit sets it and launches the batch; the
  * callback frees its batch after the grace period, takes the next one or
