@@ -63,10 +63,10 @@ static int alloc_common(keel_pheap_t *ph, keel_poff_t *dest, size_t size, uint64
   keel_poff_t off;
   int rc = _keel_ph_take(ph, tc, size, &cls, &off);
   if (rc != 0) return rc;
-  _keel_ph_init_obj(ph, tc, off, size, type, zero, false);
+  _keel_ph_init_obj(ph, off, size, type, zero);
   if (zero) {
     /* The zeroed body must be durable before the log can be. */
-    _keel_pm_flush(ph, tc, ph->view.base + off, size, PH_S_OBJHDR);
+    _keel_pm_flush(ph, tc, ph->view.base + off, size, PH_S_ZBODY);
     _keel_pm_drain(ph, tc);
   }
   bool logged = in_pool(ph, dest, 8) || (void *)dest == (void *)&ph->hdr->root_off;
@@ -141,7 +141,7 @@ int keel_pheap_reserve(keel_pheap_t *ph, keel_pheap_act_t *act, size_t size, uin
   keel_poff_t off;
   int rc = _keel_ph_take(ph, tc, size, &cls, &off);
   if (rc != 0) return rc;
-  _keel_ph_init_obj(ph, tc, off, size, type, false, false);
+  _keel_ph_init_obj(ph, off, size, type, false);
   *act = (keel_pheap_act_t){PH_ACT_RESERVE, (uint32_t)cls, off, NULL, 0};
   return 0;
 }

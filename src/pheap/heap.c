@@ -144,7 +144,7 @@ static int run_create(keel_pheap_t *ph, ph_tcache_t *tc, unsigned cls, ph_run_t 
   _keel_pm_flush(ph, tc, h, k->data_off, PH_S_RUN);
   _keel_pm_drain(ph, tc);
   keel_store_release(ATOMIC64(ph_cword(ph, c)), PH_CW_MAKE(PH_CW_RUN, k->chunks));
-  _keel_pm_flush(ph, tc, ph_cword(ph, c), 8, PH_S_RUN);
+  _keel_pm_flush(ph, tc, ph_cword(ph, c), 8, PH_S_RUN_CWORD);
   _keel_pm_drain(ph, tc);
   for (uint32_t i = 0; i < k->nblocks / 64; i++) r->vfree[i] = ~0ull;
   if (k->nblocks % 64) r->vfree[k->nblocks / 64] = (1ull << (k->nblocks % 64)) - 1;
@@ -423,13 +423,11 @@ size_t _keel_ph_usable(keel_pheap_t *ph, int cls, keel_poff_t off) {
   return PH_CW_LEN(w) * PH_CHUNK - PH_OBJ_HDR;
 }
 
-void _keel_ph_init_obj(keel_pheap_t *ph, ph_tcache_t *tc, keel_poff_t off, size_t size,
-                       uint64_t type, bool zero, bool flush) {
+void _keel_ph_init_obj(keel_pheap_t *ph, keel_poff_t off, size_t size, uint64_t type, bool zero) {
   ph_objhdr_t *h = (ph_objhdr_t *)(ph->view.base + off - PH_OBJ_HDR);
   h->size = size;
   h->type = type;
   if (zero) memset(h + 1, 0, size);
-  if (flush) _keel_pm_flush(ph, tc, h, PH_OBJ_HDR + (zero ? size : 0), PH_S_OBJHDR);
 }
 
 int _keel_ph_heap_boot(keel_pheap_t *ph, ph_tcache_t *tc) {

@@ -289,7 +289,7 @@ static void dirty_add(keel_pheap_t *ph, ph_tcache_t *tc, ph_lane_t *l, const uin
     if (l->ndirty == PH_DIRTY_MAX) {
       /* Our op is in flight, so a checkpoint cannot cover it: flush the
        * line now, then let the checkpoint empty the list. */
-      _keel_pm_flush(ph, tc, ph->view.base + lines[i], PH_LINE, PH_S_CKPT);
+      _keel_pm_flush(ph, tc, ph->view.base + lines[i], PH_LINE, PH_S_DIRTY_FULL);
       full = true;
       continue;
     }

@@ -388,24 +388,32 @@ int _keel_ph_err(int err, const char *path, const char *fmt, ...) KEEL_PRINTF(3,
 /* Flush-site ids for fault injection (tests remove one site at a time). */
 enum ph_site {
   PH_S_NONE = 0,
-  PH_S_OBJHDR,   /* object header before its allocation is logged */
-  PH_S_REDO,     /* redo log before the barrier that commits it */
-  PH_S_APPLY,    /* redo entries applied */
-  PH_S_UNDO,     /* undo entry before the caller may store */
-  PH_S_UNDO_INV, /* undo invalidation at commit */
-  PH_S_TXDATA,   /* snapshot ranges' new contents at commit */
-  PH_S_TXNEW,    /* objects allocated by the transaction at commit */
-  PH_S_ROLLBACK, /* restored bytes at abort/recovery */
-  PH_S_RUN,      /* run header + bitmap before the chunk word */
-  PH_S_CKPT,     /* deferred lines at a checkpoint */
-  PH_S_SNAPSHOT, /* not a flush: the snapshot copy in keel_tx_add_range */
-  PH_S_PERSIST,  /* keel_pheap_persist's range */
-  PH_S_GIVEBACK, /* an empty run's chunk word, given back */
-  PH_S_WMARK,    /* the watermark a checkpoint raises */
-  PH_S_EPOCH,    /* the epoch open raises */
-  PH_S_GROW,     /* the size word growth raises */
-  PH_S_REC_TORN, /* recovery: a torn commit log retired */
-  PH_S_REC_UNDO, /* recovery: an undo log emptied */
+  PH_S_REDO,       /* redo log before the barrier that commits it */
+  PH_S_APPLY,      /* redo entries applied */
+  PH_S_UNDO,       /* undo entry's header before the caller may store */
+  PH_S_UNDO_INV,   /* undo invalidation at commit */
+  PH_S_TXDATA,     /* snapshot ranges' new contents at commit */
+  PH_S_TXNEW,      /* objects allocated by the transaction at commit */
+  PH_S_ROLLBACK,   /* restored bytes at abort/recovery */
+  PH_S_RUN,        /* run header + bitmap before the chunk word (PH_S_RUN_CWORD) */
+  PH_S_CKPT,       /* deferred lines at a checkpoint */
+  PH_S_SNAPSHOT,   /* not a flush: the snapshot copy in keel_tx_add_range */
+  PH_S_PERSIST,    /* keel_pheap_persist's range */
+  PH_S_GIVEBACK,   /* an empty run's chunk word, given back */
+  PH_S_WMARK,      /* the watermark a checkpoint raises */
+  PH_S_EPOCH,      /* the epoch open raises */
+  PH_S_GROW,       /* the size word growth raises */
+  PH_S_REC_TORN,   /* recovery: a torn commit log retired */
+  PH_S_REC_UNDO,   /* recovery: an undo log emptied */
+  PH_S_ABORT_INV,  /* undo log emptied after an abort's rollback */
+  PH_S_UNDO_TAIL,  /* an undo entry's padded last word (a length not a multiple of 8) */
+  PH_S_DIRTY_FULL, /* a line flushed at once: its lane's checkpoint list was full */
+  PH_S_ZBODY,      /* zalloc's zeroed body before its allocation is logged */
+  PH_S_RUN_CWORD,  /* a new run's chunk word */
+  PH_S_UNDO_START, /* an undo log's seq and first link, at its first snapshot */
+  PH_S_UNDO_BODY,  /* an undo entry's whole words */
+  PH_S_UNDO_OVF,   /* an undo overflow block's header */
+  PH_S_UNDO_LINK,  /* the link to an undo overflow block */
   PH_S_COUNT
 };
 extern int _keel_ph_fault KEEL_HIDDEN; /* site to skip, PH_S_NONE normally */
@@ -487,9 +495,10 @@ int _keel_ph_live_class(keel_pheap_t *ph, keel_poff_t off, const char *call) KEE
 size_t _keel_ph_usable(keel_pheap_t *ph, int cls, keel_poff_t off) KEEL_HIDDEN;
 /* The same for a block of class cls taken but not yet published. */
 size_t _keel_ph_usable_new(keel_pheap_t *ph, int cls, keel_poff_t off) KEEL_HIDDEN;
-/* Writes the object header and flushes it (and zeroes the body if asked). */
-void _keel_ph_init_obj(keel_pheap_t *ph, ph_tcache_t *tc, keel_poff_t off, size_t size,
-                       uint64_t type, bool zero, bool flush) KEEL_HIDDEN;
+/* Writes the object header in cache (and zeroes the body if asked); the
+ * allocation's log carries the header words to the media (publish entries). */
+void _keel_ph_init_obj(keel_pheap_t *ph, keel_poff_t off, size_t size, uint64_t type,
+                       bool zero) KEEL_HIDDEN;
 
 /* ---- logs and lanes (log.c) ---- */
 /* A lane for one operation (for_tx: for a transaction, which never takes

@@ -155,7 +155,7 @@ static void tx_rollback(void) {
     _keel_ph_undo_rollback(ph, tx.tc, tx.lane->undo);
     _keel_pm_drain(ph, tx.tc);
     uint64_t zero = 0;
-    _keel_pm_write_nt(ph, tx.tc, &tx.lane->undo->seq, &zero, 8, PH_S_UNDO_INV);
+    _keel_pm_write_nt(ph, tx.tc, &tx.lane->undo->seq, &zero, 8, PH_S_ABORT_INV);
     _keel_pm_drain(ph, tx.tc);
     tx.undo_started = false;
   }
@@ -325,8 +325,8 @@ static int undo_extend(void) {
   if (rc) return rc;
   ph_undo_ovf_t *b = keel_pheap_ptr(ph, off);
   ph_undo_ovf_t h = {.seq = tx.seq, .next = 0, .cap = PH_OVF_CAP};
-  _keel_pm_write_nt(ph, tx.tc, b, &h, sizeof h, PH_S_UNDO);
-  _keel_pm_write_nt(ph, tx.tc, tx.link, &off, 8, PH_S_UNDO);
+  _keel_pm_write_nt(ph, tx.tc, b, &h, sizeof h, PH_S_UNDO_OVF);
+  _keel_pm_write_nt(ph, tx.tc, tx.link, &off, 8, PH_S_UNDO_LINK);
   _keel_pm_drain(ph, tx.tc);
   tx.ovf[tx.novf++] = off;
   tx.link = &b->next;
@@ -349,8 +349,8 @@ static void undo_entry(uint64_t off, uint64_t len) {
   /* The checksum covers exactly len bytes, as rollback reads them. */
   h.csum = _keel_ph_csum(ph->view.base + off, len, tx.seq * 0xc2b2ae3d27d4eb4full ^ off * 31 ^ len);
   _keel_pm_write_nt(ph, tx.tc, e, &h, sizeof h, PH_S_UNDO);
-  if (body) _keel_pm_write_nt(ph, tx.tc, e + 1, ph->view.base + off, body, PH_S_UNDO);
-  if (len > body) _keel_pm_write_nt(ph, tx.tc, (char *)(e + 1) + body, &tail, 8, PH_S_UNDO);
+  if (body) _keel_pm_write_nt(ph, tx.tc, e + 1, ph->view.base + off, body, PH_S_UNDO_BODY);
+  if (len > body) _keel_pm_write_nt(ph, tx.tc, (char *)(e + 1) + body, &tail, 8, PH_S_UNDO_TAIL);
   tx.undo_pos += sizeof *e + KEEL_ALIGN_UP(len, (uint64_t)8);
 }
 
@@ -363,7 +363,7 @@ static int undo_append(uint64_t off, uint64_t len) {
     /* seq and an empty link in one line: a stale link from an older
      * transaction would fail the block's seq check anyway. */
     uint64_t hw[2] = {tx.seq = _keel_ph_next_seq(ph), 0};
-    _keel_pm_write_nt(ph, tx.tc, &u->seq, hw, sizeof hw, PH_S_UNDO);
+    _keel_pm_write_nt(ph, tx.tc, &u->seq, hw, sizeof hw, PH_S_UNDO_START);
     tx.undo_started = true;
   }
   if (keel_unlikely(_keel_ph_fault == PH_S_SNAPSHOT)) return 0;
@@ -450,7 +450,7 @@ static keel_poff_t tx_alloc_common(size_t size, uint64_t type, bool zero) {
     errno = -rc;
     return 0;
   }
-  _keel_ph_init_obj(tx.ph, tx.tc, off, size, type, zero, false);
+  _keel_ph_init_obj(tx.ph, off, size, type, zero);
   tx.news[tx.nn++] = (tx_new_t){off, cls};
   return off;
 }

@@ -839,6 +839,114 @@ static const char *site_rec_torn(void) {
   return site_run(site_torn_a, site_torn_b, want, 1);
 }
 
+/* An abort's undo emptying: the rollback restores c[0], the undo log is
+ * emptied, and a plain store made durable afterwards with keel_pheap_persist
+ * must survive the next open (left valid on the media, the undo log would
+ * be rolled back over it). */
+static void site_abort_a(void) {
+  keel_pheap_t *ph = sim_child_open();
+  root_t *r = keel_pheap_root(ph, sizeof *r);
+  keel_tx_begin(ph);
+  if (keel_tx_add_range(&r->c[0], 8) != 0) _exit(4);
+  r->c[0] = 111;
+  keel_tx_abort(KEEL_ECANCELED);
+  if (keel_tx_end() != KEEL_ECANCELED || r->c[0] != 0) _exit(4);
+  r->c[0] = r->c[1] = 7;
+  keel_pheap_persist(ph, r->c, sizeof r->c);
+  _exit(0);
+}
+static const char *site_abort(void) {
+  return site_run(site_abort_a, NULL, NULL, 0);
+}
+
+/* An undo entry's padded last word. A snapshot of 13 bytes makes an entry
+ * of 40 bytes whose last word is its 33rd to 40th; the entries of later
+ * snapshots rewrite that word's line, so only the last entry's word can be
+ * missed, and only when it starts a line. The first child takes g_tails
+ * such snapshots (1 to 8: one of them ends so, wherever the log starts),
+ * then crashes at the commit barrier with the ranges' new bytes on the
+ * media and not the commit log; the next open must roll every range back
+ * from its entry (the second child checks). */
+enum { SITE_TAIL_LEN = 13, SITE_TAIL_STRIDE = 32 };
+static int g_tails;
+static void crash_data_lines_only(keel_pheap_t *ph, ph_tcache_t *tc) {
+  for (unsigned i = 0; i < tc->sim_n; i++)
+    if (tc->sim_lines[i] >= ph->hdr->heap_off &&
+        pwrite(ph->fd, ph->view.base + tc->sim_lines[i], PH_LINE, (off_t)tc->sim_lines[i]) !=
+            PH_LINE)
+      _exit(5);
+  _exit(77);
+}
+static void site_tail_a(void) {
+  keel_pheap_t *ph = sim_child_open();
+  root_t *r = keel_pheap_root(ph, sizeof *r);
+  if (keel_pheap_zalloc(ph, &r->slot[0], 8 * SITE_TAIL_STRIDE, TYPE) != 0) _exit(4);
+  char *o = keel_pheap_ptr(ph, r->slot[0]);
+  /* Old bytes unlike the log's fresh zeros, which a missed word would
+   * otherwise restore by luck. */
+  memset(o, 0x11, 8 * SITE_TAIL_STRIDE);
+  keel_pheap_persist(ph, o, 8 * SITE_TAIL_STRIDE);
+  keel_tx_begin(ph);
+  for (int i = 0; i < g_tails; i++) {
+    if (keel_tx_add_range(o + i * SITE_TAIL_STRIDE, SITE_TAIL_LEN) != 0) _exit(4);
+    memset(o + i * SITE_TAIL_STRIDE, 0x5a, SITE_TAIL_LEN);
+  }
+  _keel_ph_barrier_hook = crash_data_lines_only;
+  keel_tx_commit();
+  _exit(6); /* the hook exits first */
+}
+static void site_tail_b(void) {
+  keel_pheap_t *ph = sim_child_open();
+  root_t *r = keel_pheap_root(ph, sizeof *r);
+  const char *o = keel_pheap_ptr(ph, r->slot[0]);
+  for (int i = 0; i < 8 * SITE_TAIL_STRIDE; i++)
+    if (o[i] != 0x11) _exit(9); /* a range not rolled back: its entry was torn */
+  _exit(0);
+}
+static const char *site_tail(void) {
+  static const int want[] = {-1};
+  const char *why = NULL;
+  for (g_tails = 1; g_tails <= 8 && why == NULL; g_tails++)
+    why = site_run(site_tail_a, site_tail_b, want, 1);
+  return why;
+}
+
+/* A lane's checkpoint list overflowing: one publish of SITE_MANY objects
+ * dirties more header lines than the list holds (PH_DIRTY_MAX), so the rest
+ * are flushed at once; a checkpoint (keel_pheap_persist) then retires the
+ * publish's log, and the crash after it must find every object on the
+ * media. The second child counts them and frees them. */
+enum { SITE_MANY = PH_DIRTY_MAX + 64 };
+static void site_many_a(void) {
+  keel_pheap_t *ph = sim_child_open();
+  root_t *r = keel_pheap_root(ph, sizeof *r);
+  static keel_pheap_act_t a[SITE_MANY];
+  for (int i = 0; i < SITE_MANY; i++)
+    if (keel_pheap_reserve(ph, &a[i], 256, TYPE) != 0) _exit(4);
+  if (keel_pheap_publish(ph, a, SITE_MANY) != 0) _exit(4);
+  keel_pheap_persist(ph, r->c, sizeof r->c);
+  _exit(0);
+}
+static int site_many_collect(keel_pheap_t *ph, keel_poff_t off, void *arg) {
+  keel_poff_t *o = arg;
+  if (keel_pheap_type(ph, off) != TYPE) return 0;
+  if (o[0] < SITE_MANY) o[1 + o[0]] = off;
+  o[0]++;
+  return 0;
+}
+static void site_many_b(void) {
+  keel_pheap_t *ph = sim_child_open();
+  static keel_poff_t o[1 + SITE_MANY];
+  keel_pheap_foreach(ph, TYPE, site_many_collect, o);
+  if (o[0] != SITE_MANY) _exit(9);
+  for (int i = 0; i < SITE_MANY; i++)
+    if (keel_pheap_free(ph, &o[1 + i]) != 0) _exit(9);
+  _exit(0);
+}
+static const char *site_many(void) {
+  return site_run(site_many_a, site_many_b, NULL, 0);
+}
+
 /* Each scenario holds with every flush, and fails without its own. */
 static void test_flush_sites_outside_the_sweep(void) {
   static const struct {
@@ -851,6 +959,9 @@ static void test_flush_sites_outside_the_sweep(void) {
       {PH_S_REC_UNDO, "recovery undo emptying", site_rec_undo},
       {PH_S_EPOCH, "epoch (+ recovery watermark)", site_rec_wmark},
       {PH_S_REC_TORN, "recovery torn-log retire", site_rec_torn},
+      {PH_S_ABORT_INV, "undo emptying at abort", site_abort},
+      {PH_S_UNDO_TAIL, "undo entry's last word", site_tail},
+      {PH_S_DIRTY_FULL, "full checkpoint list", site_many},
   };
   tp_path(g_trial, sizeof g_trial, "sites");
   for (size_t i = 0; i < KEEL_ARRAY_SIZE(sites); i++) {
@@ -1101,14 +1212,19 @@ static void test_mutation_removing_a_flush_fails(void) {
     const char *name;
     bool must;
   } sites[] = {
-      {PH_S_OBJHDR, "zalloc body", true},
+      {PH_S_ZBODY, "zalloc body", true},
       {PH_S_REDO, "redo log", true},
       {PH_S_APPLY, "tx commit apply", true},
-      {PH_S_UNDO, "undo snapshot", true},
+      {PH_S_UNDO_START, "undo log start", true},
+      {PH_S_UNDO, "undo entry header", true},
+      {PH_S_UNDO_BODY, "undo entry body", true},
+      {PH_S_UNDO_OVF, "undo overflow block", true},
+      {PH_S_UNDO_LINK, "undo overflow link", true},
       {PH_S_UNDO_INV, "undo emptying", true},
       {PH_S_TXDATA, "tx ranges at commit", true},
       {PH_S_TXNEW, "tx new objects", true},
       {PH_S_RUN, "run header", true},
+      {PH_S_RUN_CWORD, "run chunk word", true},
       {PH_S_SNAPSHOT, "snapshot copy", true},
       {PH_S_CKPT, "checkpoint", true},
       /* Found once recovery, crashed again, runs without it too. */
