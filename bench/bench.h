@@ -91,6 +91,10 @@ typedef struct kb_case {
    * whose timed window is a few tens of milliseconds, where one scheduler
    * hiccup on a shared machine moves a single run by 1.5x. */
   int min_reps;
+  /* A threaded case's thread counts when --threads is not given (NULL: the
+   * suite's default_threads), e.g. "1,2" for cases the issue asks at 1 and
+   * 2 threads only. */
+  const char *threads;
 } kb_case_t;
 
 typedef struct kb_suite {

@@ -1158,8 +1158,14 @@ static bool kb_case_run(const kb_suite_t *s, const kb_case_t *c, const kb_opts_t
     x.reps = c->min_reps < KB_MAX_REPS ? c->min_reps : KB_MAX_REPS;
   x.n_impl = kb_impls_prepare(c, o, x.st);
   if (x.n_impl == 0) return true;
-  int one = 1;
-  if (!c->threaded) threads = &one, n_threads = 1;
+  int one = 1, own[64];
+  if (!c->threaded) {
+    threads = &one, n_threads = 1;
+  } else if (c->threads != NULL && o->threads == NULL) {
+    n_threads = kb_parse_threads(c->threads, own, 64);
+    if (n_threads <= 0) abort(); /* a suite's own constant */
+    threads = own;
+  }
   kb_cell_t *cells = calloc((size_t)n_threads * (size_t)x.n_impl, sizeof(*cells));
   x.samples = calloc((size_t)x.n_impl * (size_t)x.reps, sizeof(*x.samples));
   if (cells == NULL || x.samples == NULL) abort();
