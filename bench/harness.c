@@ -318,9 +318,11 @@ void kb_list(bool machine) {
                kb_lower_is_better(c));
         continue;
       }
-      char what[64];
-      snprintf(what, sizeof(what), "%s, %s %s", c->threaded ? "threaded" : "once",
-               kb_metric_name(c), kb_lower_is_better(c) ? "lower" : "higher");
+      char what[64], thr[32];
+      snprintf(thr, sizeof(thr), "threaded%s%s", c->threads ? " " : "",
+               c->threads ? c->threads : "");
+      snprintf(what, sizeof(what), "%s, %s %s", c->threaded ? thr : "once", kb_metric_name(c),
+               kb_lower_is_better(c) ? "lower" : "higher");
       printf("  %-14s %-34s %s\n", c->name, what, c->help);
       printf("  %-14s %-34s impls:", "", "");
       for (const kb_impl_t *m = c->impls; m->name; m++) printf(" %s", m->name);
