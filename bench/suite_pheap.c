@@ -158,6 +158,18 @@ static int pb_open(pb_t *b, const kb_params_t *p, bool force) {
 #endif
 }
 
+/* A pb_t with its pool created (pool_bytes: 0 for PB_POOL), or NULL. */
+static pb_t *pb_new(const kb_params_t *p, bool force, size_t pool_bytes) {
+  pb_t *b = calloc(1, sizeof *b);
+  if (b == NULL) return NULL;
+  b->pool_bytes = pool_bytes;
+  if (pb_open(b, p, force) != 0) {
+    free(b);
+    return NULL;
+  }
+  return b;
+}
+
 static void pb_close(pb_t *b) {
   if (b->kp) keel_pheap_close(b->kp);
 #ifdef KEEL_HAVE_PMEMOBJ
@@ -315,11 +327,8 @@ static void pb_worker(int t, void *arg) {
 
 static int pb_run(const kb_params_t *p, kb_result_t *r, bool force, int op, size_t size,
                   int batch) {
-  pb_t *b = calloc(1, sizeof *b);
-  if (b == NULL || pb_open(b, p, force) != 0) {
-    free(b);
-    return 1;
-  }
+  pb_t *b = pb_new(p, force, 0);
+  if (b == NULL) return 1;
   b->op = op;
   b->size = size;
   b->batch = batch;
@@ -384,11 +393,8 @@ static int pb_sizes(const kb_params_t *p, kb_result_t *r) {
  * usable size plus its 16-byte header (what it reports for a 64 B request:
  * 112 + 16), measured by allocating each size. */
 static int pb_frag(const kb_params_t *p, kb_result_t *r) {
-  pb_t *b = calloc(1, sizeof *b);
-  if (b == NULL || pb_open(b, p, true) != 0) {
-    free(b);
-    return 1;
-  }
+  pb_t *b = pb_new(p, true, 0);
+  if (b == NULL) return 1;
   double s132 = 0, s4m = 0, b132 = 0;
   int n132 = 0, n4m = 0;
   uint64_t t0 = keel_clock_ns();
@@ -491,13 +497,8 @@ static int pb_open_time(const kb_params_t *p, kb_result_t *r) {
                {(size_t)2 << 30, "open_ms_2G", "open_only_ms_2G", "objects_2G"}};
   for (size_t i = 0; i < sizeof pools / sizeof *pools; i++) {
     long n = (long)((double)(pools[i].bytes / 5120) * p->scale);
-    pb_t *b = calloc(1, sizeof *b);
+    pb_t *b = pb_new(p, true, pools[i].bytes);
     if (b == NULL) return 1;
-    b->pool_bytes = pools[i].bytes;
-    if (pb_open(b, p, true) != 0) {
-      free(b);
-      return 1;
-    }
     pb_fill(b, n);
     double only, total;
     pb_time_open(b, true, &only, &total);
@@ -522,11 +523,8 @@ static int pb_open_time(const kb_params_t *p, kb_result_t *r) {
  * the transaction back; keel also replays the logs its last checkpoint
  * left, up to a checkpoint interval per lane), in ms. */
 static int pb_recover_time(const kb_params_t *p, kb_result_t *r) {
-  pb_t *b = calloc(1, sizeof *b);
-  if (b == NULL || pb_open(b, p, true) != 0) {
-    free(b);
-    return 1;
-  }
+  pb_t *b = pb_new(p, true, 0);
+  if (b == NULL) return 1;
   long n = (long)(100000 * p->scale);
   pb_fill(b, n);
   if (b->impl == PB_KEEL) keel_pheap_close(b->kp);
