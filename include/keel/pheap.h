@@ -28,13 +28,13 @@
  * more when an allocation starts a new run of blocks (a checkpoint, then
  * the run's header and its chunk word); zalloc 1 more; transaction
  * commit 2, plus 1 when the bytes it snapshot and its new objects (headers
- * included) total more than 1 KiB (the log can no longer vouch for them by checksum, so a
- * barrier orders them first), but 1 when it snapshot nothing and its new
- * objects total at most 256 B, 2 past that; abort 2; plus 1 per
- * keel_tx_add_range that snapshots new bytes. So a transaction with one
- * tx_alloc costs 1 or 2; one that also snapshots the destination, 3 while
- * the object (with its 16-byte header) and the snapshot stay within 1 KiB
- * and 4 past it.
+ * included) total more than 1 KiB (the log can no longer vouch for them by
+ * checksum, so a barrier orders them first), but 1 when it snapshot
+ * nothing and its new objects total at most 256 B, 2 past that; abort 2;
+ * plus 1 per keel_tx_add_range that snapshots new bytes. So a transaction
+ * with one tx_alloc costs 1 or 2; one that also snapshots the destination,
+ * 3 while the object (with its 16-byte header) and the snapshot stay within
+ * 1 KiB and 4 past it.
  *
  * Sizes: one atomic publish or one transaction may change at most about
  * 1000 allocation words (a reservation or tx allocation takes 1-3). A
