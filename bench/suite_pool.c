@@ -30,7 +30,7 @@
  * as its metric at 320 threads.
  *
  * "load_cpu_s" and "ops_per_cpu_s" give the process's user+sys time over
- * the load alone: on a shared machine wall time (ops_per_s) also measures
+ * the load alone ("load_user_s" and "load_sys_s" split it): on a shared machine wall time (ops_per_s) also measures
  * the other tenants, CPU time much less so.
  *
  * Case "hot": one thread allocating and freeing one 256-byte object in a
@@ -95,15 +95,16 @@ typedef struct gl_ctx {
   _Atomic long ops;
   size_t rss_pre_kb, rss_idle_kb;
   double cpu_start_s, cpu_end_s; /* process user+sys at the start and end of the load */
+  double sys_start_s, sys_end_s; /* the sys part of it */
   uint64_t idle_cached;
 } gl_ctx_t;
 
-/* User + sys seconds of the whole process so far. */
-static double gl_cpu_s(void) {
+/* User + sys seconds of the whole process so far, and the sys part. */
+static double gl_cpu_s(double *sys) {
   struct rusage ru;
   getrusage(RUSAGE_SELF, &ru);
-  return (double)(ru.ru_utime.tv_sec + ru.ru_stime.tv_sec) +
-         (double)(ru.ru_utime.tv_usec + ru.ru_stime.tv_usec) * 1e-6;
+  *sys = (double)ru.ru_stime.tv_sec + (double)ru.ru_stime.tv_usec * 1e-6;
+  return (double)ru.ru_utime.tv_sec + (double)ru.ru_utime.tv_usec * 1e-6 + *sys;
 }
 
 /* keel's pools, inline or called. */
@@ -206,7 +207,7 @@ static void gl_worker(int i, void *arg) {
   for (int t = 0; t < GL_TYPES; t++) gl_free(c, t, gl_alloc(c, t));
   if (pthread_barrier_wait(&c->bar) == PTHREAD_BARRIER_SERIAL_THREAD) {
     c->rss_pre_kb = kb_rss_kb();
-    c->cpu_start_s = gl_cpu_s();
+    c->cpu_start_s = gl_cpu_s(&c->sys_start_s);
     atomic_store(&c->start_ns, keel_clock_ns());
   }
   pthread_barrier_wait(&c->bar);
@@ -226,7 +227,8 @@ static void gl_worker(int i, void *arg) {
   atomic_fetch_add(&c->ops, done);
   /* Nobody sends any more; CPU time of the load, on a machine whose other
    * tenants make wall time noisy, is read here. */
-  if (pthread_barrier_wait(&c->bar) == PTHREAD_BARRIER_SERIAL_THREAD) c->cpu_end_s = gl_cpu_s();
+  if (pthread_barrier_wait(&c->bar) == PTHREAD_BARRIER_SERIAL_THREAD)
+    c->cpu_end_s = gl_cpu_s(&c->sys_end_s);
   gl_drain(c, mine);
   if (pthread_barrier_wait(&c->bar) == PTHREAD_BARRIER_SERIAL_THREAD) {
     /* Idle, every thread alive, 2N (+10%: the sweeper's bound is two
@@ -301,7 +303,10 @@ static int gl_measure(const kb_params_t *p, kb_result_t *r, int threads) {
   kb_extra(r, "bricks", c->bricks);
   kb_extra(r, "files", (double)c->files);
   double cpu = c->cpu_end_s - c->cpu_start_s;
+  double sys = c->sys_end_s - c->sys_start_s;
   kb_extra(r, "load_cpu_s", cpu);
+  kb_extra(r, "load_user_s", cpu - sys);
+  kb_extra(r, "load_sys_s", sys);
   kb_extra(r, "ops_per_cpu_s", cpu > 0 ? r->ops / cpu : 0);
   kb_extra(r, "rss_pre_kb", (double)c->rss_pre_kb);
   kb_extra(r, "rss_idle_kb", (double)c->rss_idle_kb);

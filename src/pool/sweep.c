@@ -160,6 +160,10 @@ size_t keel_pool_reclaim(size_t bytes) {
     if (freed < bytes) freed += __keel_pool_sweep_pass(NULL, POOL_REQ_DRAIN, bytes - freed);
   }
   _keel_pool_registry_unlock();
+  /* A memory-pressure caller wants the memory out of the process, not in
+   * the heap's free pages for heap_purge_ms: hand it to the OS now, as the
+   * sweeper does after a pass. */
+  if (freed >= POOL_COLLECT_MIN) keel_heap_collect(true);
   return freed;
 }
 
