@@ -29,12 +29,16 @@ extern "C" {
  * jemalloc and tcmalloc give 16): the 12.5% waste bound needs 8-byte steps
  * from 64 up. C requires 16 for such a block too (it may hold a long double
  * or _Float128 member, which gcc may access with aligned SSE moves): use
- * keel_aligned_alloc(16, n) for those. Lock-free; no system call unless a
- * new page or a large block (above 256 KiB) is needed. */
+ * keel_aligned_alloc(16, n) for those. Lock-free up to 8 KiB (above it, a
+ * shared heap's mutex); no system call unless a new page or a large block
+ * (above 256 KiB) is needed. */
 KEEL_API void *keel_malloc(size_t size);
 
 /* Frees a block from keel_malloc & co; NULL is a no-op. Any thread may free
- * any block (another thread's block: one atomic push). Lock-free. */
+ * any block: its own with no atomic operation, another thread's with one
+ * atomic push (lock-free). Blocks of the classes above 8 KiB live in 4
+ * heaps shared by all threads, and their free takes that heap's mutex, as
+ * their allocation does (heap.c, "the shared heap"). */
 KEEL_API void keel_free(void *p);
 
 /* keel_free when the caller knows the size it asked for (a hint; checked in

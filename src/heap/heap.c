@@ -594,9 +594,10 @@ static void *malloc_class(keel_heap_t *heap, unsigned cls, size_t size) {
  * (glibc 31, jemalloc 63, tcmalloc 183, mimalloc 276). Such blocks are a
  * few percent of allocations in the loads we measured, and each is big
  * enough that a mutex costs little next to writing it. A shared heap is a
- * heap like any other: remote frees (every free of its blocks) push on its
- * pages with one CAS, its slow paths run under its mutex, and the purge
- * thread collects it. The pool takes every class from here
+ * heap like any other, except that no thread owns it: every free of its
+ * blocks runs as its owner under its mutex (free_foreign: onto local_free,
+ * with the owner's double-free checks), as do its allocations, and the
+ * purge thread collects it. The pool takes every class from here
  * (_keel_malloc_shared, heap/shared.h) for the same reason: no owner must
  * run for its emptied pages to go back. Order: shard locks before
  * registry_lock. */
