@@ -30,8 +30,9 @@
  * as its metric at 320 threads.
  *
  * "load_cpu_s" and "ops_per_cpu_s" give the process's user+sys time over
- * the load alone ("load_user_s" and "load_sys_s" split it): on a shared machine wall time (ops_per_s) also measures
- * the other tenants, CPU time much less so.
+ * the load alone ("load_user_s" and "load_sys_s" split it): on a shared
+ * machine wall time (ops_per_s) also measures the other tenants, CPU time
+ * much less so.
  *
  * Case "hot": one thread allocating and freeing one 256-byte object in a
  * loop, i.e. the cost of an alloc+free pair from the hot list (ns_per_op).

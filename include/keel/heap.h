@@ -29,16 +29,19 @@ extern "C" {
  * jemalloc and tcmalloc give 16): the 12.5% waste bound needs 8-byte steps
  * from 64 up. C requires 16 for such a block too (it may hold a long double
  * or _Float128 member, which gcc may access with aligned SSE moves): use
- * keel_aligned_alloc(16, n) for those. Lock-free up to 8 KiB (above it, a
- * shared heap's mutex); no system call unless a new page or a large block
- * (above 256 KiB) is needed. */
+ * keel_aligned_alloc(16, n) for those. Up to 8 KiB, no lock and no atomic
+ * operation unless the thread's page runs out (a thread's first call, a new
+ * page: locks); classes above 8 KiB take one of 4 shared heaps' mutexes;
+ * large blocks (above 256 KiB) the large-block lock and a system call. */
 KEEL_API void *keel_malloc(size_t size);
 
 /* Frees a block from keel_malloc & co; NULL is a no-op. Any thread may free
- * any block: its own with no atomic operation, another thread's with one
- * atomic push (lock-free). Blocks of the classes above 8 KiB live in 4
- * heaps shared by all threads, and their free takes that heap's mutex, as
- * their allocation does (heap.c, "the shared heap"). */
+ * any block. Up to 8 KiB: its own with no atomic operation, another
+ * thread's with an atomic push onto the block's page (a few more, and
+ * perhaps the purge thread's start, when the page was full; a thread's first
+ * call registers it under a lock). Classes above 8 KiB: the block's shared
+ * heap's mutex, as for their allocation (heap.c, "the shared heap"). Large
+ * blocks: the large-block lock, and munmap unless the block is cached. */
 KEEL_API void keel_free(void *p);
 
 /* keel_free when the caller knows the size it asked for (a hint; checked in

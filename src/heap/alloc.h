@@ -144,7 +144,7 @@ KEEL_INLINE void _keel_free_fast(void *p, const char *call) {
         return;
       }
     } else if (owner != heap) {
-      _keel_free_other(page, p, call); /* another thread's block: one CAS */
+      _keel_free_other(page, p, call); /* another thread's block (heap.h says what it costs) */
       return;
     }
   }

@@ -330,6 +330,10 @@ run_case coreutils case_coreutils ls cp id find sed tar du stat xargs md5sum
 [ "$skipped" -gt 0 ] && echo "($skipped skipped: not installed)"
 echo "$passed passed, $failed failed"
 [ "$failed" -eq 0 ] || exit 1
+if [ $((passed + skipped)) -eq 0 ]; then
+  echo "no case ran (KEEL_REAL_ONLY names none?)"
+  exit 1
+fi
 # A program the issue names that is missing makes the run incomplete: ctest
 # reports the test as skipped (SKIP_RETURN_CODE 77), not as passed.
 [ "$skipped" -eq 0 ] || exit 77
