@@ -102,4 +102,14 @@ bool kt_wait_for(bool (*cond)(void *), void *arg, double sec);
 /* Resident set size of this process in KiB. */
 size_t kt_rss_kb(void);
 
+/* Bytes keel's heap counts live (keel_heap_stats): exact while no other
+ * thread allocates (the call syncs the caller's own pages). Inline, so the
+ * harness library itself needs no heap. */
+#include <keel/heap.h>
+static inline size_t kt_heap_live_bytes(void) {
+  keel_heap_stats_t st;
+  keel_heap_stats(&st);
+  return st.live_bytes;
+}
+
 #endif /* KEEL_TESTS_HARNESS_H */

@@ -891,20 +891,12 @@ static void test_enomem(void) {
   KT_CHECK(keel_realloc(keel_malloc(10), 0) == NULL);
 }
 
-/* Live bytes of the calling thread's view: exact while no other thread
- * allocates (keel_heap_stats syncs the caller's own pages). */
-static size_t live_bytes(void) {
-  keel_heap_stats_t st;
-  keel_heap_stats(&st);
-  return st.live_bytes;
-}
-
 /* Real out-of-memory (the OS refuses new mappings, injected), not an
  * impossible size: every allocation call returns NULL with ENOMEM, realloc
  * leaves the old block intact, the failed calls leak nothing, and the heap
  * works again once memory comes back. */
 static void test_enomem_injected(void) {
-  size_t before = live_bytes();
+  size_t before = kt_heap_live_bytes();
   size_t hits = _keel_os_fault_hits();
   char *small = keel_malloc(40), *large = keel_malloc((size_t)512 << 10);
   KT_REQUIRE(small != NULL && large != NULL);
@@ -953,7 +945,7 @@ static void test_enomem_injected(void) {
   for (size_t i = 0; i < ((size_t)512 << 10); i += 4093) KT_EQ((unsigned char)large[i], 0xa5);
   keel_free(small);
   keel_free(large);
-  KT_EQ(live_bytes(), before);
+  KT_EQ(kt_heap_live_bytes(), before);
 }
 
 static void *malloc_in_new_thread(void *arg) {

@@ -873,12 +873,6 @@ static void idle_returns_to_zero(void) {
   KT_EQ(keel_pool_destroy(p), 0);
 }
 
-static size_t heap_live_bytes(void) {
-  keel_heap_stats_t st;
-  keel_heap_stats(&st);
-  return st.live_bytes;
-}
-
 typedef struct oom_thread_arg {
   keel_pool_t *p;
   void *obj; /* freed by the thread, which has no sub-pool and gets none */
@@ -923,7 +917,7 @@ static void out_of_memory(void) {
   keel_pool_free(p, keel_pool_alloc(p)); /* this thread's sub-pools exist */
   keel_pool_free(q, keel_pool_alloc(q));
   keel_pool_reclaim(SIZE_MAX);
-  size_t live0 = heap_live_bytes();
+  size_t live0 = kt_heap_live_bytes();
   void *o[4];
   for (int i = 0; i < 4; i++) KT_REQUIRE((o[i] = keel_pool_alloc(p)) != NULL);
 
@@ -967,7 +961,7 @@ static void out_of_memory(void) {
   keel_pool_reclaim(SIZE_MAX);
   KT_EQ(stats(p).cached, 0);
   KT_EQ(stats(q).cached, 0);
-  KT_EQ(heap_live_bytes(), live0);
+  KT_EQ(kt_heap_live_bytes(), live0);
   KT_EQ(keel_pool_destroy(p), 0);
   KT_EQ(keel_pool_destroy(q), 0);
 }

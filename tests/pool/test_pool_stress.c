@@ -179,12 +179,6 @@ static void *short_lived(void *arg) {
   return NULL;
 }
 
-static size_t heap_live_bytes(void) {
-  keel_heap_stats_t st;
-  keel_heap_stats(&st);
-  return st.live_bytes;
-}
-
 /* LeakSanitizer cannot see keel's heap, which the pools draw from: the
  * heap's own count of live bytes is the leak check. */
 static void thousand_threads(void) {
@@ -196,7 +190,7 @@ static void thousand_threads(void) {
   /* main's own sub-pools, which the frees below make, counted in first */
   for (int k = 0; k < 2; k++) keel_pool_free(pools[k], keel_pool_alloc(pools[k]));
   keel_pool_reclaim(SIZE_MAX);
-  size_t live0 = heap_live_bytes();
+  size_t live0 = kt_heap_live_bytes();
   static void *kept[TOTAL][KEEP];
   for (int b = 0; b < TOTAL; b += BATCH) {
     pthread_t t[BATCH];
@@ -215,7 +209,7 @@ static void thousand_threads(void) {
     for (int j = 0; j < KEEP; j++) keel_pool_free(pools[j / (KEEP / 2)], kept[i][j]);
   keel_pool_reclaim(SIZE_MAX); /* main's own cached objects */
   /* Every sub-pool and object of the 1,000 threads went back to the heap. */
-  KT_EQ(heap_live_bytes(), live0);
+  KT_EQ(kt_heap_live_bytes(), live0);
   for (int k = 0; k < 2; k++) {
     keel_pool_stats_t st;
     keel_pool_stats(pools[k], &st);
